@@ -1,0 +1,1 @@
+"""The benchmark suite: xkern against jax.jit, by the timing method of shared/GPU.md."""

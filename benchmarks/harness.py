@@ -1,0 +1,108 @@
+"""Benchmark harness: xkern against jax.jit, by the timing method of shared/GPU.md.
+
+Each case is checked against XLA on fresh random inputs before it is timed; a case whose result
+disagrees fails loudly instead of printing a number. Effective bandwidth counts the fewest bytes the
+program must move (each input read once, each output written once).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+from typing import Callable
+
+import jax
+import numpy as np
+
+from xkern.tuning.timing import time_pipelined
+
+# Rooflines of the reference GPU (shared/GPU.md), measured on an H200.
+ROOFLINE_TBPS = {"H200": 4.3}
+
+
+@dataclasses.dataclass
+class Case:
+    op: str
+    shape: tuple
+    dtype: str
+    mode: str  # "fwd" or "fwd+bwd"
+    xkern_fn: Callable
+    xla_fn: Callable
+    make_args: Callable[[jax.Array], tuple]  # key -> fresh random inputs
+    min_bytes: int
+    tolerance: float  # on max |xkern - xla| / max(|xla|, 1)
+
+
+@dataclasses.dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    mode: str
+    xkern_ms: float
+    xla_ms: float
+    speedup: float
+    xkern_tbps: float
+    xla_tbps: float
+    roofline_pct: float | None
+    max_error: float
+
+
+def device_name() -> str:
+    device = jax.devices()[0]
+    return getattr(device, "device_kind", device.platform)
+
+
+def _roofline() -> float | None:
+    kind = device_name()
+    return next((v for k, v in ROOFLINE_TBPS.items() if k in kind), None)
+
+
+def max_error(got, want) -> float:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        raise AssertionError(f"shape {got.shape} != {want.shape}")
+    if not np.isfinite(got).all():
+        raise AssertionError("xkern produced non-finite values on finite inputs")
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0)) if got.size else 0.0
+
+
+def run_case(case: Case, seed: int = 0) -> Row:
+    xkern_fn, xla_fn = jax.jit(case.xkern_fn), jax.jit(case.xla_fn)
+    args = case.make_args(jax.random.key(seed))
+    err = max_error(xkern_fn(*args), xla_fn(*args))
+    if err > case.tolerance:
+        raise AssertionError(f"{case.op} {case.shape} {case.mode}: error {err:.3g} > {case.tolerance}")
+    t_xkern, t_xla = time_pipelined(xkern_fn, *args), time_pipelined(xla_fn, *args)
+    roofline = _roofline()
+    tbps = case.min_bytes / t_xkern / 1e12
+    return Row(case.op, "x".join(map(str, case.shape)), case.dtype, case.mode,
+               round(t_xkern * 1e3, 4), round(t_xla * 1e3, 4), round(t_xla / t_xkern, 3),
+               round(tbps, 3), round(case.min_bytes / t_xla / 1e12, 3),
+               round(100 * tbps / roofline, 1) if roofline else None, err)
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("op", "shape", "dtype", "mode", "xkern ms", "jax.jit ms", "speedup", "xkern TB/s",
+            "jax TB/s", "% roofline")
+    lines = [head] + [(r.op, r.shape, r.dtype, r.mode, f"{r.xkern_ms:.4f}", f"{r.xla_ms:.4f}",
+                       f"{r.speedup:.2f}x", f"{r.xkern_tbps:.2f}", f"{r.xla_tbps:.2f}",
+                       "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}%") for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def environment() -> dict:
+    import triton
+
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device_name(), "platform": jax.default_backend(), "jax": jax.__version__,
+            "triton": triton.__version__, "python": platform.python_version()}
+
+
+def save(rows: list[Row], path: str, command: str) -> None:
+    with open(path, "w") as f:
+        json.dump({"command": command, "environment": environment(),
+                   "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)

@@ -1,0 +1,52 @@
+"""The main job: a short demo of xkern on whatever backend is present, then the benchmark table.
+
+    python -m benchmarks.run [--out results.json]
+
+On a GPU the cases are the shapes of shared/GPU.md; on CPU, kernels run through Triton's
+interpreter, so the cases are small and the timings say nothing about GPU speed.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import xkern
+from benchmarks import bench_softmax, harness
+from xkern.kernels.launch import kernel_names
+
+
+def demo() -> None:
+    x = jax.random.normal(jax.random.key(0), (4, 1000), jnp.float32)
+    y = jax.jit(xkern.ops.softmax)(x)
+    err = float(jnp.max(jnp.abs(y - jax.nn.softmax(x))))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x: (xkern.ops.softmax(x) ** 2).sum()))(x)
+    kernels = kernel_names(jaxpr)
+    print(f"xkern {xkern.__version__} on {harness.device_name()} ({jax.default_backend()}), "
+          f"backend {xkern.resolve_backend()}")
+    print(f"demo: softmax of a 4x1000 array matches jax.nn.softmax to {err:.2e}; "
+          f"its gradient launches {kernels}")
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="also write the rows, command and versions as JSON here")
+    args = parser.parse_args(argv)
+    demo()
+    on_gpu = jax.default_backend() != "cpu"
+    rows = []
+    for case in bench_softmax.cases(on_gpu):
+        rows.append(harness.run_case(case))
+        print(f"  {case.op} {case.shape} {case.mode}: {rows[-1].xkern_ms:.4f} ms", flush=True)
+    print(harness.format_table(rows))
+    if not on_gpu:
+        print("(CPU: kernels ran through Triton's interpreter; these times are not GPU speed)")
+    if args.out:
+        harness.save(rows, args.out, "python -m benchmarks.run " + " ".join(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,151 @@
+"""The kernel-launch layer: argument order, outputs, aliases, zeroed and poisoned outputs, backends,
+batching, and the jaxpr it leaves behind. Kernels run through Triton's interpreter here."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from xkern.kernels import launch as L
+
+import triton  # noqa: E402  (after xkern: launch fixes Triton's mode)
+import triton.language as tl
+
+BLOCK = 16
+CFG = L.Config.of(BLOCK=BLOCK)
+
+
+@triton.jit
+def _axpy(x_ptr, y_ptr, a, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, a * x + y, mask=mask)
+
+
+@triton.jit
+def _neg_and_double(x_ptr, n, neg_ptr, double_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    tl.store(neg_ptr + offs, -x, mask=mask)
+    tl.store(double_ptr + offs, 2 * x, mask=mask)
+
+
+@triton.jit
+def _first_half(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n // 2), mask=offs < n // 2)
+
+
+@triton.jit
+def _atomic_total(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.atomic_add(out_ptr, tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
+
+
+def axpy(x, y, a):
+    n = x.size
+    return L.launch(_axpy, x, y, a, n, kernel="axpy", out_shapes=[x], grid=(L.cdiv(n, BLOCK),),
+                    config=CFG, backend="interpret")[0]
+
+
+def test_scalars_and_arrays_reach_the_kernel_in_call_order(rng):
+    x, y = (jnp.asarray(rng.standard_normal(37), jnp.float32) for _ in range(2))
+    np.testing.assert_allclose(axpy(x, y, 2.5), 2.5 * x + y, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(axpy, static_argnums=2)(x, y, -1.0), y - x, rtol=1e-6)
+
+
+def test_each_launch_is_one_named_xkern_equation():
+    x = jnp.ones(20)
+    jaxpr = jax.make_jaxpr(lambda x: axpy(axpy(x, x, 1.0), x, 2.0))(x)
+    eqns = [e for e in jaxpr.jaxpr.eqns if e.primitive.name.startswith("xkern")]
+    assert [e.params["kernel"] for e in eqns] == ["axpy", "axpy"]
+    assert eqns[0].params["grid"] == (2,) and eqns[0].params["scalars"] == ((2, 1.0), (3, 20))
+
+
+def test_kernel_names_looks_inside_sub_jaxprs():
+    def f(x, p):
+        inner = jax.jit(lambda x: axpy(x, x, 3.0))
+        return jax.lax.cond(p, inner, lambda x: x, x)
+    assert L.kernel_names(jax.make_jaxpr(f)(jnp.ones(4), True)) == ["axpy"]
+
+
+def test_several_outputs(rng):
+    x = jnp.asarray(rng.standard_normal((3, 11)), jnp.float32)
+    neg, double = L.launch(_neg_and_double, x, x.size, kernel="neg_and_double", out_shapes=[x, x],
+                           grid=(3,), config=CFG, backend="interpret")
+    np.testing.assert_array_equal(neg, -x)
+    np.testing.assert_array_equal(double, 2 * x)
+
+
+def test_alias_writes_over_the_input_and_keeps_untouched_elements(rng):
+    x = jnp.asarray(rng.standard_normal(40), jnp.float32)
+    out = jax.jit(lambda x: L.launch(_first_half, x, x.size, kernel="first_half", out_shapes=[x],
+                                     grid=(3,), config=CFG, backend="interpret",
+                                     aliases={0: 0})[0])(x)
+    np.testing.assert_array_equal(out, x)  # the second half was never written: it is the input's
+
+
+def test_unwritten_outputs_are_poisoned_not_zero(rng):
+    x = jnp.asarray(rng.uniform(1, 2, 40), jnp.float32)
+    out = L.launch(_first_half, x, x.size, kernel="first_half", out_shapes=[x], grid=(3,),
+                   config=CFG, backend="interpret")[0]
+    np.testing.assert_array_equal(out[:20], x[:20])
+    assert np.isnan(np.asarray(out[20:])).all()
+
+
+def test_zeroed_output_accumulates_from_zero(rng):
+    x = jnp.asarray(rng.standard_normal(100), jnp.float32)
+    total = L.launch(_atomic_total, x, x.size, kernel="atomic_total",
+                     out_shapes=[jax.ShapeDtypeStruct((1,), jnp.float32)], grid=(7,), config=CFG,
+                     backend="interpret", zeroed=[0])[0]
+    np.testing.assert_allclose(total[0], np.sum(np.asarray(x, np.float64)), rtol=1e-5)
+
+
+def test_bad_launches_raise_naming_the_problem():
+    x = jnp.ones(8)
+    with pytest.raises(ValueError, match="grid"):
+        L.launch(_axpy, x, x, 1.0, 8, kernel="axpy", out_shapes=[x], grid=(0,), config=CFG,
+                 backend="interpret")
+    with pytest.raises(ValueError, match="aliased input"):
+        L.launch(_axpy, x, x, 1.0, 8, kernel="axpy", out_shapes=[jnp.ones(9)], grid=(1,),
+                 config=CFG, backend="interpret", aliases={0: 0})
+    with pytest.raises(ValueError, match="backend"):
+        L.launch(_axpy, x, x, 1.0, 8, kernel="axpy", out_shapes=[x], grid=(1,), config=CFG,
+                 backend="xla")
+    with pytest.raises(ValueError, match="num_warps"):
+        L.Config.of(num_warps=3)
+
+
+def test_backend_resolution(monkeypatch):
+    monkeypatch.delenv("XKERN_BACKEND", raising=False)
+    assert L.resolve_backend() == "interpret"  # no GPU here
+    assert L.resolve_backend("xla") == "xla"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        L.resolve_backend("cuda")
+    with pytest.raises(ValueError, match="needs a CUDA or ROCm GPU"):
+        L.resolve_backend("triton")
+    monkeypatch.setenv("XKERN_BACKEND", "xla")
+    assert L.resolve_backend() == "xla" and L.resolve_backend("interpret") == "interpret"
+    monkeypatch.setenv("XKERN_BACKEND", "fast")
+    with pytest.raises(ValueError, match="XKERN_BACKEND"):
+        L.resolve_backend()
+
+
+def test_vmap_needs_a_batching_rule_and_uses_it(rng):
+    x = jnp.asarray(rng.standard_normal((3, 10)), jnp.float32)
+    neg = lambda x: L.launch(_neg_and_double, x, x.size, kernel="neg_only", out_shapes=[x, x],
+                             grid=(1,), config=CFG, backend="interpret")[0]
+    with pytest.raises(NotImplementedError, match="neg_only"):
+        jax.vmap(neg)(x)
+    rows = lambda x: L.launch(_neg_and_double, x, x.size, kernel="neg_rows", out_shapes=[x, x],
+                              grid=(L.cdiv(x.size, BLOCK),), config=CFG, backend="interpret")
+    L.def_batching("neg_rows", L.batch_rows(lambda x, **_: rows(x)))
+    out = jax.vmap(lambda x: rows(x)[1], in_axes=1, out_axes=1)(x)
+    np.testing.assert_array_equal(out, 2 * x)
+
+
+def test_forward_mode_is_refused_with_a_pointer_to_grad():
+    with pytest.raises(NotImplementedError, match="custom_vjp"):
+        jax.jvp(lambda x: axpy(x, x, 1.0), (jnp.ones(4),), (jnp.ones(4),))

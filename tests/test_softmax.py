@@ -1,0 +1,145 @@
+"""xkern.ops.softmax against jax.nn.softmax (float32 / float64 references), through the interpreter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import xkern
+from xkern.kernels.launch import Config, kernel_names
+
+TOLERANCES = {jnp.float32: 2e-6, jnp.float16: 2e-3, jnp.bfloat16: 1.6e-2}  # relative to max |ref|
+ONLINE = Config.of(BLOCK_M=1, BLOCK_N=128)  # rows longer than 128 take the two-pass online kernels
+
+
+def reference(x, axis):
+    x = np.asarray(x, np.float64)
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def reference_grad(x, dy, axis):
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    return jax.vjp(lambda x: jax.nn.softmax(x, axis=axis), f32(x))[1](f32(dy))[0]
+
+
+def assert_close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    scale = max(np.max(np.abs(want)), 1e-30) if want.size else 1.0
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOLERANCES[dtype] * scale)
+
+
+def random(rng, shape, dtype, scale=3.0):
+    return jnp.asarray(scale * rng.standard_normal(shape), dtype)
+
+
+SHAPES = [(1,), (7,), (1000,), (1025,), (3, 5, 7), (2, 3, 1025)]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("config", [None, ONLINE], ids=["default", "online"])
+def test_values_and_gradient(rng, shape, dtype, config):
+    x, dy = random(rng, shape, dtype), random(rng, shape, dtype, 1.0)
+    y, vjp = jax.vjp(lambda x: xkern.ops.softmax(x, config=config), x)
+    assert y.dtype == dtype
+    assert_close(y, reference(x, -1), dtype)
+    dx = vjp(dy)[0]
+    assert dx.dtype == dtype
+    # The reference gradient starts from the kernel's own rounded output's dtype: compare in fp32.
+    assert_close(dx, reference_grad(x, dy, -1), dtype if dtype != jnp.float32 else jnp.float16)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -2, (1, 2), (0, 2)], ids=str)
+def test_other_axes(rng, axis):
+    x, dy = random(rng, (4, 5, 33), jnp.float32), random(rng, (4, 5, 33), jnp.float32)
+    y, vjp = jax.vjp(lambda x: xkern.ops.softmax(x, axis=axis), x)
+    assert_close(y, reference(x, axis), jnp.float32)
+    assert_close(vjp(dy)[0], reference_grad(x, dy, axis), jnp.float16)
+
+
+def test_under_jit_grad_and_vmap(rng):
+    x = random(rng, (3, 4, 130), jnp.float32)
+    w = random(rng, (130,), jnp.float32)
+    loss = lambda f: (lambda x: jnp.sum(f(x) * w))
+    ours, ref = loss(xkern.ops.softmax), loss(jax.nn.softmax)
+    assert_close(jax.jit(jax.grad(ours))(x), jax.grad(ref)(x), jnp.float16)
+    assert_close(jax.vmap(xkern.ops.softmax, in_axes=1, out_axes=1)(x), reference(x, -1), jnp.float32)
+    assert_close(jax.vmap(jax.grad(ours))(x), jax.vmap(jax.grad(ref))(x), jnp.float16)
+    assert_close(jax.grad(lambda x: jnp.sum(jax.vmap(ours)(x)))(x),
+                 jax.grad(lambda x: jnp.sum(jax.vmap(ref)(x)))(x), jnp.float16)
+    # vmap of the online kernels too
+    online = lambda x: xkern.ops.softmax(x, config=ONLINE)
+    assert_close(jax.jit(jax.vmap(jax.vmap(online)))(x), reference(x, -1), jnp.float32)
+
+
+def test_jaxpr_has_exactly_the_expected_kernels(rng):
+    x = random(rng, (8, 100), jnp.float32)
+    assert kernel_names(jax.make_jaxpr(xkern.ops.softmax)(x)) == ["softmax_fwd"]
+    grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(xkern.ops.softmax(x) ** 2)))(x)
+    assert sorted(kernel_names(grad)) == ["softmax_bwd", "softmax_fwd"]
+    assert kernel_names(jax.make_jaxpr(lambda x: xkern.ops.softmax(x, backend="xla"))(x)) == []
+
+
+@pytest.mark.parametrize("config", [None, ONLINE], ids=["default", "online"])
+def test_nan_and_inf_behave_as_in_jax(config):
+    inf, nan = np.inf, np.nan
+    n = 300
+    rows = np.tile(np.linspace(-2, 2, n), (7, 1))
+    rows[0, 5] = nan
+    rows[1, 7] = inf
+    rows[2, :] = -inf
+    rows[3, :200] = -inf  # the online kernels see whole -inf blocks before finite ones
+    rows[4, 250:] = -inf
+    rows[5, 0] = -inf
+    rows[6, :] = 1e30
+    x = jnp.asarray(rows, jnp.float32)
+    want = jax.nn.softmax(x)
+    got = xkern.ops.softmax(x, config=config)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_empty_arrays():
+    for shape in [(0, 5), (5, 0), (2, 0, 3)]:
+        x = jnp.zeros(shape, jnp.float32)
+        assert xkern.ops.softmax(x).shape == shape
+        assert jax.grad(lambda x: jnp.sum(xkern.ops.softmax(x)))(x).shape == shape
+        assert kernel_names(jax.make_jaxpr(xkern.ops.softmax)(x)) == []
+
+
+def test_xla_backend_is_jax_nn_softmax(rng):
+    x = random(rng, (5, 9), jnp.float32)
+    np.testing.assert_array_equal(xkern.ops.softmax(x, backend="xla"), jax.nn.softmax(x))
+
+
+def test_bad_input_raises_naming_the_argument():
+    with pytest.raises(TypeError, match="x must have dtype .* got int32"):
+        xkern.ops.softmax(jnp.arange(6).reshape(2, 3))
+    with pytest.raises(TypeError, match="x must have dtype .* got float64"):
+        xkern.ops.softmax(np.ones((2, 3)))
+    with pytest.raises(TypeError, match="x must be"):
+        xkern.ops.softmax([1.0, 2.0])
+    with pytest.raises(ValueError, match="axis"):
+        xkern.ops.softmax(jnp.ones((2, 3)), axis=2)
+    with pytest.raises(ValueError, match="repeats"):
+        xkern.ops.softmax(jnp.ones((2, 3)), axis=(1, -1))
+    with pytest.raises(ValueError, match="scalar"):
+        xkern.ops.softmax(jnp.float32(1.0))
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        xkern.ops.softmax(jnp.ones((2, 3)), config=Config.of(BLOCK_M=1, BLOCK_N=3))
+    with pytest.raises(ValueError, match="online"):
+        xkern.ops.softmax(jnp.ones((2, 300)), config=Config.of(BLOCK_M=2, BLOCK_N=128))
+    with pytest.raises(ValueError, match="backend"):
+        xkern.ops.softmax(jnp.ones((2, 3)), backend="gpu")
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=3), data=st.data())
+def test_random_shapes_and_axes(shape, data):
+    axis = data.draw(st.integers(-len(shape), len(shape) - 1))
+    x = jnp.asarray(np.random.default_rng(len(shape)).standard_normal(shape) * 4, jnp.float32)
+    assert_close(xkern.ops.softmax(x, axis=axis), reference(x, axis), jnp.float32)

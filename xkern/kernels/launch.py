@@ -1,0 +1,379 @@
+"""The one place that launches a Triton kernel from JAX.
+
+Every launch is one equation of the primitive `xkern_kernel`, on every backend, with the kernel's name
+in its `kernel` param, so `jax.make_jaxpr` shows (and tests count) each kernel a program launches.
+
+Backends:
+  triton     CUDA or ROCm: `jax_triton.triton_call`, imported lazily and only here (it cannot be
+             imported with a CPU-only jaxlib).
+  interpret  the same kernel source through Triton's interpreter, inside a host callback, on numpy
+             buffers (no torch). Slow and exact: it is what makes every kernel testable without a GPU.
+  xla        no kernels at all: each op falls back to its jax.numpy definition (ops handle it).
+
+Triton decides between compiling and interpreting when a kernel is *defined* (`TRITON_INTERPRET` is
+read by `@triton.jit`), so the mode is fixed when this module is imported, before any kernel module:
+interpret when `XKERN_BACKEND=interpret` or when jax has no GPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from xkern import _compat
+
+BACKENDS = ("triton", "interpret", "xla")
+ENV_VAR = "XKERN_BACKEND"
+
+
+# --------------------------------------------------------------------------------------------------
+# Backend selection
+# --------------------------------------------------------------------------------------------------
+
+def _backend_from_env() -> str | None:
+    value = os.environ.get(ENV_VAR, "").strip().lower()
+    if value and value not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(BACKENDS)}; got {value!r}")
+    return value or None
+
+
+def platform_backend() -> str:
+    """The backend jax's default platform calls for: kernels on a GPU, the interpreter on CPU."""
+    return "interpret" if jax.default_backend() == "cpu" else "triton"
+
+
+def _init_triton_mode() -> bool:
+    """Choose, before any kernel is defined, whether Triton compiles or interprets kernels."""
+    interpret = (_backend_from_env() or platform_backend()) == "interpret"
+    if interpret:
+        os.environ["TRITON_INTERPRET"] = "1"
+    return interpret
+
+
+INTERPRET = _init_triton_mode()
+
+
+def resolve_backend(backend: str | None = None) -> str:
+    """The backend an op runs on: the `backend` argument, else `XKERN_BACKEND`, else the platform's."""
+    chosen = backend or _backend_from_env() or platform_backend()
+    if chosen not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None; got {backend!r}")
+    if chosen == "interpret" and not INTERPRET:
+        raise ValueError(
+            "backend='interpret' needs Triton's interpreter, which is chosen when xkern is imported: "
+            f"set {ENV_VAR}=interpret before importing xkern")
+    if chosen == "triton" and INTERPRET:
+        raise ValueError(
+            "backend='triton' needs a CUDA or ROCm GPU, but this process runs Triton's interpreter "
+            f"(jax found no GPU when xkern was imported, or {ENV_VAR}=interpret); "
+            "use backend='interpret' or 'xla'")
+    return chosen
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One launch configuration (like `triton.Config`): constexpr meta-parameters plus compiler options.
+
+    Frozen and hashable: it is an equation param, and params take part in jit caching.
+    """
+    meta: tuple[tuple[str, Any], ...] = ()
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @staticmethod
+    def of(*, num_warps: int = 4, num_stages: int = 1, **meta: Any) -> "Config":
+        return Config(tuple(sorted(meta.items())), num_warps, num_stages)
+
+    def __post_init__(self):
+        if self.num_warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"num_warps must be a power of two from 1 to 32; got {self.num_warps}")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"num_stages must be a positive int; got {self.num_stages!r}")
+
+    def __getitem__(self, name: str) -> Any:
+        return dict(self.meta)[name]
+
+    def replace(self, **meta: Any) -> "Config":
+        return Config(tuple(sorted({**dict(self.meta), **meta}.items())), self.num_warps, self.num_stages)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+# --------------------------------------------------------------------------------------------------
+# The primitive
+# --------------------------------------------------------------------------------------------------
+
+xkern_kernel_p = Primitive("xkern_kernel")
+xkern_kernel_p.multiple_results = True
+
+
+def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], grid: Sequence[int],
+           config: Config, backend: str, constexprs: dict[str, Any] | None = None,
+           aliases: dict[int, int] | None = None, zeroed: Sequence[int] = ()) -> list[jax.Array]:
+    """Launch the Triton kernel `fn` once and return its outputs, one array per `out_shapes` entry.
+
+    args: arrays and Python scalars in the kernel's parameter order. The kernel's parameters are
+        these inputs, then one pointer per output, then its constexprs (jax_triton's order).
+    kernel: the kernel's name, shown in the jaxpr (`kernel="softmax_fwd"`).
+    grid: up to three program counts, each >= 1.
+    config: meta-parameters and num_warps/num_stages, chosen before lowering (never tuned inside).
+    constexprs: further constexpr arguments that are not tuning knobs.
+    aliases: {index into args: index into outputs}: that output is written in place over that input.
+    zeroed: outputs filled with zeros before the kernel runs (for kernels that accumulate atomically).
+    """
+    if backend not in ("triton", "interpret"):
+        raise ValueError(f"launch needs backend 'triton' or 'interpret'; got {backend!r}")
+    grid = tuple(int(g) for g in grid)
+    if not 1 <= len(grid) <= 3 or min(grid) < 1:
+        raise ValueError(f"{kernel}: grid must be 1 to 3 program counts, each >= 1; got {grid}")
+    out_shapes = tuple(jax.ShapeDtypeStruct(tuple(s.shape), np.dtype(s.dtype)) for s in out_shapes)
+    arrays, scalars = [], []
+    for i, a in enumerate(args):
+        if isinstance(a, (bool, int, float)):
+            scalars.append((i, a))
+        else:
+            arrays.append(a)
+    array_index = {i: n for n, i in enumerate(i for i, a in enumerate(args)
+                                              if not isinstance(a, (bool, int, float)))}
+    aliases = tuple(sorted((array_index[i], o) for i, o in (aliases or {}).items()))
+    for i, o in aliases:
+        a, s = arrays[i], out_shapes[o]
+        if (tuple(a.shape), np.dtype(a.dtype)) != (s.shape, s.dtype):
+            raise ValueError(f"{kernel}: aliased input {i} {a.dtype}{list(a.shape)} does not match "
+                             f"output {o} {s.dtype}{list(s.shape)}")
+    return xkern_kernel_p.bind(
+        *arrays, kernel=kernel, fn=fn, scalars=tuple(scalars), out_shapes=out_shapes, grid=grid,
+        config=config, constexprs=tuple(sorted((constexprs or {}).items())), aliases=aliases,
+        zeroed=tuple(zeroed), backend=backend)
+
+
+xkern_kernel_p.def_impl(functools.partial(_compat.apply_primitive, xkern_kernel_p))
+
+
+def _abstract_eval(*avals, out_shapes, **_):
+    return [ShapedArray(s.shape, s.dtype) for s in out_shapes]
+
+
+xkern_kernel_p.def_abstract_eval(_abstract_eval)
+
+
+def _no_jvp(primals, tangents, *, kernel, **_):
+    raise NotImplementedError(
+        f"xkern kernel {kernel!r} is differentiated by its op's custom_vjp, not by forward mode; "
+        "use jax.grad / jax.vjp on the op (forward-mode jax.jvp is not supported)")
+
+
+ad.primitive_jvps[xkern_kernel_p] = _no_jvp
+
+
+def _ordered_args(arrays, scalars):
+    """Arrays and scalars back in the kernel's parameter order."""
+    out, it, by_pos = [], iter(arrays), dict(scalars)
+    for i in range(len(arrays) + len(scalars)):
+        out.append(by_pos[i] if i in by_pos else next(it))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering: CUDA / ROCm through jax_triton
+# --------------------------------------------------------------------------------------------------
+
+def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases, zeroed,
+                 backend):
+    import jax_triton  # lazily: it cannot be imported with a CPU-only jaxlib
+
+    return jax_triton.triton_call(
+        *_ordered_args(arrays, scalars), kernel=fn, out_shape=list(out_shapes), grid=grid,
+        name=kernel, num_warps=config.num_warps, num_stages=config.num_stages,
+        input_output_aliases=dict(aliases), zeroed_outputs=zeroed,
+        **dict(config.meta), **dict(constexprs))
+
+
+def _lower(ctx, *arrays, platform, **params):
+    if params["backend"] == "interpret":
+        return mlir.lower_fun(functools.partial(_interpret_call, **params), multiple_results=True)(
+            ctx, *arrays)
+    if platform == "cpu":
+        raise ValueError(f"xkern kernel {params['kernel']!r} was launched with backend='triton' on "
+                         "CPU arrays; Triton kernels need a CUDA or ROCm device")
+    return mlir.lower_fun(functools.partial(_triton_call, **params), multiple_results=True)(
+        ctx, *arrays)
+
+
+for _platform in ("cpu", "cuda", "rocm"):
+    mlir.register_lowering(xkern_kernel_p, functools.partial(_lower, platform=_platform),
+                           platform=_platform)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lowering: Triton's interpreter in a host callback
+# --------------------------------------------------------------------------------------------------
+
+_INTERPRETER_LOCK = threading.Lock()  # the interpreter patches triton.language while it runs
+
+
+class _HostTensor:
+    """The part of a torch tensor that Triton's interpreter touches, over a contiguous numpy array.
+
+    The interpreter copies each argument "to the host" and back; the data already is on the host,
+    so those copies are identities and the kernel reads and writes the numpy buffer directly.
+    """
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+        self.dtype = _triton_dtype(array.dtype)
+
+    def data_ptr(self):
+        return self.array.ctypes.data
+
+    def cpu(self):
+        return self
+
+    untyped_storage = cpu
+
+    def new_empty(self, *args, **kwargs):
+        return self
+
+    def set_(self, *args, **kwargs):
+        return self
+
+    def copy_(self, other):
+        return self
+
+    def storage_offset(self):
+        return 0
+
+    def size(self):
+        return self.array.shape
+
+    def stride(self):
+        return tuple(s // self.array.itemsize for s in self.array.strides)
+
+
+@functools.cache
+def _triton_dtype(dtype: np.dtype):
+    import triton.language as tl
+
+    name = "bool" if dtype == np.bool_ else np.dtype(dtype).name
+    table = {"float32": tl.float32, "float16": tl.float16, "bfloat16": tl.bfloat16,
+             "float64": tl.float64, "int8": tl.int8, "int16": tl.int16, "int32": tl.int32,
+             "int64": tl.int64, "uint8": tl.uint8, "uint16": tl.uint16, "uint32": tl.uint32,
+             "uint64": tl.uint64, "bool": tl.int1}
+    if name not in table:
+        raise TypeError(f"xkern kernels take no {name} buffers")
+    return table[name]
+
+
+def _poisoned(shape, dtype):
+    """A fresh output buffer full of a value no kernel writes by accident, so unwritten elements show."""
+    dtype = np.dtype(dtype)
+    if np.issubdtype(dtype, np.inexact) or dtype.name == "bfloat16":
+        return np.full(shape, np.nan, dtype)
+    if dtype == np.bool_:
+        return np.ones(shape, dtype)
+    return np.full(shape, np.iinfo(dtype).min // 2 + 7 if np.issubdtype(dtype, np.signedinteger)
+                   else np.iinfo(dtype).max - 7, dtype)
+
+
+def _run_interpreted(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases,
+                     zeroed, backend):
+    inputs = [np.ascontiguousarray(a) for a in arrays]
+    aliased = {o: i for i, o in aliases}
+    outs = []
+    for o, s in enumerate(out_shapes):
+        if o in aliased:
+            outs.append(np.array(inputs[aliased[o]], copy=True))
+        elif o in zeroed:
+            outs.append(np.zeros(s.shape, s.dtype))
+        else:
+            outs.append(_poisoned(s.shape, s.dtype))
+    args = [_HostTensor(a) if isinstance(a, np.ndarray) else a
+            for a in _ordered_args(inputs, scalars)] + [_HostTensor(o) for o in outs]
+    # Masked-off lanes compute on padding (inf - inf, 0 / 0) that is never stored: numpy's warnings
+    # about it are noise.
+    with _INTERPRETER_LOCK, np.errstate(all="ignore"):
+        fn[grid](*args, **dict(config.meta), **dict(constexprs))
+    return outs
+
+
+def _interpret_call(*arrays, **params):
+    return jax.pure_callback(functools.partial(_run_interpreted, **params),
+                             list(params["out_shapes"]), *arrays)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching: each op family registers a rule for its kernels
+# --------------------------------------------------------------------------------------------------
+
+_BATCHING_RULES: dict[str, Any] = {}
+
+
+def def_batching(kernel: str, rule) -> None:
+    """Register `rule(args, dims, **params) -> (outs, out_dims)` for the kernel named `kernel`."""
+    if kernel in _BATCHING_RULES and _BATCHING_RULES[kernel] is not rule:
+        raise ValueError(f"kernel {kernel!r} already has a batching rule")
+    _BATCHING_RULES[kernel] = rule
+
+
+def _batch(args, dims, **params):
+    rule = _BATCHING_RULES.get(params["kernel"])
+    if rule is None:
+        raise NotImplementedError(f"xkern kernel {params['kernel']!r} has no batching rule; "
+                                  "register one with xkern.kernels.launch.def_batching")
+    return rule(args, dims, **params)
+
+
+batching.primitive_batchers[xkern_kernel_p] = _batch
+
+
+def batch_rows(relaunch):
+    """A batching rule for row kernels: each array argument and output has rows as its leading dim.
+
+    The vmapped dim is folded into the rows (one launch over batch * rows), then split off again.
+    `relaunch(*arrays, **params)` launches the same kernel for the new row count.
+    """
+    def rule(args, dims, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        folded = []
+        for a, d in zip(args, dims):
+            a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
+            folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+        outs = relaunch(*folded, **params)
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
+    return rule
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading launches back out of a jaxpr
+# --------------------------------------------------------------------------------------------------
+
+def kernel_names(jaxpr) -> list[str]:
+    """The `kernel` param of every xkern launch in `jaxpr` (a Jaxpr or ClosedJaxpr), sub-jaxprs included."""
+    from jax.extend.core import jaxprs_in_params
+
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    names = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is xkern_kernel_p:
+            names.append(eqn.params["kernel"])
+        for sub in jaxprs_in_params(eqn.params):
+            names.extend(kernel_names(sub))
+    return names

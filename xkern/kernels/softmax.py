@@ -1,0 +1,273 @@
+"""Softmax over one or more axes: forward and backward Triton kernels, launchers, configs, custom_vjp,
+batching, and the public `softmax`.
+
+The math the kernels must match (fp32 inside, whatever the input dtype):
+
+    y  = exp(x - max(x)) / sum(exp(x - max(x)))        forward, per row
+    dx = y * (dy - sum(y * dy))                          backward, from the saved output y alone
+
+Rows that fit in registers take the one-block kernels (BLOCK_M rows of BLOCK_N >= n columns per
+program: one read, one write). Longer rows take the online kernels: a pass that keeps a running max
+and sum per lane, then a pass that writes y (forward); a pass for sum(y * dy), then one for dx
+(backward). The config's BLOCK_N < n selects the online kernels.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def reference(x, axis=-1):
+    """The definition the kernels are checked against (and the `xla` backend)."""
+    return jax.nn.softmax(x, axis=axis)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd_rows(x_ptr,  # input: [n_rows, N_COLS] row-major
+              n_rows,  # size; the row length is the constexpr N_COLS
+              y_ptr,  # output: like x
+              N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < N_COLS)
+    offs = rows.to(tl.int64) * N_COLS + cols
+    x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+    # Masked lanes are excluded with where(), not by their -inf: a row of -inf must give NaN, as in jax.
+    e = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+    y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
+                n_rows,  # size; the row length is the constexpr N_COLS
+                y_ptr,  # output: like x
+                N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * N_COLS, y_ptr + row * N_COLS
+    cols = tl.arange(0, BLOCK_N)
+    # Per-lane running max and sum, combined once at the end: no cross-lane reduction per block.
+    m = tl.full([BLOCK_N], -float("inf"), tl.float32)
+    s = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, N_COLS, BLOCK_N):
+        x = tl.load(x_row + start + cols, mask=start + cols < N_COLS, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, x)
+        # While a lane has seen only -inf, rescale against 0 instead (-inf - -inf would be NaN).
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        s = s * tl.exp(m - m_safe) + tl.exp(x - m_safe)
+        m = m_new
+    m_row = tl.max(m, axis=0)
+    m_row_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
+    inv = 1.0 / tl.sum(s * tl.exp(m - m_row_safe), axis=0)
+    for start in range(0, N_COLS, BLOCK_N):
+        mask = start + cols < N_COLS
+        x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+        tl.store(y_row + start + cols, (tl.exp(x - m_row) * inv).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_rows(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
+              n_rows,  # size; the row length is the constexpr N_COLS
+              dx_ptr,  # output: like y
+              N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < n_rows) & (cols < N_COLS)
+    offs = rows.to(tl.int64) * N_COLS + cols
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bwd_online(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
+                n_rows,  # size; the row length is the constexpr N_COLS
+                dx_ptr,  # output: like y
+                N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    y_row, dy_row, dx_row = y_ptr + row * N_COLS, dy_ptr + row * N_COLS, dx_ptr + row * N_COLS
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for start in range(0, N_COLS, BLOCK_N):
+        mask = start + cols < N_COLS
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += y * dy
+    dot = tl.sum(acc, axis=0)
+    for start in range(0, N_COLS, BLOCK_N):
+        mask = start + cols < N_COLS
+        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs
+# --------------------------------------------------------------------------------------------------
+
+MAX_ROW_BLOCK = 16384  # widest row kept whole in registers (fp32); longer rows take the online kernels
+ONLINE_BLOCK = 4096
+INTERPRET_TILE = 1 << 16  # the interpreter pays per program, so its programs take many rows at once
+
+
+def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
+    """The launch config for an [n_rows, n_cols] softmax when the caller gives none."""
+    block_n = L.next_pow2(n_cols)
+    if backend == "interpret":
+        if block_n > INTERPRET_TILE:
+            return L.Config.of(BLOCK_M=1, BLOCK_N=INTERPRET_TILE)
+        return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), INTERPRET_TILE // block_n), BLOCK_N=block_n)
+    if block_n > MAX_ROW_BLOCK:
+        return L.Config.of(BLOCK_M=1, BLOCK_N=ONLINE_BLOCK, num_warps=8)
+    # At least 4096 elements a program, so short rows do not leave each program a sliver of work.
+    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
+    num_warps = max(1, min(16, block_m * block_n // 512))
+    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+
+
+def _grid(n_rows: int, n_cols: int, config: L.Config) -> tuple[int]:
+    if config["BLOCK_N"] < n_cols:  # online kernels: one row a program
+        return (n_rows,)
+    return (L.cdiv(n_rows, config["BLOCK_M"]),)
+
+
+def _check_config(config: L.Config, n_cols: int) -> L.Config:
+    if not isinstance(config, L.Config):
+        raise TypeError(f"config must be an xkern.kernels.launch.Config; got {type(config).__name__}")
+    for name in ("BLOCK_M", "BLOCK_N"):
+        value = dict(config.meta).get(name)
+        if not (isinstance(value, int) and value >= 1 and value & (value - 1) == 0):
+            raise ValueError(f"config.{name} must be a power of two; got {value!r}")
+    if config["BLOCK_N"] < n_cols and config["BLOCK_M"] != 1:
+        raise ValueError("config: the online kernels (BLOCK_N < row length) take BLOCK_M=1")
+    return config
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers (on [n_rows, n_cols] arrays) and their batching rules
+# --------------------------------------------------------------------------------------------------
+
+def _launch_fwd(x2, *, backend, config, **_):
+    n_rows, n_cols = x2.shape
+    fn = _fwd_online if config["BLOCK_N"] < n_cols else _fwd_rows
+    return L.launch(fn, x2, n_rows, kernel="softmax_fwd", out_shapes=[x2],
+                    grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
+                    constexprs={"N_COLS": n_cols})
+
+
+def _launch_bwd(y2, dy2, *, backend, config, **_):
+    n_rows, n_cols = y2.shape
+    fn = _bwd_online if config["BLOCK_N"] < n_cols else _bwd_rows
+    return L.launch(fn, y2, dy2, n_rows, kernel="softmax_bwd", out_shapes=[y2],
+                    grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
+                    constexprs={"N_COLS": n_cols})
+
+
+L.def_batching("softmax_fwd", L.batch_rows(_launch_fwd))
+L.def_batching("softmax_bwd", L.batch_rows(_launch_bwd))
+
+
+# --------------------------------------------------------------------------------------------------
+# Differentiation: the output is the only residual
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _softmax_rows(x2, backend, fwd_config, bwd_config):
+    return _launch_fwd(x2, backend=backend, config=fwd_config)[0]
+
+
+def _softmax_rows_fwd(x2, backend, fwd_config, bwd_config):
+    y2 = _launch_fwd(x2, backend=backend, config=fwd_config)[0]
+    return y2, y2
+
+
+def _softmax_rows_bwd(backend, fwd_config, bwd_config, y2, dy2):
+    return (_launch_bwd(y2, dy2.astype(y2.dtype), backend=backend, config=bwd_config)[0],)
+
+
+_softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------------
+
+def _normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if axis is not None else None
+    if not axes or not all(isinstance(a, (int, np.integer)) for a in axes):
+        raise TypeError(f"softmax: axis must be an int or a non-empty tuple of ints; got {axis!r}")
+    if any(not -ndim <= a < ndim for a in axes):
+        raise ValueError(f"softmax: axis {axis!r} is out of range for an array of {ndim} dims")
+    axes = tuple(sorted(int(a) % ndim for a in axes))
+    if len(set(axes)) != len(axes):
+        raise ValueError(f"softmax: axis {axis!r} repeats an axis")
+    return axes
+
+
+def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
+            config: L.Config | None = None):
+    """Softmax of `x` along `axis` (an int or a tuple of ints), as jax.nn.softmax computes it.
+
+    float32, bfloat16 and float16 inputs, with float32 math inside; any leading shape; differentiable
+    (the backward kernel uses the saved output only) and batchable with jax.vmap.
+    backend: "triton", "interpret" or "xla" (default: XKERN_BACKEND, else from the platform).
+    config: a launch config to use in place of the heuristic one (for tuning and tests).
+    """
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"softmax: x must be a jax or numpy array; got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"softmax: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("softmax: x must have at least one dimension; got a scalar")
+    axes = _normalize_axes(axis, x.ndim)
+    backend = L.resolve_backend(backend)
+    x = jnp.asarray(x)
+    if backend == "xla" or x.size == 0:
+        return reference(x, axis=axes)
+    # Bring the softmax axes to the end and flatten to [rows, cols]: the kernels see rows only.
+    order = [a for a in range(x.ndim) if a not in axes] + list(axes)
+    moved = x if order == sorted(order) else jnp.transpose(x, order)
+    n_cols = int(np.prod([x.shape[a] for a in axes]))
+    x2 = moved.reshape(-1, n_cols)
+    if config is None:
+        fwd_config = default_config(x2.shape[0], n_cols, backend)
+        bwd_config = fwd_config
+    else:
+        fwd_config = bwd_config = _check_config(config, n_cols)
+    y = _softmax_rows(x2, backend, fwd_config, bwd_config).reshape(moved.shape)
+    return y if moved is x else jnp.transpose(y, np.argsort(order))
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases (every kernel, representative configs)
+# --------------------------------------------------------------------------------------------------
+
+def aot_cases():
+    """(name, kernel, signature, config) for every kernel here, per dtype and row kind."""
+    sizes = {"n_rows": "i32"}
+    for dtype in ("fp32", "bf16", "fp16"):
+        for n_cols in (100, 8192, 131072):
+            config = default_config(16384, n_cols, "triton").replace(N_COLS=n_cols)
+            online = config["BLOCK_N"] < n_cols
+            fwd, bwd = (_fwd_online, _bwd_online) if online else (_fwd_rows, _bwd_rows)
+            tag = f"{'online' if online else 'rows'}/{dtype}/n{n_cols}"
+            yield (f"softmax_fwd/{tag}", fwd,
+                   {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{dtype}"}, config)
+            yield (f"softmax_bwd/{tag}", bwd,
+                   {"y_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", **sizes, "dx_ptr": f"*{dtype}"}, config)

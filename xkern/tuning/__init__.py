@@ -1,0 +1,1 @@
+"""Launch configs per backend, device timing, and (later) the autotuner with its persistent cache."""
