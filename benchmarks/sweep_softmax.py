@@ -30,8 +30,8 @@ def candidates(n_rows: int, n_cols: int) -> list[L.Config]:
             if 512 <= block_m * block_n <= 32768:
                 out.append(L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps))
     if block_n >= 16384:
-        for block, warps in itertools.product((2048, 4096, 8192), (4, 8, 16)):
-            out.append(L.Config.of(BLOCK_M=1, BLOCK_N=block, num_warps=warps))
+        for block, warps, stages in itertools.product((2048, 4096, 8192), (4, 8, 16), (1, 3)):
+            out.append(L.Config.of(BLOCK_M=1, BLOCK_N=block, num_warps=warps, num_stages=stages))
     return out
 
 
