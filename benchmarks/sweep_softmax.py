@@ -70,11 +70,11 @@ def main(argv: list[str]) -> int:
     for shape in GPU_SHAPES:
         results = sweep_shape(shape)
         everything += results
-        chosen = repr(S.default_config(*shape, "triton"))
+        chosen = {k: repr(S.default_config(*shape, "triton", k)) for k in ("fwd", "bwd")}
         for kernel in ("fwd", "bwd"):
             ok = [r for r in results if r["kernel"] == kernel and "ms" in r and r["max_error"] < 2e-2]
             best = min(ok, key=lambda r: r["ms"])
-            mine = next((r for r in ok if r["config"] == chosen), None)
+            mine = next((r for r in ok if r["config"] == chosen[kernel]), None)
             print(f"{shape} {kernel}: best {best['ms']:.4f} ms {best['tbps']:.2f} TB/s {best['config']}"
                   f" | heuristic {mine['ms'] if mine else '-'} ms", flush=True)
     if args.out:

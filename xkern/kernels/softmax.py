@@ -121,24 +121,28 @@ def _bwd_online(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
 # Configs
 # --------------------------------------------------------------------------------------------------
 
-MAX_ROW_BLOCK = 16384  # widest row kept whole in registers (fp32); longer rows take the online kernels
-ONLINE_BLOCK = 4096
+MAX_ROW_BLOCK = 32768  # widest row kept whole in registers; longer rows take the online kernels
 INTERPRET_TILE = 1 << 16  # the interpreter pays per program, so its programs take many rows at once
 
 
-def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
-    """The launch config for an [n_rows, n_cols] softmax when the caller gives none."""
+def default_config(n_rows: int, n_cols: int, backend: str, kernel: str = "fwd") -> L.Config:
+    """The launch config of the `kernel` ("fwd" or "bwd") of an [n_rows, n_cols] softmax.
+
+    From a sweep on an H200 (benchmarks/sweep_softmax.py; results in benchmarks/results/): whole rows
+    up to 32768 beat the online kernels (4096x32768 fwd 0.168 vs 0.190 ms); programs of ~4096
+    elements want 4 warps, wider ones 16; long rows stream 8192-wide blocks forward and 2048-wide
+    blocks backward, 16 warps each.
+    """
     block_n = L.next_pow2(n_cols)
     if backend == "interpret":
         if block_n > INTERPRET_TILE:
             return L.Config.of(BLOCK_M=1, BLOCK_N=INTERPRET_TILE)
         return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), INTERPRET_TILE // block_n), BLOCK_N=block_n)
     if block_n > MAX_ROW_BLOCK:
-        return L.Config.of(BLOCK_M=1, BLOCK_N=ONLINE_BLOCK, num_warps=8)
+        return L.Config.of(BLOCK_M=1, BLOCK_N=8192 if kernel == "fwd" else 2048, num_warps=16)
     # At least 4096 elements a program, so short rows do not leave each program a sliver of work.
     block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
-    num_warps = max(1, min(16, block_m * block_n // 512))
-    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
+    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 4096 else 16)
 
 
 def _grid(n_rows: int, n_cols: int, config: L.Config) -> tuple[int]:
@@ -246,8 +250,8 @@ def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
     n_cols = int(np.prod([x.shape[a] for a in axes]))
     x2 = moved.reshape(-1, n_cols)
     if config is None:
-        fwd_config = default_config(x2.shape[0], n_cols, backend)
-        bwd_config = fwd_config
+        fwd_config = default_config(x2.shape[0], n_cols, backend, "fwd")
+        bwd_config = default_config(x2.shape[0], n_cols, backend, "bwd")
     else:
         fwd_config = bwd_config = _check_config(config, n_cols)
     y = _softmax_rows(x2, backend, fwd_config, bwd_config).reshape(moved.shape)
@@ -262,12 +266,14 @@ def aot_cases():
     """(name, kernel, signature, config) for every kernel here, per dtype and row kind."""
     sizes = {"n_rows": "i32"}
     for dtype in ("fp32", "bf16", "fp16"):
-        for n_cols in (100, 8192, 131072):
-            config = default_config(16384, n_cols, "triton").replace(N_COLS=n_cols)
-            online = config["BLOCK_N"] < n_cols
+        for n_cols in (100, 8192, 32768, 131072):
+            fwd_config, bwd_config = (default_config(16384, n_cols, "triton", k).replace(N_COLS=n_cols)
+                                      for k in ("fwd", "bwd"))
+            online = n_cols > MAX_ROW_BLOCK
             fwd, bwd = (_fwd_online, _bwd_online) if online else (_fwd_rows, _bwd_rows)
             tag = f"{'online' if online else 'rows'}/{dtype}/n{n_cols}"
             yield (f"softmax_fwd/{tag}", fwd,
-                   {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{dtype}"}, config)
+                   {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{dtype}"}, fwd_config)
             yield (f"softmax_bwd/{tag}", bwd,
-                   {"y_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", **sizes, "dx_ptr": f"*{dtype}"}, config)
+                   {"y_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", **sizes, "dx_ptr": f"*{dtype}"},
+                   bwd_config)
