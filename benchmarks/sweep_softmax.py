@@ -45,8 +45,11 @@ def sweep_shape(shape, dtype=jnp.bfloat16) -> list[dict]:
     nbytes = x.size * x.dtype.itemsize
     results = []
     for config in candidates(*shape):
-        fwd = jax.jit(lambda x, c=config: S._launch_fwd(x, backend="triton", config=c)[0])
-        bwd = jax.jit(lambda y, dy, c=config: S._launch_bwd(y, dy, backend="triton", config=c)[0])
+        consts = S._constexprs(shape[1], log=False)
+        fwd = jax.jit(lambda x, c=config: S._launch_fwd(x, backend="triton", config=c,
+                                                         constexprs=consts)[0])
+        bwd = jax.jit(lambda y, dy, c=config: S._launch_bwd(y, dy, backend="triton", config=c,
+                                                             constexprs=consts)[0])
         for kernel, fn, args, ref, moved in (("fwd", fwd, (x,), y_ref, 2 * nbytes),
                                              ("bwd", bwd, (y_in, dy), dx_ref, 3 * nbytes)):
             try:

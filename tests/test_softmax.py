@@ -13,15 +13,20 @@ TOLERANCES = {jnp.float32: 2e-6, jnp.float16: 2e-3, jnp.bfloat16: 1.6e-2}  # rel
 ONLINE = Config.of(BLOCK_M=1, BLOCK_N=128)  # rows longer than 128 take the two-pass online kernels
 
 
-def reference(x, axis):
+def reference(x, axis, log=False):
     x = np.asarray(x, np.float64)
-    e = np.exp(x - x.max(axis=axis, keepdims=True))
-    return e / e.sum(axis=axis, keepdims=True)
+    shifted = x - x.max(axis=axis, keepdims=True)
+    total = np.exp(shifted).sum(axis=axis, keepdims=True)
+    return shifted - np.log(total) if log else np.exp(shifted) / total
 
 
-def reference_grad(x, dy, axis):
+def reference_grad(x, dy, axis, log=False):
     f32 = lambda a: jnp.asarray(a, jnp.float32)
-    return jax.vjp(lambda x: jax.nn.softmax(x, axis=axis), f32(x))[1](f32(dy))[0]
+    fn = jax.nn.log_softmax if log else jax.nn.softmax
+    return jax.vjp(lambda x: fn(x, axis=axis), f32(x))[1](f32(dy))[0]
+
+
+OPS = {"softmax": (xkern.ops.softmax, False), "log_softmax": (xkern.ops.log_softmax, True)}
 
 
 def assert_close(got, want, dtype):
@@ -42,15 +47,18 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("config", [None, ONLINE], ids=["default", "online"])
-def test_values_and_gradient(rng, shape, dtype, config):
+@pytest.mark.parametrize("op", OPS)
+def test_values_and_gradient(rng, shape, dtype, config, op):
+    fn, log = OPS[op]
     x, dy = random(rng, shape, dtype), random(rng, shape, dtype, 1.0)
-    y, vjp = jax.vjp(lambda x: xkern.ops.softmax(x, config=config), x)
+    y, vjp = jax.vjp(lambda x: fn(x, config=config), x)
     assert y.dtype == dtype
-    assert_close(y, reference(x, -1), dtype)
+    assert_close(y, reference(x, -1, log), dtype)
     dx = vjp(dy)[0]
     assert dx.dtype == dtype
-    # The reference gradient starts from the kernel's own rounded output's dtype: compare in fp32.
-    assert_close(dx, reference_grad(x, dy, -1), dtype if dtype != jnp.float32 else jnp.float16)
+    # The backward pass reads the saved (rounded) output, so fp32 gradients carry fp32 rounding of
+    # y times |dy|: a looser bound than the forward's.
+    assert_close(dx, reference_grad(x, dy, -1, log), dtype if dtype != jnp.float32 else jnp.float16)
 
 
 @pytest.mark.parametrize("axis", [0, 1, -2, (1, 2), (0, 2)], ids=str)
@@ -82,10 +90,14 @@ def test_jaxpr_has_exactly_the_expected_kernels(rng):
     grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(xkern.ops.softmax(x) ** 2)))(x)
     assert sorted(kernel_names(grad)) == ["softmax_bwd", "softmax_fwd"]
     assert kernel_names(jax.make_jaxpr(lambda x: xkern.ops.softmax(x, backend="xla"))(x)) == []
+    grad = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(xkern.ops.log_softmax(x) ** 2)))(x)
+    assert sorted(kernel_names(grad)) == ["log_softmax_bwd", "log_softmax_fwd"]
 
 
 @pytest.mark.parametrize("config", [None, ONLINE], ids=["default", "online"])
-def test_nan_and_inf_behave_as_in_jax(config):
+@pytest.mark.parametrize("op", OPS)
+def test_nan_and_inf_behave_as_in_jax(config, op):
+    fn, log = OPS[op]
     inf, nan = np.inf, np.nan
     n = 300
     rows = np.tile(np.linspace(-2, 2, n), (7, 1))
@@ -97,8 +109,8 @@ def test_nan_and_inf_behave_as_in_jax(config):
     rows[5, 0] = -inf
     rows[6, :] = 1e30
     x = jnp.asarray(rows, jnp.float32)
-    want = jax.nn.softmax(x)
-    got = xkern.ops.softmax(x, config=config)
+    want = (jax.nn.log_softmax if log else jax.nn.softmax)(x)
+    got = fn(x, config=config)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
@@ -114,11 +126,14 @@ def test_empty_arrays():
 def test_xla_backend_is_jax_nn_softmax(rng):
     x = random(rng, (5, 9), jnp.float32)
     np.testing.assert_array_equal(xkern.ops.softmax(x, backend="xla"), jax.nn.softmax(x))
+    np.testing.assert_array_equal(xkern.ops.log_softmax(x, backend="xla"), jax.nn.log_softmax(x))
 
 
 def test_bad_input_raises_naming_the_argument():
     with pytest.raises(TypeError, match="x must have dtype .* got int32"):
         xkern.ops.softmax(jnp.arange(6).reshape(2, 3))
+    with pytest.raises(TypeError, match="log_softmax: x must have dtype .* got bool"):
+        xkern.ops.log_softmax(jnp.ones(3, bool))
     with pytest.raises(TypeError, match="x must have dtype .* got float64"):
         xkern.ops.softmax(np.ones((2, 3)))
     with pytest.raises(TypeError, match="x must be"):

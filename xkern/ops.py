@@ -1,4 +1,4 @@
 """The public ops: each runs xkern's Triton kernels (or, with backend="xla", its jax.numpy definition)."""
-from xkern.kernels.softmax import softmax
+from xkern.kernels.softmax import log_softmax, softmax
 
-__all__ = ["softmax"]
+__all__ = ["softmax", "log_softmax"]

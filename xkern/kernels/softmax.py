@@ -1,10 +1,12 @@
-"""Softmax over one or more axes: forward and backward Triton kernels, launchers, configs, custom_vjp,
-batching, and the public `softmax`.
+"""Softmax and log-softmax over one or more axes: forward and backward Triton kernels, launchers,
+configs, custom_vjp, batching, and the public `softmax` and `log_softmax`.
 
-The math the kernels must match (fp32 inside, whatever the input dtype):
+The math the kernels must match (fp32 inside, whatever the input dtype), per row:
 
-    y  = exp(x - max(x)) / sum(exp(x - max(x)))        forward, per row
-    dx = y * (dy - sum(y * dy))                          backward, from the saved output y alone
+    softmax      y = exp(x - max(x)) / sum(exp(x - max(x)))   dx = y * (dy - sum(y * dy))
+    log_softmax  y = x - max(x) - log(sum(exp(x - max(x))))   dx = dy - exp(y) * sum(dy)
+
+Both backward passes read the saved output y alone. The LOG constexpr picks the variant.
 
 Rows that fit in registers take the one-block kernels (BLOCK_M rows of BLOCK_N >= n columns per
 program: one read, one write). Longer rows take the online kernels: a pass that keeps a running max
@@ -28,9 +30,9 @@ import triton.language as tl
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def reference(x, axis=-1):
+def reference(x, axis=-1, log=False):
     """The definition the kernels are checked against (and the `xla` backend)."""
-    return jax.nn.softmax(x, axis=axis)
+    return jax.nn.log_softmax(x, axis=axis) if log else jax.nn.softmax(x, axis=axis)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -41,15 +43,19 @@ def reference(x, axis=-1):
 def _fwd_rows(x_ptr,  # input: [n_rows, N_COLS] row-major
               n_rows,  # size; the row length is the constexpr N_COLS
               y_ptr,  # output: like x
-              N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows) & (cols < N_COLS)
     offs = rows.to(tl.int64) * N_COLS + cols
     x = tl.load(x_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
     # Masked lanes are excluded with where(), not by their -inf: a row of -inf must give NaN, as in jax.
-    e = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
-    y = e * (1.0 / tl.sum(e, axis=1))[:, None]
+    shifted = x - tl.max(x, axis=1)[:, None]
+    e = tl.where(mask, tl.exp(shifted), 0.0)
+    if LOG:
+        y = shifted - tl.log(tl.sum(e, axis=1))[:, None]
+    else:
+        y = e * (1.0 / tl.sum(e, axis=1))[:, None]
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -57,7 +63,7 @@ def _fwd_rows(x_ptr,  # input: [n_rows, N_COLS] row-major
 def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
                 n_rows,  # size; the row length is the constexpr N_COLS
                 y_ptr,  # output: like x
-                N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, y_row = x_ptr + row * N_COLS, y_ptr + row * N_COLS
     cols = tl.arange(0, BLOCK_N)
@@ -73,25 +79,33 @@ def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
         m = m_new
     m_row = tl.max(m, axis=0)
     m_row_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
-    inv = 1.0 / tl.sum(s * tl.exp(m - m_row_safe), axis=0)
+    total = tl.sum(s * tl.exp(m - m_row_safe), axis=0)
+    inv, log_total = 1.0 / total, tl.log(total)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
         x = tl.load(x_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        tl.store(y_row + start + cols, (tl.exp(x - m_row) * inv).to(y_ptr.dtype.element_ty), mask=mask)
+        if LOG:
+            y = (x - m_row) - log_total
+        else:
+            y = tl.exp(x - m_row) * inv
+        tl.store(y_row + start + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd_rows(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
               n_rows,  # size; the row length is the constexpr N_COLS
               dx_ptr,  # output: like y
-              N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows) & (cols < N_COLS)
     offs = rows.to(tl.int64) * N_COLS + cols
     y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
+    if LOG:
+        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+    else:
+        dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -99,7 +113,7 @@ def _bwd_rows(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
 def _bwd_online(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
                 n_rows,  # size; the row length is the constexpr N_COLS
                 dx_ptr,  # output: like y
-                N_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     y_row, dy_row, dx_row = y_ptr + row * N_COLS, dy_ptr + row * N_COLS, dx_ptr + row * N_COLS
     cols = tl.arange(0, BLOCK_N)
@@ -108,13 +122,14 @@ def _bwd_online(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
         mask = start + cols < N_COLS
         y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += y * dy
+        acc += dy if LOG else y * dy
     dot = tl.sum(acc, axis=0)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
         y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_row + start + cols, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+        dx = dy - tl.exp(y) * dot if LOG else y * (dy - dot)
+        tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,42 +182,52 @@ def _check_config(config: L.Config, n_cols: int) -> L.Config:
 # Launchers (on [n_rows, n_cols] arrays) and their batching rules
 # --------------------------------------------------------------------------------------------------
 
-def _launch_fwd(x2, *, backend, config, **_):
+def _launch_fwd(x2, *, backend, config, constexprs, **_):
     n_rows, n_cols = x2.shape
     fn = _fwd_online if config["BLOCK_N"] < n_cols else _fwd_rows
-    return L.launch(fn, x2, n_rows, kernel="softmax_fwd", out_shapes=[x2],
-                    grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
-                    constexprs={"N_COLS": n_cols})
+    name = "log_softmax_fwd" if dict(constexprs)["LOG"] else "softmax_fwd"
+    return L.launch(fn, x2, n_rows, kernel=name, out_shapes=[x2], grid=_grid(n_rows, n_cols, config),
+                    config=config, backend=backend, constexprs=dict(constexprs))
 
 
-def _launch_bwd(y2, dy2, *, backend, config, **_):
+def _launch_bwd(y2, dy2, *, backend, config, constexprs, **_):
     n_rows, n_cols = y2.shape
     fn = _bwd_online if config["BLOCK_N"] < n_cols else _bwd_rows
-    return L.launch(fn, y2, dy2, n_rows, kernel="softmax_bwd", out_shapes=[y2],
+    name = "log_softmax_bwd" if dict(constexprs)["LOG"] else "softmax_bwd"
+    return L.launch(fn, y2, dy2, n_rows, kernel=name, out_shapes=[y2],
                     grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
-                    constexprs={"N_COLS": n_cols})
+                    constexprs=dict(constexprs))
 
 
-L.def_batching("softmax_fwd", L.batch_rows(_launch_fwd))
-L.def_batching("softmax_bwd", L.batch_rows(_launch_bwd))
+for _prefix in ("softmax", "log_softmax"):
+    L.def_batching(f"{_prefix}_fwd", L.batch_rows(_launch_fwd))
+    L.def_batching(f"{_prefix}_bwd", L.batch_rows(_launch_bwd))
 
 
 # --------------------------------------------------------------------------------------------------
 # Differentiation: the output is the only residual
 # --------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _softmax_rows(x2, backend, fwd_config, bwd_config):
-    return _launch_fwd(x2, backend=backend, config=fwd_config)[0]
+def _constexprs(n_cols: int, log: bool) -> tuple:
+    return (("LOG", log), ("N_COLS", n_cols))
 
 
-def _softmax_rows_fwd(x2, backend, fwd_config, bwd_config):
-    y2 = _launch_fwd(x2, backend=backend, config=fwd_config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _softmax_rows(x2, log, backend, fwd_config, bwd_config):
+    consts = _constexprs(x2.shape[1], log)
+    return _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=consts)[0]
+
+
+def _softmax_rows_fwd(x2, log, backend, fwd_config, bwd_config):
+    consts = _constexprs(x2.shape[1], log)
+    y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=consts)[0]
     return y2, y2
 
 
-def _softmax_rows_bwd(backend, fwd_config, bwd_config, y2, dy2):
-    return (_launch_bwd(y2, dy2.astype(y2.dtype), backend=backend, config=bwd_config)[0],)
+def _softmax_rows_bwd(log, backend, fwd_config, bwd_config, y2, dy2):
+    consts = _constexprs(y2.shape[1], log)
+    return (_launch_bwd(y2, dy2.astype(y2.dtype), backend=backend, config=bwd_config,
+                        constexprs=consts)[0],)
 
 
 _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
@@ -212,15 +237,15 @@ _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _normalize_axes(axis, ndim: int) -> tuple[int, ...]:
+def _normalize_axes(op: str, axis, ndim: int) -> tuple[int, ...]:
     axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if axis is not None else None
     if not axes or not all(isinstance(a, (int, np.integer)) for a in axes):
-        raise TypeError(f"softmax: axis must be an int or a non-empty tuple of ints; got {axis!r}")
+        raise TypeError(f"{op}: axis must be an int or a non-empty tuple of ints; got {axis!r}")
     if any(not -ndim <= a < ndim for a in axes):
-        raise ValueError(f"softmax: axis {axis!r} is out of range for an array of {ndim} dims")
+        raise ValueError(f"{op}: axis {axis!r} is out of range for an array of {ndim} dims")
     axes = tuple(sorted(int(a) % ndim for a in axes))
     if len(set(axes)) != len(axes):
-        raise ValueError(f"softmax: axis {axis!r} repeats an axis")
+        raise ValueError(f"{op}: axis {axis!r} repeats an axis")
     return axes
 
 
@@ -233,17 +258,28 @@ def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
     backend: "triton", "interpret" or "xla" (default: XKERN_BACKEND, else from the platform).
     config: a launch config to use in place of the heuristic one (for tuning and tests).
     """
+    return _softmax_any(x, axis, backend, config, log=False)
+
+
+def log_softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
+                config: L.Config | None = None):
+    """Log-softmax of `x` along `axis`, as jax.nn.log_softmax computes it; otherwise as `softmax`."""
+    return _softmax_any(x, axis, backend, config, log=True)
+
+
+def _softmax_any(x, axis, backend, config, log: bool):
+    op = "log_softmax" if log else "softmax"
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"softmax: x must be a jax or numpy array; got {type(x).__name__}")
+        raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"softmax: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
+        raise TypeError(f"{op}: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
     if x.ndim == 0:
-        raise ValueError("softmax: x must have at least one dimension; got a scalar")
-    axes = _normalize_axes(axis, x.ndim)
+        raise ValueError(f"{op}: x must have at least one dimension; got a scalar")
+    axes = _normalize_axes(op, axis, x.ndim)
     backend = L.resolve_backend(backend)
     x = jnp.asarray(x)
     if backend == "xla" or x.size == 0:
-        return reference(x, axis=axes)
+        return reference(x, axis=axes, log=log)
     # Bring the softmax axes to the end and flatten to [rows, cols]: the kernels see rows only.
     order = [a for a in range(x.ndim) if a not in axes] + list(axes)
     moved = x if order == sorted(order) else jnp.transpose(x, order)
@@ -254,7 +290,7 @@ def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
         bwd_config = default_config(x2.shape[0], n_cols, backend, "bwd")
     else:
         fwd_config = bwd_config = _check_config(config, n_cols)
-    y = _softmax_rows(x2, backend, fwd_config, bwd_config).reshape(moved.shape)
+    y = _softmax_rows(x2, log, backend, fwd_config, bwd_config).reshape(moved.shape)
     return y if moved is x else jnp.transpose(y, np.argsort(order))
 
 
@@ -265,15 +301,16 @@ def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
 def aot_cases():
     """(name, kernel, signature, config) for every kernel here, per dtype and row kind."""
     sizes = {"n_rows": "i32"}
-    for dtype in ("fp32", "bf16", "fp16"):
+    for dtype, log in (("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)):
         for n_cols in (100, 8192, 32768, 131072):
-            fwd_config, bwd_config = (default_config(16384, n_cols, "triton", k).replace(N_COLS=n_cols)
-                                      for k in ("fwd", "bwd"))
+            fwd_config, bwd_config = (default_config(16384, n_cols, "triton", k).replace(
+                N_COLS=n_cols, LOG=log) for k in ("fwd", "bwd"))
             online = n_cols > MAX_ROW_BLOCK
             fwd, bwd = (_fwd_online, _bwd_online) if online else (_fwd_rows, _bwd_rows)
             tag = f"{'online' if online else 'rows'}/{dtype}/n{n_cols}"
-            yield (f"softmax_fwd/{tag}", fwd,
+            prefix = "log_softmax" if log else "softmax"
+            yield (f"{prefix}_fwd/{tag}", fwd,
                    {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{dtype}"}, fwd_config)
-            yield (f"softmax_bwd/{tag}", bwd,
+            yield (f"{prefix}_bwd/{tag}", bwd,
                    {"y_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", **sizes, "dx_ptr": f"*{dtype}"},
                    bwd_config)

@@ -1,0 +1,42 @@
+"""A graph view over a jaxpr: who produces each variable, who consumes it, which are outputs.
+
+Read by the matcher, by fusion and by memory planning; it never edits the jaxpr (rewrites re-trace).
+"""
+from __future__ import annotations
+
+import numpy as np
+from jax.extend.core import Literal, Var
+
+
+class Graph:
+    def __init__(self, jaxpr):
+        self.jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        self.eqns = list(self.jaxpr.eqns)
+        self.producer: dict[Var, tuple[int, int]] = {}  # var -> (eqn index, output index)
+        self.consumers: dict[Var, list[int]] = {}
+        for i, eqn in enumerate(self.eqns):
+            for k, v in enumerate(eqn.outvars):
+                self.producer[v] = (i, k)
+            for v in eqn.invars:
+                if isinstance(v, Var):
+                    self.consumers.setdefault(v, []).append(i)
+        self.invars = set(self.jaxpr.invars) | set(self.jaxpr.constvars)
+        self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
+
+    def escapes(self, var, inside: set[int]) -> bool:
+        """Whether `var` is read outside the equations `inside` (or is an output of the jaxpr)."""
+        return var in self.outvars or any(c not in inside for c in self.consumers.get(var, ()))
+
+
+def literal_value(atom):
+    return atom.val if isinstance(atom, Literal) else None
+
+
+def same_literal(a, b) -> bool:
+    va, vb = np.asarray(literal_value(a)), np.asarray(literal_value(b))
+    return va.shape == vb.shape and bool(np.array_equal(va, vb, equal_nan=True))
+
+
+def aval_bytes(aval) -> int:
+    shape = getattr(aval, "shape", ())
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize if shape else 0
