@@ -5,12 +5,25 @@ upgrade that moves something breaks this file alone.
 """
 from jax._src import source_info_util as _source_info
 from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
-from jax._src.interpreters.partial_eval import dce_jaxpr  # dead-code elimination of a Jaxpr
 
 
 def user_context(source_info):
     """A context in which new equations get `source_info` (the user's line), not the interpreter's."""
-    return _source_info.user_context(source_info.traceback, name_stack=source_info.name_stack)
+    name_stack = _source_info.current_name_stack() + source_info.name_stack
+    return _source_info.user_context(source_info.traceback, name_stack=name_stack)
+
+
+def bind_equation(eqn, invals, params=None, source_info=None) -> list:
+    """Bind `eqn`'s primitive to `invals` (with `params` in place of its own), as jax.core.eval_jaxpr
+    does: the user's source info (or `source_info`) and the equation's context kept. Returns a list
+    of outputs."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
+    subfuns = []
+    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+        subfuns, bind_params = bind_params
+    with user_context(source_info or eqn.source_info), eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def summarize_source(source_info) -> str:
@@ -18,4 +31,4 @@ def summarize_source(source_info) -> str:
     return _source_info.summarize(source_info)
 
 
-__all__ = ["apply_primitive", "dce_jaxpr", "user_context", "summarize_source"]
+__all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source"]

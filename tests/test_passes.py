@@ -1,0 +1,279 @@
+"""The jaxpr passes behind xkern.jit / optimize / explain: which spellings match, which near misses
+must not, and that rewritten programs equal jax.jit's. Kernels run through the interpreter."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.core import ShapedArray
+
+import xkern
+from xkern import pipeline
+from xkern.jaxpr_passes import patterns as P
+from xkern.jaxpr_passes import softmax_rules
+from xkern.kernels.launch import kernel_names
+from xkern.tuning import cost
+
+
+def kernels_of(f, *args, **kwargs):
+    return kernel_names(jax.make_jaxpr(xkern.optimize(f, **kwargs))(*args))
+
+
+def rand(shape, dtype=jnp.float32, seed=0):
+    return (3 * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+
+
+def shifted(x, axis=-1):
+    e = jnp.exp(x - x.max(axis, keepdims=True))
+    return e / e.sum(axis, keepdims=True)
+
+
+def shifted_no_keepdims(x):
+    e = jnp.exp(x - jnp.max(x, -1)[..., None])
+    return e / jnp.sum(e, -1)[..., None]
+
+
+def unshifted(x):
+    e = jnp.exp(x)
+    return e / e.sum(-1, keepdims=True)
+
+
+def log_shifted(x):
+    s = x - x.max(-1, keepdims=True)
+    return s - jnp.log(jnp.exp(s).sum(-1, keepdims=True))
+
+
+SPELLINGS = {
+    "jax.nn.softmax": (jax.nn.softmax, "softmax_fwd", jnp.float32),
+    "jax.nn.softmax bf16": (jax.nn.softmax, "softmax_fwd", jnp.bfloat16),
+    "exp(x-max)/sum": (shifted, "softmax_fwd", jnp.float32),
+    "exp(x-max)/sum fp16": (shifted, "softmax_fwd", jnp.float16),
+    "no keepdims": (shifted_no_keepdims, "softmax_fwd", jnp.float32),
+    "exp(x)/sum": (unshifted, "softmax_fwd", jnp.float32),
+    "axis 0": (lambda x: jax.nn.softmax(x, axis=0), "softmax_fwd", jnp.float32),
+    "middle axis": (lambda x: shifted(x, axis=1), "softmax_fwd", jnp.float32),
+    "two axes": (lambda x: jax.nn.softmax(x, axis=(1, 2)), "softmax_fwd", jnp.float32),
+    "upcast bf16": (lambda x: jax.nn.softmax(x.astype(jnp.float32)).astype(x.dtype), "softmax_fwd",
+                    jnp.bfloat16),
+    "upcast hand-written fp16": (lambda x: shifted(x.astype(jnp.float32)).astype(x.dtype),
+                                 "softmax_fwd", jnp.float16),
+    "jax.nn.log_softmax": (jax.nn.log_softmax, "log_softmax_fwd", jnp.float32),
+    "x-max-log(sum)": (log_shifted, "log_softmax_fwd", jnp.float32),
+    "x-logsumexp": (lambda x: x - jax.nn.logsumexp(x, -1, keepdims=True), "log_softmax_fwd",
+                    jnp.float32),
+    "log_softmax upcast bf16": (lambda x: jax.nn.log_softmax(x.astype(jnp.float32)).astype(x.dtype),
+                                "log_softmax_fwd", jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_each_spelling_becomes_one_kernel_with_the_same_values(name):
+    f, kernel, dtype = SPELLINGS[name]
+    x = rand((3, 5, 33), dtype)
+    assert kernels_of(f, x) == [kernel]
+    got, want = xkern.jit(f)(x), jax.jit(f)(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 2e-2}[dtype]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=tol, rtol=tol)
+
+
+def max_and_sum_over_other_axes(x):
+    e = jnp.exp(x - x.max(0, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+NEAR_MISSES = {
+    "a scaled exponent": lambda x: jnp.exp(2 * x - x.max(-1, keepdims=True))
+    / jnp.exp(2 * x - x.max(-1, keepdims=True)).sum(-1, keepdims=True),
+    "sum plus a constant": lambda x: jnp.exp(x) / (jnp.exp(x).sum(-1, keepdims=True) + 1e-6),
+    "a different reduction": lambda x: jnp.exp(x) / jnp.exp(x).max(-1, keepdims=True),
+}
+
+
+@pytest.mark.parametrize("name", NEAR_MISSES)
+def test_near_misses_are_left_alone(name):
+    x = rand((4, 33))
+    f = NEAR_MISSES[name]
+    assert kernels_of(f, x) == []
+    np.testing.assert_array_equal(xkern.jit(f)(x), jax.jit(f)(x))
+
+
+def test_a_structural_match_with_other_params_is_not_taken_for_the_pattern():
+    # Max over axis 0, sum over axis 1: not softmax(x) over either axis. Structurally it is the
+    # max-subtracted spelling, which the exact check must refuse; it is however exactly the plain
+    # exp(w)/sum spelling with w = x - max0(x), a true softmax over axis 1, and that is what matches.
+    x = rand((4, 33))
+    report = xkern.explain(max_and_sum_over_other_axes)(x)
+    assert [m.pattern for m in report.matches] == ["softmax/exp(x)/sum"]
+    assert report.matches[0].params == {"axis": (1,)}
+    np.testing.assert_allclose(xkern.jit(max_and_sum_over_other_axes)(x),
+                               jax.jit(max_and_sum_over_other_axes)(x), rtol=1e-5, atol=1e-7)
+    closed = jax.make_jaxpr(max_and_sum_over_other_axes)(x)
+    graph = P.Graph(closed.jaxpr)
+    pattern, match = next((p, m) for p, t in P.registry().by_anchor["div"]
+                          if p.name == "softmax/exp(x-max)/sum"
+                          for m in [P.unify(t, graph, len(graph.eqns) - 1, strict=False)] if m)
+    match.pattern = pattern  # the structure alone says yes ...
+    from xkern.jaxpr_passes.rewrite import _decide
+    params, reason = _decide(match, set(range(len(graph.eqns))), "interpret", lambda *a: None)
+    assert params is None and "differs from" in reason  # ... the exact check says no
+
+
+def test_an_intermediate_used_elsewhere_blocks_the_rewrite_and_says_so():
+    def f(x):
+        e = jnp.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True), e  # e escapes
+    x = rand((4, 33))
+    assert kernels_of(f, x) == []
+    report = xkern.explain(f)(x)
+    assert report.matches == [] and len(report.declined) == 1
+    assert "also used outside the pattern" in report.declined[0].reason
+    assert "test_passes.py" in report.declined[0].location
+
+
+def test_programs_with_nothing_to_match_come_out_identical():
+    def f(x, w):
+        return jnp.tanh(x @ w).sum(0) * 2.0 + jnp.exp(x).mean()
+    x, w = rand((8, 16)), rand((16, 4), seed=1)
+    assert kernels_of(f, x, w) == []
+    np.testing.assert_array_equal(xkern.jit(f)(x, w), jax.jit(f)(x, w))
+    g = jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
+    for a, b in zip(jax.jit(jax.grad(lambda x, w: xkern.optimize(f)(x, w).sum(), argnums=(0, 1)))(x, w),
+                    jax.jit(g)(x, w)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_outputs_and_gradients_equal_jax_jit():
+    def loss(w, x):
+        p = jax.nn.softmax(x @ w)
+        return jnp.sum(p * jnp.arange(p.shape[-1])) + jnp.sum(log_shifted(x @ w) ** 2) * 1e-3
+    w, x = rand((16, 40)), rand((6, 16), seed=1)
+    assert sorted(kernels_of(jax.grad(xkern.optimize(loss)), w, x)) == [
+        "log_softmax_bwd", "log_softmax_fwd", "softmax_bwd", "softmax_fwd"]
+    got = xkern.jit(jax.value_and_grad(xkern.optimize(loss)))(w, x)
+    want = jax.jit(jax.value_and_grad(loss))(w, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-5)
+
+
+def test_inside_jit_vmap_scan_cond_while_remat_and_nested_jit():
+    x = rand((3, 4, 33))
+    inner = jax.jit(lambda x: jax.nn.softmax(x * 2))
+
+    def f(x):
+        y = inner(x)  # a jit wrapper: inlined so the pattern is seen
+        y = jax.lax.cond(y.sum() > 0, shifted, lambda v: v, y)
+        y = jax.checkpoint(jax.nn.log_softmax)(y)
+        y = jax.lax.scan(lambda c, row: (c, jax.nn.softmax(row)), 0.0, y)[1]
+        return jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jax.nn.softmax(c[1])),
+                                  (0, y))[1]
+    assert sorted(kernels_of(f, x)) == ["log_softmax_fwd", "softmax_fwd", "softmax_fwd",
+                                        "softmax_fwd", "softmax_fwd"]
+    np.testing.assert_allclose(jax.jit(xkern.optimize(f))(x), jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(xkern.optimize(f))(x), jax.vmap(f)(x), rtol=1e-5, atol=1e-6)
+    scanned = lambda g: lambda: jax.lax.scan(lambda c, v: (c + g(v).sum(), g(v)), 0.0, x)
+    for a, b in zip(jax.jit(scanned(xkern.optimize(jax.nn.softmax)))(), jax.jit(scanned(jax.nn.softmax))()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_flax_module_apply():
+    nn = pytest.importorskip("flax.linen")
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(24)(x)
+            return nn.Dense(5)(nn.softmax(h) + nn.log_softmax(h))
+
+    x = rand((4, 7, 16))
+    model = Block()
+    variables = model.init(jax.random.key(0), x)
+    assert sorted(kernels_of(model.apply, variables, x)) == ["log_softmax_fwd", "softmax_fwd"]
+    np.testing.assert_allclose(xkern.jit(model.apply)(variables, x), jax.jit(model.apply)(variables, x),
+                               rtol=1e-5, atol=1e-5)
+    loss = lambda v: jnp.sum(model.apply(v, x) ** 2)
+    got = jax.grad(xkern.optimize(loss))(variables)
+    want = jax.grad(loss)(variables)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_jit_takes_static_args_pytrees_and_raises_the_users_errors():
+    def f(inputs, axis, *, scale):
+        return {"p": jax.nn.softmax(inputs["x"] * scale, axis=axis), "n": inputs["n"]}
+    x = rand((4, 9))
+    jitted = xkern.jit(f, static_argnums=1, static_argnames="scale")
+    out = jitted({"x": x, "n": jnp.int32(3)}, 0, scale=2.0)
+    np.testing.assert_allclose(out["p"], jax.nn.softmax(x * 2.0, axis=0), rtol=1e-5, atol=1e-7)
+    assert int(out["n"]) == 3
+    bad = xkern.jit(lambda x: x @ jnp.ones((3, 3)))
+    with pytest.raises(TypeError, match="dot_general"):
+        bad(jnp.ones((2, 4)))
+
+
+def test_plans_are_cached_per_signature(monkeypatch):
+    calls = []
+    original = pipeline.plan
+    monkeypatch.setattr(pipeline, "plan", lambda *a: calls.append(1) or original(*a))
+    f = xkern.optimize(jax.nn.softmax)
+    f(rand((2, 5)))
+    f(rand((2, 5), seed=1))
+    assert len(calls) == 1
+    f(rand((3, 5)))
+    assert len(calls) == 2
+
+
+def test_xla_backend_rewrites_nothing():
+    x = rand((4, 33))
+    assert kernels_of(jax.nn.softmax, x, backend="xla") == []
+    report = xkern.explain(jax.nn.softmax, backend="xla")(x)
+    assert report.kernels == [] and "nothing is rewritten" in str(report)
+
+
+def test_explain_reports_kernels_matches_and_traffic():
+    def f(x):
+        return jax.nn.softmax(x) + jax.nn.log_softmax(x)
+    x = rand((16, 64))
+    report = xkern.explain(f)(x)
+    assert sorted(report.kernels) == ["log_softmax_fwd", "softmax_fwd"]
+    assert {m.pattern for m in report.matches} == {"softmax/jax.nn.softmax",
+                                                   "log_softmax/jax.nn.log_softmax"}
+    assert all("test_passes.py" in m.location for m in report.matches)
+    assert all(m.params == {"axis": (1,)} for m in report.matches)
+    assert report.bytes_after == 2 * 2 * x.size * 4  # each kernel reads x and writes its output
+    assert report.bytes_before > report.bytes_after
+    assert "fused" in str(report) and "softmax_fwd" in str(report)
+
+
+def test_cost_model_declines_what_loses_on_a_gpu():
+    small = [ShapedArray((64, 128), jnp.bfloat16)]
+    big = [ShapedArray((16384, 8192), jnp.bfloat16)]
+    long_rows = [ShapedArray((512, 131072), jnp.bfloat16)]
+    assert "too small" in cost.decline_reason("softmax", small, {"axis": (1,)}, "triton")
+    assert cost.decline_reason("softmax", big, {"axis": (1,)}, "triton") is None
+    assert "rows of 131072" in cost.decline_reason("softmax", long_rows, {"axis": (1,)}, "triton")
+    assert cost.decline_reason("softmax", small, {"axis": (1,)}, "interpret") is None
+    closed = jax.make_jaxpr(jax.nn.softmax)(jnp.ones((64, 128), jnp.bfloat16))
+    plan = pipeline.plan(closed, "triton")  # planning launches nothing: it runs without a GPU
+    assert not plan.rewrites and "too small" in plan.declined[0].reason
+
+
+def test_unsupported_dtype_is_declined_with_its_reason():
+    with jax.enable_x64(True):
+        x = jnp.ones((4, 8), jnp.float64)
+        report = xkern.explain(jax.nn.softmax)(x)
+        assert report.kernels == [] and "dtype float64" in report.declined[0].reason
+        np.testing.assert_allclose(xkern.jit(jax.nn.softmax)(x), jax.nn.softmax(x))
+
+
+def test_duplicate_patterns_are_rejected():
+    original = softmax_rules.PATTERNS[1]
+    twin = P.Pattern(**{**original.__dict__, "name": "softmax/twin",
+                        "fn": softmax_rules.softmax_shifted})
+    registry = P.build_registry([original, twin])
+    assert registry.rejected == [("softmax/twin", original.name)]
+    with pytest.raises(ValueError, match="duplicate pattern names"):
+        P.build_registry([original, original])
+    assert P.registry().rejected == []  # the library's own patterns are all distinct

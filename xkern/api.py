@@ -1,0 +1,160 @@
+"""The user's entry points: `jit`, `optimize` and `explain`."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from xkern import pipeline
+from xkern.jaxpr_passes.patterns import registry
+from xkern.jaxpr_passes.rewrite import Declined, evaluate, specs, traffic
+from xkern.kernels.launch import kernel_names, resolve_backend
+
+# Array leaves are traced; everything else (Python numbers included: under jax.jit they arrive as
+# Python values only when they are static) is baked into the trace and keys its cache entry.
+_DYNAMIC = (jax.Array, np.ndarray, np.generic)
+
+
+@dataclasses.dataclass
+class _Traced:
+    closed: Any
+    out_tree: Any
+    dynamic: list  # the array leaves of the arguments, in order
+    key: Any  # the signature, or None when the trace must not be reused
+
+
+def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
+    """The jaxpr of `fun` at these arguments; non-array leaves (strings, None...) are static."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _DYNAMIC)]
+    dynamic = [leaves[i] for i in dyn_idx]
+    out_tree = []
+
+    def flat_fun(*dyn):
+        full = list(leaves)
+        for i, value in zip(dyn_idx, dyn):
+            full[i] = value
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
+        out_tree.append(tree)
+        return out
+
+    closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
+    key = (treedef, static, tuple((tuple(np.shape(d)), jax.numpy.result_type(d),
+                                   getattr(jax.typeof(d), "weak_type", False)) for d in dynamic))
+    try:
+        hash(key)
+    except TypeError:
+        key = None
+    if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
+        key = None  # closes over an outer trace's values: valid for this trace only
+    return _Traced(closed, out_tree[0], dynamic, key)
+
+
+def optimize(fun: Callable | None = None, *, backend: str | None = None):
+    """Rewrite `fun`'s program with xkern's kernels each time it is traced or called.
+
+    Composes with jax.jit, jax.grad / value_and_grad (gradients run through each op's backward
+    kernels), jax.vmap, lax.scan bodies and Flax modules. Results equal `fun`'s within the dtype's
+    tolerance; what xkern cannot handle is left to XLA (see `explain`).
+    """
+    if fun is None:
+        return functools.partial(optimize, backend=backend)
+    plans: dict = {}
+
+    @functools.wraps(fun)
+    def optimized(*args, **kwargs):
+        chosen = resolve_backend(backend)
+        traced = _trace(fun, args, kwargs)
+        key = None if traced.key is None else (traced.key, chosen)
+        plan = plans.get(key) if key is not None else None
+        if plan is None:
+            plan = pipeline.plan(traced.closed, chosen)
+            if key is not None:
+                plans[key] = plan
+        outs = evaluate(plan, traced.dynamic, chosen)
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+
+    return optimized
+
+
+def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), donate_argnums=(),
+        backend: str | None = None):
+    """A drop-in for `jax.jit` that rewrites the program with xkern's kernels before XLA sees it."""
+    if fun is None:
+        return functools.partial(jit, static_argnums=static_argnums, static_argnames=static_argnames,
+                                 donate_argnums=donate_argnums, backend=backend)
+    return jax.jit(optimize(fun, backend=backend), static_argnums=static_argnums,
+                   static_argnames=static_argnames, donate_argnums=donate_argnums)
+
+
+# --------------------------------------------------------------------------------------------------
+# explain
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Replaced:
+    pattern: str
+    op: str
+    location: str
+    kernels: list[str]
+    params: dict
+
+
+@dataclasses.dataclass
+class Report:
+    """What xkern does to a program: printable, and data."""
+    backend: str
+    kernels: list[str]  # every kernel the rewritten program launches, in program order
+    matches: list[Replaced]
+    declined: list[Declined]
+    bytes_before: int  # estimated, the matched regions as unfused equations
+    bytes_after: int  # estimated, the kernels that replace them (each input read, output written)
+
+    def __str__(self) -> str:
+        lines = [f"xkern on backend {self.backend!r}: {len(self.matches)} rewrite(s), "
+                 f"{len(self.declined)} declined; kernels launched: {self.kernels or 'none'}"]
+        for m in self.matches:
+            lines.append(f"  fused    {m.pattern:42} at {m.location} -> {', '.join(m.kernels)}")
+        for d in self.declined:
+            lines.append(f"  declined {d.pattern:42} at {d.location}: {d.reason}")
+        if self.matches:
+            lines.append(f"  estimated bytes moved by the rewritten regions: "
+                         f"{_mib(self.bytes_before)} unfused -> {_mib(self.bytes_after)} as kernels")
+        if self.backend == "xla":
+            lines.append("  (backend 'xla': nothing is rewritten)")
+        return "\n".join(lines)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def explain(fun: Callable, *, backend: str | None = None):
+    """`explain(fun)(*args)`: a Report of what xkern.jit / optimize would do to `fun` at these args."""
+    def report(*args, **kwargs) -> Report:
+        chosen = resolve_backend(backend)
+        traced = _trace(fun, args, kwargs)
+        plan = pipeline.plan(traced.closed, chosen)
+        launched = kernel_names(jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic))
+        matches, declined = [], []
+        for p in plan.walk():
+            declined += p.declined
+            for r in p.rewrites.values():
+                replaced = jax.make_jaxpr(functools.partial(r.match.pattern.replace, backend=chosen,
+                                                            **r.params))(*specs(r.match.input_avals))
+                matches.append(Replaced(r.pattern, r.match.pattern.op, r.location,
+                                        kernel_names(replaced), r.params))
+        before, after = traffic(plan)
+        return Report(chosen, launched, matches, declined, before, after)
+    return report
+
+
+def patterns() -> list[str]:
+    """The names of every registered pattern (duplicates rejected at registration are left out)."""
+    rejected = {name for name, _ in registry().rejected}
+    return [p.name for p in registry().patterns if p.name not in rejected]

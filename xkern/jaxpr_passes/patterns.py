@@ -1,0 +1,223 @@
+"""The pattern language: a pattern is an ordinary JAX function, traced to a jaxpr and matched
+structurally against the program.
+
+Matching is two-step, so that one pattern serves every shape, axis and dtype:
+  1. structural: from an anchor equation (the one producing the pattern's output), walk the template
+     and the program backwards together, comparing primitives, operand wiring and literal values but
+     not params (reduction axes, broadcast shapes differ from the example the template was traced at);
+  2. exact: read the pattern's params off the match (e.g. the softmax axis), trace the pattern again on
+     the matched inputs' real shapes and dtypes, and require the program to equal that trace equation
+     for equation, params included.
+So a rewrite only happens where the program computes exactly what the pattern function computes.
+
+Rules files (`*_rules.py` beside this one) list their patterns in `PATTERNS`; they are loaded the
+first time a program is matched, so `import xkern` stays cheap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import pkgutil
+from typing import Any, Callable
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from xkern.jaxpr_passes.canonicalize import canonicalize, dce
+from xkern.jaxpr_passes.graph import Graph, same_literal
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Pattern:
+    """A named way of writing an op, and what replaces it.
+
+    fn(*inputs, **params): the pattern itself, an ordinary JAX function with one output.
+    example(dtype): example input avals to trace the template at, for each dtype in `dtypes`.
+    params_of(match): the params at a match, read off the matched equations (e.g. the axis).
+    replace(*inputs, backend, **params): the replacement; must equal fn(*inputs, **params).
+    check(match, params): a reason to decline this match (dtype, shape), or None.
+    """
+    name: str
+    op: str
+    fn: Callable
+    example: Callable[[Any], tuple]
+    dtypes: tuple
+    params_of: Callable[["Match"], dict]
+    replace: Callable
+    check: Callable[["Match", dict], str | None] = lambda match, params: None
+    example_params: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class Match:
+    pattern: Pattern
+    graph: Graph
+    anchor: int  # program equation producing the pattern's output
+    eqns: dict[int, int]  # template equation index -> program equation index
+    inputs: list  # program vars bound to the pattern's inputs, in order
+    template: Jaxpr
+
+    def eqn(self, primitive: str, nth: int = 0):
+        """The program equation matched to the template's nth `primitive` equation."""
+        hits = [i for i, e in enumerate(self.template.eqns) if e.primitive.name == primitive]
+        return self.graph.eqns[self.eqns[hits[nth]]]
+
+    @property
+    def input_avals(self) -> list:
+        return [v.aval for v in self.inputs]
+
+    @property
+    def program_eqns(self) -> set[int]:
+        return set(self.eqns.values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Structural matching
+# --------------------------------------------------------------------------------------------------
+
+def _same_params(a: dict, b: dict) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(_same_param(a[k], b[k]) for k in a)
+
+
+def _same_param(a, b) -> bool:
+    if isinstance(a, (ClosedJaxpr, Jaxpr)) and isinstance(b, (ClosedJaxpr, Jaxpr)):
+        return same_jaxpr(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same_param(x, y) for x, y in zip(a, b))
+    if callable(a) and callable(b):
+        return True  # traced callables (custom_jvp rules, thunks) differ per trace
+    try:
+        return bool(a == b)
+    except Exception:  # arrays and other values without a plain ==
+        return a is b
+
+
+def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | None:
+    """Match `template` (one output) against the program, its output at equation `anchor`."""
+    t_out = template.outvars[0]
+    t_graph = Graph(template)
+    if t_out not in t_graph.producer:
+        return None
+    t_inputs = list(template.invars)
+    binding: dict = {}
+    eqn_map: dict[int, int] = {}
+
+    def match(tv, pv) -> bool:
+        if isinstance(tv, Literal):
+            return isinstance(pv, Literal) and same_literal(tv, pv) and (
+                not strict or tv.aval.dtype == pv.aval.dtype)
+        if isinstance(pv, Literal):
+            return False
+        if strict and (tv.aval.shape, tv.aval.dtype) != (pv.aval.shape, pv.aval.dtype):
+            return False
+        if tv in binding or tv in t_inputs:
+            if tv in binding:
+                return binding[tv] is pv
+            binding[tv] = pv
+            return True
+        ti, tk = t_graph.producer[tv]
+        if pv not in graph.producer:
+            return False
+        pi, pk = graph.producer[pv]
+        if ti in eqn_map:
+            return eqn_map[ti] == pi and tk == pk
+        te, pe = t_graph.eqns[ti], graph.eqns[pi]
+        if (te.primitive is not pe.primitive or tk != pk or len(te.invars) != len(pe.invars)
+                or len(te.outvars) != len(pe.outvars)):
+            return False
+        if strict and not _same_params(te.params, pe.params):
+            return False
+        eqn_map[ti] = pi
+        binding[tv] = pv
+        return all(match(a, b) for a, b in zip(te.invars, pe.invars))
+
+    p_out = graph.eqns[anchor].outvars
+    if len(p_out) != 1 or not match(t_out, p_out[0]):
+        return None
+    if len(eqn_map) != len(t_graph.eqns) or any(v not in binding for v in t_inputs):
+        return None
+    return Match(None, graph, anchor, eqn_map, [binding[v] for v in t_inputs], template)
+
+
+def same_jaxpr(a, b) -> bool:
+    """Whether two single-output jaxprs compute the same thing, equation for equation."""
+    a, b = getattr(a, "jaxpr", a), getattr(b, "jaxpr", b)
+    if len(a.eqns) != len(b.eqns) or len(a.outvars) != 1 or len(b.outvars) != 1 or not b.eqns:
+        return len(a.eqns) == len(b.eqns) == 0 and a.outvars == b.outvars
+    graph = Graph(b)
+    anchor = graph.producer.get(b.outvars[0], (None,))[0]
+    m = anchor is not None and unify(a, graph, anchor, strict=True)
+    return bool(m) and m.inputs == list(b.invars)
+
+
+# --------------------------------------------------------------------------------------------------
+# Templates and the registry
+# --------------------------------------------------------------------------------------------------
+
+def trace(pattern: Pattern, avals, params: dict) -> Jaxpr:
+    """The canonical jaxpr of `pattern.fn` at these input avals and params."""
+    closed = jax.make_jaxpr(functools.partial(pattern.fn, **params))(*avals)
+    closed = dce(canonicalize(closed))
+    if closed.consts:
+        raise ValueError(f"pattern {pattern.name} closes over array constants; use Python scalars")
+    return closed.jaxpr
+
+
+_trace_cached = functools.lru_cache(maxsize=4096)(
+    lambda pattern, avals, params: trace(pattern, avals, dict(params)))
+
+
+def retrace(pattern: Pattern, avals, params: dict) -> Jaxpr:
+    """`trace`, cached per (pattern, input shapes and dtypes, params)."""
+    key = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
+    return _trace_cached(pattern, key, tuple(sorted(params.items())))
+
+
+@dataclasses.dataclass
+class Registry:
+    by_anchor: dict  # anchor primitive name -> [(pattern, template)], largest template first
+    patterns: list
+    rejected: list  # (pattern name, name of the pattern it duplicates)
+
+
+def build_registry(patterns: list[Pattern]) -> Registry:
+    """Trace every pattern's templates; reject duplicates (a template another pattern already has)."""
+    names = [p.name for p in patterns]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate pattern names: {sorted(n for n in names if names.count(n) > 1)}")
+    kept, rejected, by_anchor = [], [], {}
+    for pattern in patterns:
+        templates = []
+        for dtype in pattern.dtypes:
+            t = trace(pattern, pattern.example(dtype), pattern.example_params)
+            if not any(same_jaxpr(t, other) for other in templates):
+                templates.append(t)
+        fresh = []
+        for t in templates:
+            twin = next((p for p, other in kept if same_jaxpr(t, other)), None)
+            if twin is None:
+                fresh.append(t)
+            elif (pattern.name, twin.name) not in rejected:
+                rejected.append((pattern.name, twin.name))
+        for t in fresh:
+            kept.append((pattern, t))
+            anchor = Graph(t).producer[t.outvars[0]][0]
+            by_anchor.setdefault(t.eqns[anchor].primitive.name, []).append((pattern, t))
+    for entries in by_anchor.values():
+        entries.sort(key=lambda e: -len(e[1].eqns))
+    return Registry(by_anchor, patterns, rejected)
+
+
+@functools.cache
+def registry() -> Registry:
+    """All patterns of every `*_rules` module, traced once, on first use."""
+    import xkern.jaxpr_passes as package
+
+    patterns = []
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.endswith("_rules"):
+            patterns += importlib.import_module(f"{package.__name__}.{info.name}").PATTERNS
+    return build_registry(patterns)

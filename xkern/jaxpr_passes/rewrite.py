@@ -1,0 +1,220 @@
+"""Rewriting: decide which pattern matches become xkern ops (a Plan), then evaluate the program with
+those matches replaced, by an interpreter that re-binds every other equation unchanged.
+
+Nothing edits a jaxpr by hand: evaluating the plan under a trace (jax.jit, make_jaxpr, grad, vmap)
+builds the rewritten program, with each equation's source info carried over.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from xkern import _compat
+from xkern.jaxpr_passes.canonicalize import bind_equation, live_equations
+from xkern.jaxpr_passes.graph import Graph, aval_bytes
+from xkern.jaxpr_passes.patterns import Match, registry, retrace, unify
+
+# Higher-order primitives whose bodies are not rewritten: xkern's own ops are custom_vjp calls, and
+# a custom_vjp's body is only the un-differentiated path of a function that has its own rules.
+OPAQUE = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+@dataclasses.dataclass
+class Rewrite:
+    match: Match
+    params: dict
+    location: str
+
+    @property
+    def pattern(self) -> str:
+        return self.match.pattern.name
+
+
+@dataclasses.dataclass
+class Declined:
+    pattern: str
+    location: str
+    reason: str
+    anchor: int
+
+
+@dataclasses.dataclass
+class Plan:
+    closed: ClosedJaxpr
+    live: set[int]
+    rewrites: dict[int, Rewrite]  # anchor equation -> its rewrite
+    skip: set[int]  # equations a rewrite absorbed
+    subplans: dict[int, dict[str, list["Plan"]]]  # equation -> param -> plans of its sub-jaxprs
+    declined: list[Declined]
+
+    def walk(self):
+        """This plan and every sub-plan, depth first."""
+        yield self
+        for by_param in self.subplans.values():
+            for plans in by_param.values():
+                for plan in plans:
+                    yield from plan.walk()
+
+    @property
+    def changes(self) -> bool:
+        return any(p.rewrites for p in self.walk())
+
+
+def empty_plan(closed: ClosedJaxpr) -> Plan:
+    return Plan(closed, live_equations(closed.jaxpr), {}, set(), {}, [])
+
+
+def location(eqn) -> str:
+    return _compat.summarize_source(eqn.source_info)
+
+
+# --------------------------------------------------------------------------------------------------
+# Deciding
+# --------------------------------------------------------------------------------------------------
+
+def _escaping(match: Match, live: set[int]) -> str | None:
+    graph, inside = match.graph, match.program_eqns
+    for i in sorted(inside - {match.anchor}):
+        for v in graph.eqns[i].outvars:
+            if v in graph.outvars or any(c in live and c not in inside
+                                         for c in graph.consumers.get(v, ())):
+                return graph.eqns[i].primitive.name
+    return None
+
+
+def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None]:
+    """The params of an accepted match, or the reason it is declined."""
+    escaped = _escaping(match, live)
+    if escaped:
+        return None, (f"an intermediate ({escaped}) is also used outside the pattern (in a program "
+                      "that is already a gradient, apply xkern.optimize inside jax.grad instead)")
+    pattern = match.pattern
+    try:
+        params = pattern.params_of(match)
+        exact = retrace(pattern, match.input_avals, params)
+    except Exception as e:  # a pattern that cannot be traced here is a near miss, not a crash
+        return None, f"the pattern does not apply at these inputs ({type(e).__name__}: {e})"
+    again = unify(exact, match.graph, match.anchor, strict=True)
+    if again is None or any(a is not b for a, b in zip(again.inputs, match.inputs)):
+        return None, (f"differs from {pattern.name} at these shapes and params "
+                      f"(e.g. reductions over other axes, other dtypes)")
+    reason = pattern.check(match, params) or cost(pattern.op, match.input_avals, params, backend)
+    return (None, reason) if reason else (params, None)
+
+
+def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
+    """Find the named patterns in `closed`; sub-jaxprs are planned by `plan_sub` (the pipeline)."""
+    graph = Graph(closed.jaxpr)
+    plan = empty_plan(closed)
+    by_anchor = registry().by_anchor
+    claimed: set[int] = set()
+    # Latest anchors first, so a larger pattern (softmax with its casts) wins over one inside it.
+    for i in reversed(range(len(graph.eqns))):
+        if i not in plan.live or i in claimed:
+            continue
+        for pattern, template in by_anchor.get(graph.eqns[i].primitive.name, ()):
+            match = unify(template, graph, i, strict=False)
+            if match is None or match.program_eqns & claimed:
+                continue
+            match.pattern = pattern
+            params, reason = _decide(match, plan.live, backend, cost)
+            if reason:
+                plan.declined.append(Declined(pattern.name, location(graph.eqns[i]), reason, i))
+                continue
+            plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]))
+            claimed |= match.program_eqns
+            plan.skip |= match.program_eqns - {i}
+            break
+    # A candidate declined in one spelling but rewritten in another was not declined after all; of
+    # several spellings declined at one place, the largest (tried first) speaks for it.
+    seen: set[int] = set()
+    plan.declined = [d for d in plan.declined
+                     if d.anchor not in claimed and not (d.anchor in seen or seen.add(d.anchor))]
+    for i in sorted(plan.live - claimed):
+        eqn = graph.eqns[i]
+        if eqn.primitive.name in OPAQUE:
+            continue
+        for name, value in eqn.params.items():
+            bodies = _sub_jaxprs(value)
+            if bodies:
+                plans = [plan_sub(body) for body in bodies]
+                if any(p.changes or any(q.declined for q in p.walk()) for p in plans):
+                    plan.subplans.setdefault(i, {})[name] = plans
+    return plan
+
+
+def _sub_jaxprs(value) -> list[ClosedJaxpr]:
+    values = value if isinstance(value, tuple) else (value,)
+    if not values or not all(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
+        return []
+    return [v if isinstance(v, ClosedJaxpr) else ClosedJaxpr(v, ()) for v in values]
+
+
+# --------------------------------------------------------------------------------------------------
+# Evaluating
+# --------------------------------------------------------------------------------------------------
+
+def specs(avals) -> list[jax.ShapeDtypeStruct]:
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+            for a in avals]
+
+
+def evaluate(plan: Plan, args, backend: str) -> list:
+    """Run the program of `plan` on `args` (arrays or tracers), with its rewrites applied."""
+    jaxpr = plan.closed.jaxpr
+    env = dict(zip(jaxpr.constvars, plan.closed.consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i not in plan.live or i in plan.skip:
+            continue
+        if i in plan.rewrites:
+            rewrite = plan.rewrites[i]
+            with _compat.user_context(eqn.source_info):
+                outs = [rewrite.match.pattern.replace(*map(read, rewrite.match.inputs),
+                                                      backend=backend, **rewrite.params)]
+        elif i in plan.subplans:
+            params = dict(eqn.params)
+            for name, plans in plan.subplans[i].items():
+                params[name] = _rebuilt(eqn.params[name], plans, backend)
+            outs = bind_equation(eqn, map(read, eqn.invars), params)
+        else:
+            outs = bind_equation(eqn, map(read, eqn.invars))
+        env.update(zip(eqn.outvars, outs))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _rebuilt(value, plans: list[Plan], backend: str):
+    """A sub-jaxpr param with its plans' rewrites applied (re-traced), in the param's own type."""
+    values = value if isinstance(value, tuple) else (value,)
+    out = []
+    for original, plan in zip(values, plans):
+        if not plan.changes:
+            out.append(original)
+            continue
+        avals = [v.aval for v in plan.closed.jaxpr.invars]
+        new = jax.make_jaxpr(lambda *a, plan=plan: evaluate(plan, a, backend))(*specs(avals))
+        if isinstance(original, Jaxpr):
+            out.append(new.jaxpr if not new.consts else original)  # an open body cannot take consts
+        else:
+            out.append(new)
+    return tuple(out) if isinstance(value, tuple) else out[0]
+
+
+def traffic(plan: Plan) -> tuple[int, int]:
+    """Estimated bytes the rewritten regions move: (before, as unfused equations; after, as kernels)."""
+    before = after = 0
+    for p in plan.walk():
+        graph = Graph(p.closed.jaxpr)
+        for rewrite in p.rewrites.values():
+            seen = set()
+            for i in rewrite.match.program_eqns:
+                for v in (*graph.eqns[i].invars, *graph.eqns[i].outvars):
+                    if not isinstance(v, Literal) and v not in seen:
+                        seen.add(v)
+                        before += aval_bytes(v.aval)
+            out = graph.eqns[rewrite.match.anchor].outvars[0]
+            after += sum(aval_bytes(v.aval) for v in rewrite.match.inputs) + aval_bytes(out.aval)
+    return before, after

@@ -1,0 +1,87 @@
+"""Softmax and log-softmax, in the ways people write them, replaced by xkern.ops (log_)softmax.
+
+Variants: jax.nn's functions; hand-written with the max subtracted, and without it (the kernel
+subtracts the max anyway, so it agrees wherever the original does not overflow); log-softmax through
+logsumexp; each also wrapped in a float32 upcast and a cast back (the kernels compute in float32).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from xkern.jaxpr_passes.patterns import Pattern
+from xkern.kernels import softmax as kernels
+
+ALL = (jnp.float32, jnp.bfloat16, jnp.float16)
+HALF = (jnp.bfloat16, jnp.float16)
+
+
+def softmax_jax_nn(x, axis):
+    return jax.nn.softmax(x, axis=axis)
+
+
+def softmax_shifted(x, axis):
+    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def softmax_unshifted(x, axis):
+    e = jnp.exp(x)
+    return e / jnp.sum(e, axis=axis, keepdims=True)
+
+
+def log_softmax_jax_nn(x, axis):
+    return jax.nn.log_softmax(x, axis=axis)
+
+
+def log_softmax_shifted(x, axis):
+    shifted = x - jnp.max(x, axis=axis, keepdims=True)
+    return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=axis, keepdims=True))
+
+
+def log_softmax_logsumexp(x, axis):
+    return x - jax.nn.logsumexp(x, axis=axis, keepdims=True)
+
+
+def upcast(fn):
+    """fn computed in float32 on a half-precision input, then cast back."""
+    def pattern(x, axis):
+        return fn(x.astype(jnp.float32), axis).astype(x.dtype)
+    pattern.__name__ = f"{fn.__name__}_upcast"
+    return pattern
+
+
+def _axis(match) -> dict:
+    first_reduce = next(e for e in (match.graph.eqns[i] for i in sorted(match.program_eqns))
+                        if e.primitive.name in ("reduce_max", "reduce_sum"))
+    return {"axis": tuple(first_reduce.params["axes"])}
+
+
+def _check_dtype(match, params) -> str | None:
+    dtype = match.input_avals[0].dtype
+    if dtype not in ALL:
+        return f"dtype {dtype}: the softmax kernels take float32, bfloat16 and float16"
+    return None
+
+
+def _pattern(name, op, fn, dtypes):
+    replace = kernels.log_softmax if op == "log_softmax" else kernels.softmax
+    return Pattern(
+        name=name, op=op, fn=fn, dtypes=dtypes,
+        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype),),
+        example_params={"axis": -1}, params_of=_axis, check=_check_dtype,
+        replace=lambda x, *, backend, axis: replace(x, axis=axis, backend=backend))
+
+
+PATTERNS = [
+    _pattern("softmax/jax.nn.softmax", "softmax", softmax_jax_nn, ALL),
+    _pattern("softmax/exp(x-max)/sum", "softmax", softmax_shifted, ALL),
+    _pattern("softmax/exp(x)/sum", "softmax", softmax_unshifted, ALL),
+    _pattern("softmax/jax.nn.softmax+upcast", "softmax", upcast(softmax_jax_nn), HALF),
+    _pattern("softmax/exp(x-max)/sum+upcast", "softmax", upcast(softmax_shifted), HALF),
+    _pattern("log_softmax/jax.nn.log_softmax", "log_softmax", log_softmax_jax_nn, ALL),
+    _pattern("log_softmax/x-max-log(sum)", "log_softmax", log_softmax_shifted, ALL),
+    _pattern("log_softmax/x-logsumexp", "log_softmax", log_softmax_logsumexp, ALL),
+    _pattern("log_softmax/jax.nn.log_softmax+upcast", "log_softmax", upcast(log_softmax_jax_nn), HALF),
+    _pattern("log_softmax/x-max-log(sum)+upcast", "log_softmax", upcast(log_softmax_shifted), HALF),
+]

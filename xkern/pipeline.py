@@ -1,0 +1,25 @@
+"""The order of xkern's steps over a traced program, in one place, above every package it orders.
+
+    1. canonicalize   inline jit / call wrappers so patterns can see through them
+    2. patterns       named patterns -> xkern ops; each match checked exactly, by dtype, and by the
+                      cost model (a rewrite that loses to XLA is declined, with its reason)
+    (3. fusion of the remaining elementwise/reduction equations and 4. memory planning: to come)
+
+Sub-jaxprs (cond branches, scan and while bodies, remat, custom_jvp) go through the same steps.
+"""
+from __future__ import annotations
+
+from jax.extend.core import ClosedJaxpr
+
+from xkern.jaxpr_passes.canonicalize import canonicalize
+from xkern.jaxpr_passes.rewrite import Plan, empty_plan, match_patterns
+from xkern.tuning.cost import decline_reason
+
+
+def plan(closed: ClosedJaxpr, backend: str) -> Plan:
+    """What xkern will do to the program `closed` on `backend`."""
+    if backend == "xla":
+        return empty_plan(closed)
+    closed = canonicalize(closed)
+    return match_patterns(closed, backend, cost=decline_reason,
+                          plan_sub=lambda sub: plan(sub, backend))

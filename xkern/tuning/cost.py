@@ -1,0 +1,41 @@
+"""The cost model that decides whether a rewrite wins over XLA; a rewrite that loses is declined.
+
+Coefficients come from measurements on an H200 (benchmarks/results/README.md, shared/GPU.md):
+a Triton custom call costs ~6.7 us on the GPU timeline where an XLA fusion costs ~0.8 us, so a
+kernel must save more memory time than that. Only the `triton` backend is costed: the interpreter
+exists to test kernels, so there every match is rewritten.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+CUSTOM_CALL_US = 6.7
+XLA_FUSION_US = 0.8
+# Streaming bandwidth (TB/s, effective) of one forward pass, xkern kernel vs XLA, large shapes.
+SOFTMAX_TBPS = {"xkern": 4.0, "xla": 3.3}
+SOFTMAX_MAX_ROW = 32768  # longer rows take the two-pass kernels, which lose fwd+bwd (0.84x)
+
+
+def _softmax(avals, params) -> str | None:
+    aval = avals[0]
+    n_cols = int(np.prod([aval.shape[a] for a in params["axis"]]))
+    if n_cols > SOFTMAX_MAX_ROW:
+        return (f"rows of {n_cols} > {SOFTMAX_MAX_ROW}: the two-pass kernels lose to XLA's fused "
+                "forward+backward (0.84x measured at 512x131072)")
+    nbytes = 2 * int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    ours = CUSTOM_CALL_US + nbytes / SOFTMAX_TBPS["xkern"] / 1e6
+    xla = XLA_FUSION_US + nbytes / SOFTMAX_TBPS["xla"] / 1e6
+    if ours >= xla:
+        return (f"too small: {nbytes / 2**20:.1f} MiB moved; estimated {ours:.1f} us as a kernel vs "
+                f"{xla:.1f} us in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
+    return None
+
+
+RULES = {"softmax": _softmax, "log_softmax": _softmax}
+
+
+def decline_reason(op: str, avals, params: dict, backend: str) -> str | None:
+    """Why replacing `op` at these inputs would lose to XLA on `backend`, or None if it wins."""
+    if backend != "triton" or op not in RULES:
+        return None
+    return RULES[op](avals, params)
