@@ -46,10 +46,11 @@ def sweep_shape(shape, dtype=jnp.bfloat16) -> list[dict]:
     results = []
     for config in candidates(*shape):
         consts = S._constexprs(shape[1], log=False)
+        out = [jax.ShapeDtypeStruct(shape, dtype)]
         fwd = jax.jit(lambda x, c=config: S._launch_fwd(x, backend="triton", config=c,
-                                                         constexprs=consts)[0])
+                                                         constexprs=consts, out_shapes=out)[0])
         bwd = jax.jit(lambda y, dy, c=config: S._launch_bwd(y, dy, backend="triton", config=c,
-                                                             constexprs=consts)[0])
+                                                             constexprs=consts, out_shapes=out)[0])
         for kernel, fn, args, ref, moved in (("fwd", fwd, (x,), y_ref, 2 * nbytes),
                                              ("bwd", bwd, (y_in, dy), dx_ref, 3 * nbytes)):
             try:

@@ -61,6 +61,22 @@ def test_values_and_gradient(rng, shape, dtype, config, op):
     assert_close(dx, reference_grad(x, dy, -1, log), dtype if dtype != jnp.float32 else jnp.float16)
 
 
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("config", [None, ONLINE], ids=["default", "online"])
+def test_half_input_float32_output(rng, op, config):
+    fn, log = OPS[op]
+    x, dy = random(rng, (3, 1000), jnp.bfloat16), random(rng, (3, 1000), jnp.float32, 1.0)
+    y, vjp = jax.vjp(lambda x: fn(x, out_dtype=jnp.float32, config=config), x)
+    assert y.dtype == jnp.float32
+    assert_close(y, reference(x, -1, log), jnp.float32)  # only the input was rounded
+    dx = vjp(dy)[0]
+    assert dx.dtype == jnp.bfloat16
+    assert_close(dx, reference_grad(x, dy, -1, log), jnp.bfloat16)
+    ref_fn = jax.nn.log_softmax if log else jax.nn.softmax
+    np.testing.assert_array_equal(fn(x, out_dtype=jnp.float32, backend="xla"),
+                                  ref_fn(x.astype(jnp.float32)))
+
+
 @pytest.mark.parametrize("axis", [0, 1, -2, (1, 2), (0, 2)], ids=str)
 def test_other_axes(rng, axis):
     x, dy = random(rng, (4, 5, 33), jnp.float32), random(rng, (4, 5, 33), jnp.float32)
@@ -138,6 +154,8 @@ def test_bad_input_raises_naming_the_argument():
         xkern.ops.softmax(np.ones((2, 3)))
     with pytest.raises(TypeError, match="x must be"):
         xkern.ops.softmax([1.0, 2.0])
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        xkern.ops.softmax(jnp.ones((2, 3)), out_dtype=jnp.int32)
     with pytest.raises(ValueError, match="axis"):
         xkern.ops.softmax(jnp.ones((2, 3)), axis=2)
     with pytest.raises(ValueError, match="repeats"):

@@ -2,7 +2,8 @@
 
 Variants: jax.nn's functions; hand-written with the max subtracted, and without it (the kernel
 subtracts the max anyway, so it agrees wherever the original does not overflow); log-softmax through
-logsumexp; each also wrapped in a float32 upcast and a cast back (the kernels compute in float32).
+logsumexp; each also on a half-precision input upcast to float32, with or without a cast back (the
+kernels compute in float32 and read the half-precision input directly: no float32 copy).
 """
 from __future__ import annotations
 
@@ -43,11 +44,12 @@ def log_softmax_logsumexp(x, axis):
     return x - jax.nn.logsumexp(x, axis=axis, keepdims=True)
 
 
-def upcast(fn):
-    """fn computed in float32 on a half-precision input, then cast back."""
+def upcast(fn, cast_back: bool = True):
+    """fn computed in float32 on a half-precision input, then (or not) cast back."""
     def pattern(x, axis):
-        return fn(x.astype(jnp.float32), axis).astype(x.dtype)
-    pattern.__name__ = f"{fn.__name__}_upcast"
+        y = fn(x.astype(jnp.float32), axis)
+        return y.astype(x.dtype) if cast_back else y
+    pattern.__name__ = f"{fn.__name__}_upcast{'_cast_back' if cast_back else ''}"
     return pattern
 
 
@@ -64,13 +66,14 @@ def _check_dtype(match, params) -> str | None:
     return None
 
 
-def _pattern(name, op, fn, dtypes):
+def _pattern(name, op, fn, dtypes, out_dtype=None):
     replace = kernels.log_softmax if op == "log_softmax" else kernels.softmax
     return Pattern(
         name=name, op=op, fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype),),
         example_params={"axis": -1}, params_of=_axis, check=_check_dtype,
-        replace=lambda x, *, backend, axis: replace(x, axis=axis, backend=backend))
+        replace=lambda x, *, backend, axis: replace(x, axis=axis, out_dtype=out_dtype,
+                                                    backend=backend))
 
 
 PATTERNS = [
@@ -79,9 +82,17 @@ PATTERNS = [
     _pattern("softmax/exp(x)/sum", "softmax", softmax_unshifted, ALL),
     _pattern("softmax/jax.nn.softmax+upcast", "softmax", upcast(softmax_jax_nn), HALF),
     _pattern("softmax/exp(x-max)/sum+upcast", "softmax", upcast(softmax_shifted), HALF),
+    _pattern("softmax/jax.nn.softmax(float32)", "softmax", upcast(softmax_jax_nn, False), HALF,
+             jnp.float32),
+    _pattern("softmax/exp(x-max)/sum(float32)", "softmax", upcast(softmax_shifted, False), HALF,
+             jnp.float32),
     _pattern("log_softmax/jax.nn.log_softmax", "log_softmax", log_softmax_jax_nn, ALL),
     _pattern("log_softmax/x-max-log(sum)", "log_softmax", log_softmax_shifted, ALL),
     _pattern("log_softmax/x-logsumexp", "log_softmax", log_softmax_logsumexp, ALL),
     _pattern("log_softmax/jax.nn.log_softmax+upcast", "log_softmax", upcast(log_softmax_jax_nn), HALF),
     _pattern("log_softmax/x-max-log(sum)+upcast", "log_softmax", upcast(log_softmax_shifted), HALF),
+    _pattern("log_softmax/jax.nn.log_softmax(float32)", "log_softmax",
+             upcast(log_softmax_jax_nn, False), HALF, jnp.float32),
+    _pattern("log_softmax/x-max-log(sum)(float32)", "log_softmax",
+             upcast(log_softmax_shifted, False), HALF, jnp.float32),
 ]

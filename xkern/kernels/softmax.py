@@ -182,19 +182,23 @@ def _check_config(config: L.Config, n_cols: int) -> L.Config:
 # Launchers (on [n_rows, n_cols] arrays) and their batching rules
 # --------------------------------------------------------------------------------------------------
 
-def _launch_fwd(x2, *, backend, config, constexprs, **_):
+def _launch_fwd(x2, *, backend, config, constexprs, out_shapes, **_):
+    """y = softmax(x) rows, in out_shapes[0]'s dtype (the batching rule passes the equation's own)."""
     n_rows, n_cols = x2.shape
     fn = _fwd_online if config["BLOCK_N"] < n_cols else _fwd_rows
     name = "log_softmax_fwd" if dict(constexprs)["LOG"] else "softmax_fwd"
-    return L.launch(fn, x2, n_rows, kernel=name, out_shapes=[x2], grid=_grid(n_rows, n_cols, config),
+    out = jax.ShapeDtypeStruct(x2.shape, out_shapes[0].dtype)
+    return L.launch(fn, x2, n_rows, kernel=name, out_shapes=[out], grid=_grid(n_rows, n_cols, config),
                     config=config, backend=backend, constexprs=dict(constexprs))
 
 
-def _launch_bwd(y2, dy2, *, backend, config, constexprs, **_):
+def _launch_bwd(y2, dy2, *, backend, config, constexprs, out_shapes, **_):
+    """dx rows from y and dy, in out_shapes[0]'s dtype (x's)."""
     n_rows, n_cols = y2.shape
     fn = _bwd_online if config["BLOCK_N"] < n_cols else _bwd_rows
     name = "log_softmax_bwd" if dict(constexprs)["LOG"] else "softmax_bwd"
-    return L.launch(fn, y2, dy2, n_rows, kernel=name, out_shapes=[y2],
+    out = jax.ShapeDtypeStruct(y2.shape, out_shapes[0].dtype)
+    return L.launch(fn, y2, dy2, n_rows, kernel=name, out_shapes=[out],
                     grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
                     constexprs=dict(constexprs))
 
@@ -212,22 +216,22 @@ def _constexprs(n_cols: int, log: bool) -> tuple:
     return (("LOG", log), ("N_COLS", n_cols))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _softmax_rows(x2, log, backend, fwd_config, bwd_config):
-    consts = _constexprs(x2.shape[1], log)
-    return _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=consts)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def _softmax_rows(x2, log, out_dtype, backend, fwd_config, bwd_config):
+    return _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config)[0]
 
 
-def _softmax_rows_fwd(x2, log, backend, fwd_config, bwd_config):
-    consts = _constexprs(x2.shape[1], log)
-    y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=consts)[0]
-    return y2, y2
+def _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config):
+    y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=_constexprs(x2.shape[1], log),
+                     out_shapes=[jax.ShapeDtypeStruct(x2.shape, out_dtype)])[0]
+    return y2, (y2, jnp.zeros((0,), x2.dtype))  # the empty array only carries x's dtype
 
 
-def _softmax_rows_bwd(log, backend, fwd_config, bwd_config, y2, dy2):
-    consts = _constexprs(y2.shape[1], log)
+def _softmax_rows_bwd(log, out_dtype, backend, fwd_config, bwd_config, residuals, dy2):
+    y2, x_dtype = residuals[0], residuals[1].dtype
     return (_launch_bwd(y2, dy2.astype(y2.dtype), backend=backend, config=bwd_config,
-                        constexprs=consts)[0],)
+                        constexprs=_constexprs(y2.shape[1], log),
+                        out_shapes=[jax.ShapeDtypeStruct(y2.shape, x_dtype)])[0],)
 
 
 _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
@@ -249,37 +253,43 @@ def _normalize_axes(op: str, axis, ndim: int) -> tuple[int, ...]:
     return axes
 
 
-def softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
+def softmax(x, axis: int | Sequence[int] = -1, *, out_dtype=None, backend: str | None = None,
             config: L.Config | None = None):
     """Softmax of `x` along `axis` (an int or a tuple of ints), as jax.nn.softmax computes it.
 
     float32, bfloat16 and float16 inputs, with float32 math inside; any leading shape; differentiable
     (the backward kernel uses the saved output only) and batchable with jax.vmap.
+    out_dtype: the result's dtype (default x's): float32 gives jax.nn.softmax(x.astype(float32))
+        without a float32 copy of x.
     backend: "triton", "interpret" or "xla" (default: XKERN_BACKEND, else from the platform).
     config: a launch config to use in place of the heuristic one (for tuning and tests).
     """
-    return _softmax_any(x, axis, backend, config, log=False)
+    return _softmax_any(x, axis, out_dtype, backend, config, log=False)
 
 
-def log_softmax(x, axis: int | Sequence[int] = -1, *, backend: str | None = None,
+def log_softmax(x, axis: int | Sequence[int] = -1, *, out_dtype=None, backend: str | None = None,
                 config: L.Config | None = None):
     """Log-softmax of `x` along `axis`, as jax.nn.log_softmax computes it; otherwise as `softmax`."""
-    return _softmax_any(x, axis, backend, config, log=True)
+    return _softmax_any(x, axis, out_dtype, backend, config, log=True)
 
 
-def _softmax_any(x, axis, backend, config, log: bool):
+def _softmax_any(x, axis, out_dtype, backend, config, log: bool):
     op = "log_softmax" if log else "softmax"
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
+    if out_dtype is not None and jnp.dtype(out_dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out_dtype}")
     if x.ndim == 0:
         raise ValueError(f"{op}: x must have at least one dimension; got a scalar")
     axes = _normalize_axes(op, axis, x.ndim)
     backend = L.resolve_backend(backend)
     x = jnp.asarray(x)
     if backend == "xla" or x.size == 0:
-        return reference(x, axis=axes, log=log)
+        if out_dtype is None:
+            return reference(x, axis=axes, log=log)
+        return reference(x.astype(jnp.float32), axis=axes, log=log).astype(out_dtype)
     # Bring the softmax axes to the end and flatten to [rows, cols]: the kernels see rows only.
     order = [a for a in range(x.ndim) if a not in axes] + list(axes)
     moved = x if order == sorted(order) else jnp.transpose(x, order)
@@ -290,7 +300,8 @@ def _softmax_any(x, axis, backend, config, log: bool):
         bwd_config = default_config(x2.shape[0], n_cols, backend, "bwd")
     else:
         fwd_config = bwd_config = _check_config(config, n_cols)
-    y = _softmax_rows(x2, log, backend, fwd_config, bwd_config).reshape(moved.shape)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    y = _softmax_rows(x2, log, out_dtype, backend, fwd_config, bwd_config).reshape(moved.shape)
     return y if moved is x else jnp.transpose(y, np.argsort(order))
 
 
@@ -301,16 +312,17 @@ def _softmax_any(x, axis, backend, config, log: bool):
 def aot_cases():
     """(name, kernel, signature, config) for every kernel here, per dtype and row kind."""
     sizes = {"n_rows": "i32"}
-    for dtype, log in (("fp32", False), ("bf16", False), ("fp16", False), ("bf16", True)):
+    for dtype, out, log in (("fp32", "fp32", False), ("bf16", "bf16", False), ("fp16", "fp16", False),
+                            ("bf16", "bf16", True), ("bf16", "fp32", True)):
         for n_cols in (100, 8192, 32768, 131072):
             fwd_config, bwd_config = (default_config(16384, n_cols, "triton", k).replace(
                 N_COLS=n_cols, LOG=log) for k in ("fwd", "bwd"))
             online = n_cols > MAX_ROW_BLOCK
             fwd, bwd = (_fwd_online, _bwd_online) if online else (_fwd_rows, _bwd_rows)
-            tag = f"{'online' if online else 'rows'}/{dtype}/n{n_cols}"
+            tag = f"{'online' if online else 'rows'}/{dtype}->{out}/n{n_cols}"
             prefix = "log_softmax" if log else "softmax"
             yield (f"{prefix}_fwd/{tag}", fwd,
-                   {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{dtype}"}, fwd_config)
+                   {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{out}"}, fwd_config)
             yield (f"{prefix}_bwd/{tag}", bwd,
-                   {"y_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", **sizes, "dx_ptr": f"*{dtype}"},
+                   {"y_ptr": f"*{out}", "dy_ptr": f"*{out}", **sizes, "dx_ptr": f"*{dtype}"},
                    bwd_config)
