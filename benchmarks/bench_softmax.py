@@ -21,17 +21,23 @@ def _fwd_bwd(softmax):
 
 
 def cases(on_gpu: bool) -> list[Case]:
-    out = []
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
+    out = _cases(GPU_SHAPES if on_gpu else CPU_SHAPES, dtype, "softmax", xkern.ops.softmax,
+                 jax.nn.softmax)
+    return out + _cases(GPU_SHAPES[:1] if on_gpu else CPU_SHAPES[:1], dtype, "log_softmax",
+                        xkern.ops.log_softmax, jax.nn.log_softmax)
+
+
+def _cases(shapes, dtype, op, ours, theirs) -> list[Case]:
+    out = []
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
-    for shape in GPU_SHAPES if on_gpu else CPU_SHAPES:
+    for shape in shapes:
         size = shape[0] * shape[1] * jnp.dtype(dtype).itemsize
-        out.append(Case("softmax", shape, jnp.dtype(dtype).name, "fwd",
-                        _fwd(xkern.ops.softmax), _fwd(jax.nn.softmax),
+        out.append(Case(op, shape, jnp.dtype(dtype).name, "fwd", _fwd(ours), _fwd(theirs),
                         lambda key, s=shape: (3 * jax.random.normal(key, s, dtype),),
                         min_bytes=2 * size, tolerance=tolerance))
-        out.append(Case("softmax", shape, jnp.dtype(dtype).name, "fwd+bwd",
-                        _fwd_bwd(xkern.ops.softmax), _fwd_bwd(jax.nn.softmax),
+        out.append(Case(op, shape, jnp.dtype(dtype).name, "fwd+bwd", _fwd_bwd(ours),
+                        _fwd_bwd(theirs),
                         lambda key, s=shape: tuple(3 * jax.random.normal(k, s, dtype)
                                                    for k in jax.random.split(key)),
                         min_bytes=3 * size, tolerance=tolerance))

@@ -30,7 +30,7 @@ class Case:
     xkern_fn: Callable
     xla_fn: Callable
     make_args: Callable[[jax.Array], tuple]  # key -> fresh random inputs
-    min_bytes: int
+    min_bytes: int  # 0 for whole programs (no single roofline applies)
     tolerance: float  # on max |xkern - xla| / max(|xla|, 1)
 
 
@@ -43,8 +43,8 @@ class Row:
     xkern_ms: float
     xla_ms: float
     speedup: float
-    xkern_tbps: float
-    xla_tbps: float
+    xkern_tbps: float | None
+    xla_tbps: float | None
     roofline_pct: float | None
     max_error: float
 
@@ -76,19 +76,20 @@ def run_case(case: Case, seed: int = 0) -> Row:
     if err > case.tolerance:
         raise AssertionError(f"{case.op} {case.shape} {case.mode}: error {err:.3g} > {case.tolerance}")
     t_xkern, t_xla = time_pipelined(xkern_fn, *args), time_pipelined(xla_fn, *args)
-    roofline = _roofline()
-    tbps = case.min_bytes / t_xkern / 1e12
+    roofline = _roofline() if case.min_bytes else None  # whole programs: no single roofline
+    tbps = lambda t: round(case.min_bytes / t / 1e12, 3) if case.min_bytes else None
     return Row(case.op, "x".join(map(str, case.shape)), case.dtype, case.mode,
                round(t_xkern * 1e3, 4), round(t_xla * 1e3, 4), round(t_xla / t_xkern, 3),
-               round(tbps, 3), round(case.min_bytes / t_xla / 1e12, 3),
-               round(100 * tbps / roofline, 1) if roofline else None, err)
+               tbps(t_xkern), tbps(t_xla),
+               round(100 * tbps(t_xkern) / roofline, 1) if roofline else None, err)
 
 
 def format_table(rows: list[Row]) -> str:
     head = ("op", "shape", "dtype", "mode", "xkern ms", "jax.jit ms", "speedup", "xkern TB/s",
             "jax TB/s", "% roofline")
+    tb = lambda v: "-" if v is None else f"{v:.2f}"
     lines = [head] + [(r.op, r.shape, r.dtype, r.mode, f"{r.xkern_ms:.4f}", f"{r.xla_ms:.4f}",
-                       f"{r.speedup:.2f}x", f"{r.xkern_tbps:.2f}", f"{r.xla_tbps:.2f}",
+                       f"{r.speedup:.2f}x", tb(r.xkern_tbps), tb(r.xla_tbps),
                        "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}%") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
