@@ -262,6 +262,12 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     assert cost.decline_reason("softmax", big, {"axis": (1,)}, "triton") is None
     assert "rows of 131072" in cost.decline_reason("softmax", long_rows, {"axis": (1,)}, "triton")
     assert cost.decline_reason("softmax", small, {"axis": (1,)}, "interpret") is None
+    assert "XLA fuses" in cost.decline_reason("softmax", big, {"axis": (1,)}, "triton", ["gather"])
+    assert cost.decline_reason("softmax", big, {"axis": (1,)}, "triton", ["gather", "mul"]) is None
+    assert "log_softmax" in cost.decline_reason("log_softmax", big, {"axis": (1,)}, "triton")
+    loss = lambda x, y: -jnp.take_along_axis(jax.nn.softmax(x), y[:, None], axis=-1).sum()
+    closed = jax.make_jaxpr(loss)(jnp.ones((16384, 8192), jnp.bfloat16), jnp.ones(16384, jnp.int32))
+    assert "XLA fuses" in pipeline.plan(closed, "triton").declined[0].reason
     closed = jax.make_jaxpr(jax.nn.softmax)(jnp.ones((64, 128), jnp.bfloat16))
     plan = pipeline.plan(closed, "triton")  # planning launches nothing: it runs without a GPU
     assert not plan.rewrites and "too small" in plan.declined[0].reason

@@ -100,7 +100,11 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     if again is None or any(a is not b for a, b in zip(again.inputs, match.inputs)):
         return None, (f"differs from {pattern.name} at these shapes and params "
                       f"(e.g. reductions over other axes, other dtypes)")
-    reason = pattern.check(match, params) or cost(pattern.op, match.input_avals, params, backend)
+    out = match.graph.eqns[match.anchor].outvars[0]
+    consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
+                 if c in live] + (["output"] if out in match.graph.outvars else [])
+    reason = pattern.check(match, params) or cost(pattern.op, match.input_avals, params, backend,
+                                                  consumers)
     return (None, reason) if reason else (params, None)
 
 
