@@ -220,6 +220,14 @@ def test_jit_takes_static_args_pytrees_and_raises_the_users_errors():
         bad(jnp.ones((2, 4)))
 
 
+def test_bad_arguments_name_themselves():
+    for api in (xkern.jit, xkern.optimize, xkern.explain):
+        with pytest.raises(TypeError, match="fun must be callable; got int"):
+            api(3)
+        with pytest.raises(ValueError, match="backend must be one of"):
+            api(jax.nn.softmax, backend="cuda")
+
+
 def test_plans_are_cached_per_signature(monkeypatch):
     calls = []
     original = pipeline.plan

@@ -11,7 +11,7 @@ import numpy as np
 from xkern import pipeline
 from xkern.jaxpr_passes.patterns import registry
 from xkern.jaxpr_passes.rewrite import Declined, evaluate, specs, traffic
-from xkern.kernels.launch import kernel_names, resolve_backend
+from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
 
 # Array leaves are traced; everything else (Python numbers included: under jax.jit they arrive as
 # Python values only when they are static) is baked into the trace and keys its cache entry.
@@ -55,6 +55,14 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     return _Traced(closed, out_tree[0], dynamic, key)
 
 
+def _check_args(api: str, fun, backend) -> None:
+    if not callable(fun):
+        raise TypeError(f"xkern.{api}: fun must be callable; got {type(fun).__name__}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"xkern.{api}: backend must be one of {', '.join(BACKENDS)} or None; "
+                         f"got {backend!r}")
+
+
 def optimize(fun: Callable | None = None, *, backend: str | None = None):
     """Rewrite `fun`'s program with xkern's kernels each time it is traced or called.
 
@@ -64,6 +72,7 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     """
     if fun is None:
         return functools.partial(optimize, backend=backend)
+    _check_args("optimize", fun, backend)
     plans: dict = {}
 
     @functools.wraps(fun)
@@ -88,6 +97,7 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), d
     if fun is None:
         return functools.partial(jit, static_argnums=static_argnums, static_argnames=static_argnames,
                                  donate_argnums=donate_argnums, backend=backend)
+    _check_args("jit", fun, backend)
     return jax.jit(optimize(fun, backend=backend), static_argnums=static_argnums,
                    static_argnames=static_argnames, donate_argnums=donate_argnums)
 
@@ -136,6 +146,8 @@ def _mib(n: int) -> str:
 
 def explain(fun: Callable, *, backend: str | None = None):
     """`explain(fun)(*args)`: a Report of what xkern.jit / optimize would do to `fun` at these args."""
+    _check_args("explain", fun, backend)
+
     def report(*args, **kwargs) -> Report:
         chosen = resolve_backend(backend)
         traced = _trace(fun, args, kwargs)
