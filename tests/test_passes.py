@@ -17,7 +17,9 @@ from xkern.tuning import cost
 
 
 def kernels_of(f, *args, **kwargs):
-    return kernel_names(jax.make_jaxpr(xkern.optimize(f, **kwargs))(*args))
+    """The named-pattern kernels the optimized program launches (generated ones are test_fusion's)."""
+    names = kernel_names(jax.make_jaxpr(xkern.optimize(f, **kwargs))(*args))
+    return [n for n in names if not n.startswith("fused_")]
 
 
 def rand(shape, dtype=jnp.float32, seed=0):
@@ -104,7 +106,8 @@ def test_near_misses_are_left_alone(name):
     x = rand((4, 33))
     f = NEAR_MISSES[name]
     assert kernels_of(f, x) == []
-    np.testing.assert_array_equal(xkern.jit(f)(x), jax.jit(f)(x))
+    # A generated kernel may still compute it: the program's own equations, in float32.
+    np.testing.assert_allclose(xkern.jit(f)(x), jax.jit(f)(x), rtol=2e-6, atol=1e-6)
 
 
 def test_a_structural_match_with_other_params_is_not_taken_for_the_pattern():
@@ -135,16 +138,16 @@ def test_an_intermediate_used_elsewhere_blocks_the_rewrite_and_says_so():
     x = rand((4, 33))
     assert kernels_of(f, x) == []
     report = xkern.explain(f)(x)
-    assert report.matches == [] and len(report.declined) == 1
+    assert [m for m in report.matches if m.op != "fused"] == [] and len(report.declined) == 1
     assert "also used outside the pattern" in report.declined[0].reason
     assert "test_passes.py" in report.declined[0].location
 
 
 def test_programs_with_nothing_to_match_come_out_identical():
-    def f(x, w):
-        return jnp.tanh(x @ w).sum(0) * 2.0 + jnp.exp(x).mean()
+    def f(x, w):  # matmuls, transposes, reductions over a leading axis: nothing xkern takes
+        return jnp.concatenate([(x @ w).sum(0), (x.T @ x).max(0)]) + x.mean()
     x, w = rand((8, 16)), rand((16, 4), seed=1)
-    assert kernels_of(f, x, w) == []
+    assert kernel_names(jax.make_jaxpr(xkern.optimize(f))(x, w)) == []
     np.testing.assert_array_equal(xkern.jit(f)(x, w), jax.jit(f)(x, w))
     g = jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
     for a, b in zip(jax.jit(jax.grad(lambda x, w: xkern.optimize(f)(x, w).sum(), argnums=(0, 1)))(x, w),

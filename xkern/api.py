@@ -108,11 +108,12 @@ def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), d
 
 @dataclasses.dataclass
 class Replaced:
-    pattern: str
+    pattern: str  # the pattern's name, or "generated/N ops" for a fusion group
     op: str
     location: str
     kernels: list[str]
     params: dict
+    source: str | None = None  # a generated kernel's Triton source
 
 
 @dataclasses.dataclass
@@ -161,6 +162,9 @@ def explain(fun: Callable, *, backend: str | None = None):
                                                             **r.params))(*specs(r.match.input_avals))
                 matches.append(Replaced(r.pattern, r.match.pattern.op, r.location,
                                         kernel_names(replaced), r.params))
+            for f in p.fusions.values():
+                matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops", "fused", f.location,
+                                        [f.fused.name], {}, f.fused.source))
         before, after = traffic(plan)
         return Report(chosen, launched, matches, declined, before, after)
     return report

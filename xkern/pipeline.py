@@ -3,7 +3,9 @@
     1. canonicalize   inline jit / call wrappers so patterns can see through them
     2. patterns       named patterns -> xkern ops; each match checked exactly, by dtype, and by the
                       cost model (a rewrite that loses to XLA is declined, with its reason)
-    (3. fusion of the remaining elementwise/reduction equations and 4. memory planning: to come)
+    3. fusion         groups of the remaining elementwise / last-axis-reduction equations -> generated
+                      Triton kernels, where the cost model says they beat XLA's own fusions
+    (4. memory planning: to come)
 
 Sub-jaxprs (cond branches, scan and while bodies, remat, custom_jvp) go through the same steps.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 from jax.extend.core import ClosedJaxpr
 
 from xkern.jaxpr_passes.canonicalize import canonicalize
-from xkern.jaxpr_passes.rewrite import Plan, empty_plan, match_patterns
+from xkern.jaxpr_passes.rewrite import Plan, empty_plan, fuse_groups, match_patterns
 from xkern.tuning.cost import decline_reason
 
 
@@ -21,5 +23,6 @@ def plan(closed: ClosedJaxpr, backend: str) -> Plan:
     if backend == "xla":
         return empty_plan(closed)
     closed = canonicalize(closed)
-    return match_patterns(closed, backend, cost=decline_reason,
-                          plan_sub=lambda sub: plan(sub, backend))
+    planned = match_patterns(closed, backend, cost=decline_reason,
+                             plan_sub=lambda sub: plan(sub, backend))
+    return fuse_groups(planned, backend, cost=decline_reason)

@@ -7,11 +7,14 @@ builds the rewritten program, with each equation's source info carried over.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xkern import _compat
+from xkern.fusion import grouping
+from xkern.kernels import generated
 from xkern.jaxpr_passes.canonicalize import bind_equation, live_equations
 from xkern.jaxpr_passes.graph import Graph, aval_bytes
 from xkern.jaxpr_passes.patterns import Match, registry, retrace, unify
@@ -41,6 +44,21 @@ class Declined:
 
 
 @dataclasses.dataclass
+class Fusion:
+    """A generated kernel for a fusion group, run where the group's last equation was."""
+    fused: Any  # xkern.kernels.generated.Fused
+    location: str
+
+    @property
+    def inputs(self) -> list:
+        return [v for v, _ in self.fused.group.inputs]
+
+    @property
+    def outputs(self) -> list:
+        return [v for v, _ in self.fused.group.outputs]
+
+
+@dataclasses.dataclass
 class Plan:
     closed: ClosedJaxpr
     live: set[int]
@@ -48,6 +66,7 @@ class Plan:
     skip: set[int]  # equations a rewrite absorbed
     subplans: dict[int, dict[str, list["Plan"]]]  # equation -> param -> plans of its sub-jaxprs
     declined: list[Declined]
+    fusions: dict[int, Fusion] = dataclasses.field(default_factory=dict)  # last equation -> fusion
 
     def walk(self):
         """This plan and every sub-plan, depth first."""
@@ -59,7 +78,7 @@ class Plan:
 
     @property
     def changes(self) -> bool:
-        return any(p.rewrites for p in self.walk())
+        return any(p.rewrites or p.fusions for p in self.walk())
 
 
 def empty_plan(closed: ClosedJaxpr) -> Plan:
@@ -174,6 +193,12 @@ def evaluate(plan: Plan, args, backend: str) -> list:
     for i, eqn in enumerate(jaxpr.eqns):
         if i not in plan.live or i in plan.skip:
             continue
+        if i in plan.fusions:
+            fusion = plan.fusions[i]
+            with _compat.user_context(eqn.source_info):
+                outs = generated.op(fusion.fused, backend)(*map(read, fusion.inputs))
+            env.update(zip(fusion.outputs, outs))
+            continue
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
             with _compat.user_context(eqn.source_info):
@@ -207,6 +232,26 @@ def _rebuilt(value, plans: list[Plan], backend: str):
     return tuple(out) if isinstance(value, tuple) else out[0]
 
 
+def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
+    """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
+    graph = Graph(plan.closed.jaxpr)
+    claimed = plan.skip | set(plan.rewrites)
+    groups, _ = grouping.find_groups(graph, plan.live, claimed)
+    for g in groups:
+        last = graph.eqns[g.eqns[-1]]
+        moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
+        has_reduction = any(graph.eqns[i].primitive.name.startswith("reduce_") for i in g.eqns)
+        reason = cost("fused", [v.aval for v, _ in g.inputs],
+                      {"bytes": moved, "reduction": has_reduction, "n_cols": g.n_cols}, backend)
+        if reason:
+            plan.declined.append(Declined(f"generated/{len(g.eqns)} ops", location(last), reason,
+                                          g.eqns[-1]))
+            continue
+        plan.fusions[g.eqns[-1]] = Fusion(generated.build(g, graph.eqns), location(last))
+        plan.skip |= set(g.eqns) - {g.eqns[-1]}
+    return plan
+
+
 def traffic(plan: Plan) -> tuple[int, int]:
     """Estimated bytes the rewritten regions move: (before, as unfused equations; after, as kernels)."""
     before = after = 0
@@ -221,4 +266,12 @@ def traffic(plan: Plan) -> tuple[int, int]:
                         before += aval_bytes(v.aval)
             out = graph.eqns[rewrite.match.anchor].outvars[0]
             after += sum(aval_bytes(v.aval) for v in rewrite.match.inputs) + aval_bytes(out.aval)
+        for fusion in p.fusions.values():
+            seen = set()
+            for eqn in fusion.fused.eqns:
+                for v in (*eqn.invars, *eqn.outvars):
+                    if not isinstance(v, Literal) and v not in seen:
+                        seen.add(v)
+                        before += aval_bytes(v.aval)
+            after += sum(aval_bytes(v.aval) for v in (*fusion.inputs, *fusion.outputs))
     return before, after

@@ -37,7 +37,20 @@ def _log_softmax(avals, params) -> str | None:
             "available for explicit use")
 
 
-RULES = {"softmax": _softmax, "log_softmax": _log_softmax}
+def _fused(avals, params) -> str | None:
+    """A generated kernel for a group of elementwise / row-reduction equations."""
+    nbytes = params["bytes"]
+    ours = CUSTOM_CALL_US + nbytes / SOFTMAX_TBPS["xkern"] / 1e6
+    xla = XLA_FUSION_US + nbytes / SOFTMAX_TBPS["xla"] / 1e6
+    if ours >= xla:
+        return (f"too small: {nbytes / 2**20:.1f} MiB moved; estimated {ours:.1f} us as a kernel vs "
+                f"{xla:.1f} us in XLA")
+    if not params["reduction"]:
+        return "elementwise only: XLA fuses such chains into one kernel of its own already"
+    return None
+
+
+RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused}
 # Consumers that XLA fuses a row-wise result into without ever writing it (cross-entropy's gather,
 # a sum): a kernel would have to write the whole result first. Measured: an LM loss through
 # log_softmax + take_along_axis ran at 0.68x forward when rewritten.

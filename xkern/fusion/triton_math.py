@@ -1,0 +1,39 @@
+"""Device functions that generated kernels call where triton.language has no portable builtin
+(tanh, log1p, expm1) or a different NaN rule (lax.max / reduce_max propagate NaN)."""
+from xkern.kernels import launch  # noqa: F401  (first: it fixes Triton's compile/interpret mode)
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tanh(x):
+    # (1 - e) / (1 + e) with e = exp(-2|x|): never overflows; exact sign and limits at +-inf.
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def log1p(x):
+    # Goldberg: log(u) * x / (u - 1) with u = 1 + x keeps full precision for tiny x.
+    u = 1.0 + x
+    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+
+
+@triton.jit
+def expm1(x):
+    # Kahan: (u - 1) * x / log(u) with u = exp(x), exact near 0; large |x| falls back to u - 1.
+    u = tl.exp(x)
+    small = (u - 1.0) * (x / tl.log(u))
+    return tl.where(u == 1.0, x, tl.where(tl.abs(x) < 0.5, small, u - 1.0))
+
+
+@triton.jit
+def max_nan(a, b):
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def min_nan(a, b):
+    return tl.where((a < b) | (a != a), a, b)

@@ -1,0 +1,131 @@
+"""Generated kernels as ops: a fusion group's Triton kernel (xkern/fusion), launched on [rows, cols]
+views of its inputs, differentiated by XLA (the backward is jax.vjp of the group's own equations,
+so gradients are exact and nothing extra is saved but the group's inputs), and batched by folding
+the vmapped axis into the rows, or else by vmapping the group's equations.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from xkern import _compat
+from xkern.fusion import codegen
+from xkern.fusion.grouping import Group
+from xkern.kernels import launch as L
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fused:
+    """Everything needed to run one fusion group; hashed by identity (an equation param)."""
+    name: str
+    source: str
+    group: Group
+    eqns: tuple  # the group's equations, in order
+    input_kinds: tuple
+    output_kinds: tuple
+    output_avals: tuple
+
+    @property
+    def n_cols(self) -> int:
+        return self.group.n_cols
+
+    def reference(self, *inputs) -> list:
+        """The group computed by XLA: its own equations, bound one by one."""
+        env = {v: x for (v, _), x in zip(self.group.inputs, inputs)}
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]
+        for eqn in self.eqns:
+            env[eqn.outvars[0]] = _compat.bind_equation(eqn, [read(v) for v in eqn.invars])[0]
+        return [env[v] for v, _ in self.group.outputs]
+
+
+_BY_NAME: dict[str, Fused] = {}  # kernel name -> a group it computes (same source, same function)
+
+
+def build(group: Group, eqns) -> Fused:
+    name, source = codegen.generate(group, eqns)
+    fused = Fused(name, source, group, tuple(eqns[i] for i in group.eqns),
+                  tuple(k for _, k in group.inputs), tuple(k for _, k in group.outputs),
+                  tuple(v.aval for v, _ in group.outputs))
+    if name not in _BY_NAME:
+        _BY_NAME[name] = fused
+        L.def_batching(name, _batch)
+    return fused
+
+
+def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
+    block_n = L.next_pow2(n_cols)
+    if backend == "interpret":
+        return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
+    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))  # as softmax's sweep found
+    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 4096 else 16)
+
+
+def _views(fused: Fused, inputs) -> tuple[list, int]:
+    """Inputs as the kernel reads them: full [rows, cols], row [rows], col [cols], scalar [1]."""
+    n_cols = fused.n_cols
+    n_rows = int(np.prod(fused.group.rows, dtype=np.int64))
+    shaped = {"full": (n_rows, n_cols), "row": (n_rows,), "col": (n_cols,), "scalar": (1,)}
+    return [x.reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
+
+
+def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config) -> list:
+    outs = [jax.ShapeDtypeStruct((n_rows, fused.n_cols) if k == "full" else (n_rows,), a.dtype)
+            for k, a in zip(fused.output_kinds, fused.output_avals)]
+    fn = codegen.load(fused.name, fused.source)
+    return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs,
+                    grid=(L.cdiv(n_rows, config["BLOCK_M"]),), config=config, backend=backend,
+                    constexprs={"N_COLS": fused.n_cols})
+
+
+def run(fused: Fused, inputs, backend: str) -> list:
+    views, n_rows = _views(fused, inputs)
+    outs = _launch_views(views, n_rows, fused, backend,
+                         default_config(n_rows, fused.n_cols, backend))
+    return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
+
+
+def op(fused: Fused, backend: str):
+    """The group as a differentiable function of its inputs."""
+    @jax.custom_vjp
+    def fused_op(*inputs):
+        return run(fused, inputs, backend)
+
+    def fwd(*inputs):
+        return run(fused, inputs, backend), inputs
+
+    def bwd(inputs, cotangents):
+        return tuple(jax.vjp(fused.reference, *inputs)[1](list(cotangents)))
+
+    fused_op.defvjp(fwd, bwd)
+    return fused_op
+
+
+def _batch(args, dims, *, kernel, backend, config, **params):
+    fused: Any = _BY_NAME[kernel]
+    n_arrays = len(fused.input_kinds)
+    arrays, arr_dims = args[:n_arrays], dims[:n_arrays]
+    foldable = all(d is None or k in ("full", "row") for k, d in zip(fused.input_kinds, arr_dims))
+    size = next(a.shape[d] for a, d in zip(arrays, arr_dims) if d is not None)
+    if foldable:  # one launch over batch * rows; col and scalar inputs are shared
+        folded = []
+        for a, d, k in zip(arrays, arr_dims, fused.input_kinds):
+            if k in ("full", "row"):
+                a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
+                a = a.reshape(size * a.shape[1], *a.shape[2:])
+            folded.append(a)
+        n_rows = folded[fused.input_kinds.index("full")].shape[0] if "full" in fused.input_kinds \
+            else folded[fused.input_kinds.index("row")].shape[0]
+        outs = _launch_views(folded, n_rows, fused, backend, config)
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
+    # Otherwise: the group's own equations, vmapped, on the views (XLA computes this launch).
+    def on_views(*views):
+        shaped = [v.reshape(x.aval.shape) for v, (x, _) in zip(views, fused.group.inputs)]
+        return [o.reshape((-1, fused.n_cols) if k == "full" else (-1,))
+                for o, k in zip(fused.reference(*shaped), fused.output_kinds)]
+    outs = jax.vmap(on_views, in_axes=list(arr_dims))(*arrays)
+    return outs, [0] * len(outs)
+
