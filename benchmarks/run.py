@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import xkern
-from benchmarks import bench_passes, bench_programs, bench_softmax, harness
+from benchmarks import bench_generated, bench_passes, bench_programs, bench_softmax, harness
 from xkern.kernels.launch import kernel_names
 
 
@@ -37,7 +37,8 @@ def main(argv: list[str]) -> int:
     demo()
     on_gpu = jax.default_backend() != "cpu"
     rows = []
-    for case in bench_softmax.cases(on_gpu) + bench_programs.cases(on_gpu):
+    for case in (bench_softmax.cases(on_gpu) + bench_programs.cases(on_gpu)
+                 + bench_generated.cases(on_gpu)):
         rows.append(harness.run_case(case))
         print(f"  {case.op} {case.shape} {case.mode}: {rows[-1].xkern_ms:.4f} ms", flush=True)
     print(harness.format_table(rows))

@@ -131,8 +131,17 @@ class Report:
                  f"{len(self.declined)} declined; kernels launched: {self.kernels or 'none'}"]
         for m in self.matches:
             lines.append(f"  fused    {m.pattern:42} at {m.location} -> {', '.join(m.kernels)}")
-        for d in self.declined:
+        generated = [d for d in self.declined if d.pattern.startswith("generated/")]
+        for d in self.declined if len(generated) <= 8 else [d for d in self.declined
+                                                             if d not in generated]:
             lines.append(f"  declined {d.pattern:42} at {d.location}: {d.reason}")
+        if len(generated) > 8:  # a big program has many small groups: summarize them by reason
+            reasons: dict = {}
+            for d in generated:
+                key = d.reason.split(";")[0].split(":")[0]
+                reasons[key] = reasons.get(key, 0) + 1
+            for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  declined {n} generated group(s): {reason} (report.declined has each)")
         if self.matches:
             lines.append(f"  estimated bytes moved by the rewritten regions: "
                          f"{_mib(self.bytes_before)} unfused -> {_mib(self.bytes_after)} as kernels")

@@ -135,6 +135,7 @@ def find_groups(graph, live: set[int], claimed: set[int]) -> tuple[list[Group], 
         for v, kind in zip(eqn.invars, kinds):
             if not isinstance(v, Literal) and v not in target.kinds and (v, kind) not in target.inputs:
                 target.inputs.append((v, kind))
+    groups = _merge(groups, graph, live)
     kept, left = [], []
     for g in groups:
         reason = _finish(g, graph, live)
@@ -143,6 +144,41 @@ def find_groups(graph, live: set[int], claimed: set[int]) -> tuple[list[Group], 
         else:
             kept.append(g)
     return kept, left
+
+
+def _order_ok(group: Group, graph, live: set[int]) -> bool:
+    """Whether every result used outside the group is used only after the group's last equation."""
+    inside, last = set(group.eqns), group.eqns[-1]
+    return all(c > last for i in group.eqns for c in graph.consumers.get(graph.eqns[i].outvars[0], ())
+               if c in live and c not in inside)
+
+
+def _merge(groups: list[Group], graph, live: set[int]) -> list[Group]:
+    """Merge groups over the same shape that read a common input or one another's results, so one
+    pass over the data produces all their outputs (a multi-output kernel)."""
+    def related(a: Group, b: Group) -> bool:
+        a_in, b_in = {v for v, _ in a.inputs}, {v for v, _ in b.inputs}
+        return bool(a_in & b_in or a_in & b.kinds.keys() or b_in & a.kinds.keys())
+
+    changed = True
+    while changed:
+        changed = False
+        for x in range(len(groups)):
+            for y in range(x + 1, len(groups)):
+                a, b = groups[x], groups[y]
+                if a.shape != b.shape or not related(a, b):
+                    continue
+                union = Group(a.shape, sorted(a.eqns + b.eqns), {**a.kinds, **b.kinds})
+                union.inputs = [(v, k) for v, k in a.inputs + b.inputs if v not in union.kinds]
+                union.inputs = list(dict.fromkeys(union.inputs))
+                if _order_ok(union, graph, live):
+                    groups[x] = union
+                    del groups[y]
+                    changed = True
+                    break
+            if changed:
+                break
+    return groups
 
 
 def _finish(group: Group, graph, live: set[int]) -> str | None:

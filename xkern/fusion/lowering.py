@@ -58,8 +58,6 @@ def _convert(a, eqn):
 
 
 def _select_n(a, eqn):
-    if len(a) != 2:
-        raise NotImplementedError("select_n with more than two cases")
     pred = a[0] if dtype_name(eqn.invars[0].aval) == "bool" else f"({a[0]} != 0)"
     return f"tl.where({pred}, {a[2]}, {a[1]})"
 
@@ -91,7 +89,8 @@ ELEMENTWISE = {
     "exp": _call("tl.exp"), "exp2": _call("tl.exp2"), "log": _call("tl.log"),
     "log1p": _call("log1p"), "expm1": _call("expm1"), "sqrt": _call("tl.sqrt"),
     "rsqrt": _call("tl.rsqrt"), "tanh": _call("tanh"), "logistic": _call("tl.sigmoid"),
-    "erf": _call("tl.erf"), "sin": _call("tl.sin"), "cos": _call("tl.cos"),
+    "erf": _call("tl.erf"), "erfc": lambda a, e: f"(1.0 - tl.erf({a[0]}))",  # loses far tails
+    "sin": _call("tl.sin"), "cos": _call("tl.cos"),
     "floor": _call("tl.floor"), "ceil": _call("tl.ceil"),
     "integer_pow": _integer_pow, "square": lambda a, e: f"({a[0]} * {a[0]})",
     "convert_element_type": _convert, "select_n": _select_n,
@@ -103,7 +102,7 @@ ELEMENTWISE = {
     "stop_gradient": lambda a, e: a[0], "copy": lambda a, e: a[0], "copy_p": lambda a, e: a[0],
 }
 FLOAT_ONLY = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic",
-                        "erf", "sin", "cos", "floor", "ceil", "is_finite"})
+                        "erf", "erfc", "sin", "cos", "floor", "ceil", "is_finite"})
 REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 

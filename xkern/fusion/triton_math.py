@@ -18,7 +18,8 @@ def tanh(x):
 def log1p(x):
     # Goldberg: log(u) * x / (u - 1) with u = 1 + x keeps full precision for tiny x.
     u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    exact = tl.where(u == float("inf"), u, tl.log(u) * (x / (u - 1.0)))  # inf / inf would be NaN
+    return tl.where(u == 1.0, x, exact)
 
 
 @triton.jit

@@ -129,3 +129,52 @@ def _batch(args, dims, *, kernel, backend, config, **params):
     outs = jax.vmap(on_views, in_axes=list(arr_dims))(*arrays)
     return outs, [0] * len(outs)
 
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases: generated kernels of representative programs
+# --------------------------------------------------------------------------------------------------
+
+_PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "int32": "*i32", "bool": "*i1"}
+
+
+def _sample_programs():
+    import jax.numpy as jnp
+
+    def layer_norm(x, scale):
+        mean = x.mean(-1, keepdims=True)
+        var = ((x - mean) ** 2).mean(-1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(var + 1e-6) * scale).astype(jnp.bfloat16)
+
+    def activations(x, b):
+        y = x.astype(jnp.float32) + b
+        return jax.nn.gelu(y) * jnp.tanh(y) + jnp.log1p(jnp.abs(y)) + jax.nn.gelu(y, approximate=False)
+
+    def integers(a, b):
+        return jnp.where((a > b) & (a != 0), jax.lax.div(a, b), jnp.maximum(a, b) * 2), a.max(-1)
+
+    yield layer_norm, (jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16),
+                       jax.ShapeDtypeStruct((4096,), jnp.float32))
+    yield activations, (jax.ShapeDtypeStruct((64, 8192), jnp.bfloat16),
+                        jax.ShapeDtypeStruct((8192,), jnp.float32))
+    yield integers, (jax.ShapeDtypeStruct((64, 1000), jnp.int32),
+                     jax.ShapeDtypeStruct((64, 1000), jnp.int32))
+
+
+def aot_cases():
+    """(name, kernel, signature, config) for the generated kernels of a few representative programs."""
+    from xkern import pipeline
+
+    for program, specs in _sample_programs():
+        plan = pipeline.plan(jax.make_jaxpr(program)(*specs), "interpret")  # every group, no costing
+        for fusion in plan.fusions.values():
+            fused = fusion.fused
+            n_rows = int(np.prod(fused.group.rows))
+            signature = {f"in{k}_ptr": _PTR[np.dtype(v.aval.dtype).name]
+                         for k, (v, _) in enumerate(fused.group.inputs)}
+            signature["n_rows"] = "i32"
+            signature.update({f"out{k}_ptr": _PTR[np.dtype(a.dtype).name]
+                              for k, a in enumerate(fused.output_avals)})
+            config = default_config(n_rows, fused.n_cols, "triton").replace(N_COLS=fused.n_cols)
+            yield (f"generated/{program.__name__}/{fused.name}", codegen.load(fused.name, fused.source),
+                   signature, config)

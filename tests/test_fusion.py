@@ -1,0 +1,199 @@
+"""Generated kernels: fusion groups found in plain JAX code, Triton source generated per group, run
+through the interpreter and compared with jax.jit (float32 references), edge values included."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.core import ShapedArray
+
+import xkern
+from xkern import pipeline
+from xkern.fusion import codegen
+from xkern.kernels.launch import kernel_names
+from xkern.tuning import cost
+
+EDGE = np.array([0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 1e-30, -1e-30, 80.0, -80.0, 1e30, -1e30,
+                 np.inf, -np.inf, np.nan, 3.0], np.float32)
+
+
+def fused_kernels(f, *args):
+    return [n for n in kernel_names(jax.make_jaxpr(xkern.optimize(f))(*args)) if n.startswith("fused_")]
+
+
+def edge_input(rows=3):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(np.concatenate([np.tile(EDGE, (rows, 1)), rng.standard_normal((rows, 16)) * 3],
+                                      axis=1).astype(np.float32))
+
+
+def assert_matches_xla(f, *args, rtol=2e-6, atol=1e-6):
+    got, want = xkern.jit(f)(*args), jax.jit(f)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        finite = np.isfinite(w)
+        np.testing.assert_array_equal(g[~finite], w[~finite])  # inf keeps its sign
+        np.testing.assert_allclose(g[finite], w[finite], rtol=rtol, atol=atol)
+
+
+UNARY = {
+    "exp": jnp.exp, "log": jnp.log, "log1p": jnp.log1p, "expm1": jnp.expm1, "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt, "tanh": jnp.tanh, "logistic": jax.nn.sigmoid, "erf": jax.scipy.special.erf,
+    "sin": jnp.sin, "cos": jnp.cos, "abs": jnp.abs, "neg": jnp.negative, "sign": jnp.sign,
+    "floor": jnp.floor, "ceil": jnp.ceil, "square": jnp.square, "cube": lambda x: x ** 3,
+    "recip": lambda x: 1.0 / x, "gelu": jax.nn.gelu, "gelu exact": lambda x: jax.nn.gelu(x, False),
+    "silu": jax.nn.silu, "relu": jax.nn.relu, "is_finite": lambda x: jnp.where(jnp.isfinite(x), x, 7.0),
+}
+
+
+@pytest.mark.parametrize("name", UNARY)
+def test_each_unary_primitive_matches_xla_on_edge_values(name):
+    op = UNARY[name]
+    f = lambda x: op(x * 0.5 + 0.25)  # at least two operations: a group worth a kernel
+    x = edge_input()
+    assert len(fused_kernels(f, x)) == 1
+    tol = {"tanh": 2e-6, "erf": 2e-6, "sin": 5e-6, "cos": 5e-6}.get(name, 2e-6)
+    assert_matches_xla(f, x, rtol=tol, atol=1e-6)
+
+
+BINARY = {
+    "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide,
+    "max": jnp.maximum, "min": jnp.minimum,
+    "lt select": lambda a, b: jnp.where(a < b, a, b * 2), "ge select": lambda a, b: jnp.where(a >= b, a, -b),
+    "eq ne": lambda a, b: jnp.where((a == b) | (a != a), 1.0, b),
+    "clip": lambda a, b: jnp.clip(a, -1.0, b),
+}
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_each_binary_primitive_matches_xla_on_edge_values(name):
+    x = edge_input()
+    y = jnp.roll(x, 3, axis=1)
+    f = lambda a, b: BINARY[name](a * 1.0 + 0.0, b) * 1.5
+    assert len(fused_kernels(f, x, y)) == 1
+    assert_matches_xla(f, x, y)
+
+
+def test_integer_and_boolean_arithmetic():
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.integers(-50, 50, (4, 33)), jnp.int32)
+    b = jnp.asarray(rng.integers(1, 9, (4, 33)) * rng.choice([-1, 1], (4, 33)), jnp.int32)
+    f = lambda a, b: (jax.lax.div(a * 3 - b, b) + jnp.maximum(a, b) - jnp.minimum(a, -b) * 2,
+                      ((a > 0) & (b < 0)) | ~(a == b), jnp.sign(a) * jnp.abs(b))
+    assert len(fused_kernels(f, a, b)) == 1
+    assert_matches_xla(f, a, b, rtol=0, atol=0)
+
+
+def test_half_precision_inputs_and_casts():
+    x = edge_input().astype(jnp.bfloat16)
+    h = edge_input().astype(jnp.float16)
+    f = lambda x, h: ((x.astype(jnp.float32) * 2 + 1).astype(jnp.bfloat16) * x,
+                      jnp.exp(h * 0.1).astype(jnp.float32) + x.astype(jnp.float32))
+    assert len(fused_kernels(f, x, h)) == 1
+    assert_matches_xla(f, x, h, rtol=2e-2, atol=1e-2)  # two bf16 ulps: rounding points may differ
+
+
+def layer_norm(x, scale, bias):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias
+
+
+ROW_PROGRAMS = {
+    "layer norm": lambda x, s: layer_norm(x, s, 0.5 * s),
+    "rms norm": lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s,
+    "max-shifted": lambda x, s: jnp.exp(x - x.max(-1, keepdims=True)) * s,
+    "min and sum out": lambda x, s: (x.min(-1), (x * s).sum(-1), x * 2 - 1),
+}
+
+
+@pytest.mark.parametrize("name", ROW_PROGRAMS)
+@pytest.mark.parametrize("shape", [(1, 7), (3, 5, 33), (2, 1025)], ids=str)
+def test_row_reductions_broadcast_back_and_row_outputs(name, shape):
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(shape) * 3, jnp.float32)
+    s = jnp.linspace(0.5, 1.5, shape[-1], dtype=jnp.float32)
+    f = ROW_PROGRAMS[name]
+    assert len(fused_kernels(f, x, s)) == 1
+    assert_matches_xla(f, x, s, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_inside_a_row_reduction_propagates():
+    x = edge_input()
+    f = lambda x: (x.max(-1), x.min(-1), (x * 2).sum(-1))
+    assert_matches_xla(f, x)
+
+
+def test_gradients_and_vmap_through_a_generated_kernel():
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((6, 40)), jnp.float32)
+    s, b = jnp.linspace(0.5, 1.5, 40), jnp.linspace(-1, 1, 40)
+    loss = lambda x, s, b: jnp.sum(layer_norm(x, s, b) ** 2 * jnp.arange(40.0))
+    got = jax.grad(xkern.optimize(loss), argnums=(0, 1, 2))(x, s, b)
+    want = jax.grad(loss, argnums=(0, 1, 2))(x, s, b)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    xs = x.reshape(2, 3, 40)
+    for in_axes, scales in (((0, None, None), s), ((0, 0, None), jnp.stack([s, 2 * s]))):
+        got = jax.vmap(xkern.optimize(layer_norm), in_axes=in_axes)(xs, scales, b)
+        want = jax.vmap(layer_norm, in_axes=in_axes)(xs, scales, b)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_source_is_cached_on_disk_and_shown_by_explain(tmp_path, monkeypatch):
+    monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
+    x, s = jnp.ones((4, 9)), jnp.ones(9)
+    report = xkern.explain(ROW_PROGRAMS["rms norm"])(x, s)
+    (match,) = [m for m in report.matches if m.op == "fused"]
+    assert "@triton.jit" in match.source and "tl.sum" in match.source
+    xkern.jit(ROW_PROGRAMS["rms norm"])(x, s)
+    path = os.path.join(codegen.cache_dir(), f"{match.kernels[0]}.py")
+    assert os.path.exists(path) or match.kernels[0] in codegen._LOADED
+    assert report.bytes_before > report.bytes_after
+
+
+def test_what_cannot_be_fused_stays_with_xla():
+    x = jnp.ones((4, 8))
+    assert fused_kernels(lambda x: jnp.sort(x * 2) + 1, x) == []  # sort splits the chain
+    assert fused_kernels(lambda x: (x * 2).sum(0) + 1, x) == []  # leading-axis reduction
+    assert fused_kernels(lambda x: x * 2, x) == []  # one operation: nothing to fuse
+    with jax.enable_x64(True):
+        x64 = jnp.ones((4, 8), jnp.float64)
+        assert fused_kernels(lambda x: jnp.exp(x) * 2 + 1, x64) == []
+
+
+def test_cost_model_keeps_elementwise_chains_with_xla_on_a_gpu():
+    big = {"bytes": 1 << 30, "reduction": False, "n_cols": 8192}
+    assert "elementwise only" in cost.decline_reason("fused", [], big, "triton")
+    assert cost.decline_reason("fused", [], {**big, "reduction": True}, "triton") is None
+    assert "too small" in cost.decline_reason("fused", [], {**big, "bytes": 1 << 20, "reduction": True},
+                                              "triton")
+    closed = jax.make_jaxpr(lambda x, s: layer_norm(x, s, s))(jnp.ones((16384, 4096)), jnp.ones(4096))
+    assert pipeline.plan(closed, "triton").fusions  # planning launches nothing: no GPU needed
+
+
+OPS = [lambda v: jnp.exp(-jnp.abs(v)), jnp.tanh, jax.nn.sigmoid, jnp.abs, lambda v: v * 1.5, lambda v: v + 0.25,
+       lambda v: jnp.maximum(v, 0.1), jnp.sin, lambda v: v * v]
+
+
+@settings(max_examples=15, deadline=None)
+@given(ops=st.lists(st.integers(0, len(OPS) - 1), min_size=2, max_size=6),
+       combine=st.lists(st.sampled_from(["x", "row", "col"]), min_size=1, max_size=3),
+       reduce=st.booleans(), cols=st.integers(1, 70))
+def test_random_elementwise_and_reduction_programs(ops, combine, reduce, cols):
+    rng = np.random.default_rng(cols)
+    x = jnp.asarray(rng.standard_normal((3, cols)), jnp.float32)
+    row = jnp.asarray(rng.standard_normal((3, 1)), jnp.float32)
+    col = jnp.asarray(rng.standard_normal((cols,)), jnp.float32)
+
+    def f(x, row, col):
+        v = x
+        for k, i in enumerate(ops):
+            v = OPS[i](v)
+            other = {"x": x, "row": row, "col": col}[combine[k % len(combine)]]
+            v = v + other * 0.5
+        return (v, v.sum(-1, keepdims=True) * v) if reduce else v
+    assert_matches_xla(f, x, row, col, rtol=5e-5, atol=5e-5)
