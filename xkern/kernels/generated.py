@@ -56,11 +56,13 @@ def build(group: Group, eqns) -> Fused:
     return fused
 
 
-def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
+def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None = None) -> L.Config:
+    """As softmax's H200 sweep found for one-block row kernels (benchmarks/sweep_generated.py checks
+    generated ones): ~4096-element programs with 4 warps, whole wider rows with 16."""
     block_n = L.next_pow2(n_cols)
     if backend == "interpret":
         return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
-    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))  # as softmax's sweep found
+    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
     return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 4096 else 16)
 
 
@@ -84,7 +86,7 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
 def run(fused: Fused, inputs, backend: str) -> list:
     views, n_rows = _views(fused, inputs)
     outs = _launch_views(views, n_rows, fused, backend,
-                         default_config(n_rows, fused.n_cols, backend))
+                         default_config(n_rows, fused.n_cols, backend, fused))
     return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
 
 
