@@ -10,7 +10,7 @@ import triton.language as tl
 def tanh(x):
     # (1 - e) / (1 + e) with e = exp(-2|x|): never overflows; exact sign and limits at +-inf.
     e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
+    t = tl.fdiv(1.0 - e, 1.0 + e)  # not IEEE-rounded: ~2 ulp, far fewer instructions than `/`
     return tl.where(x < 0, -t, t)
 
 
