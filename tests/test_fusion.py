@@ -166,14 +166,11 @@ def test_what_cannot_be_fused_stays_with_xla():
 
 
 def test_cost_model_follows_the_h200_measurements():
-    big = {"bytes": 1 << 30, "reductions": 0, "transcendental": False, "n_cols": 8192}
-    reason = lambda **kw: cost.decline_reason("fused", [], {**big, **kw}, "triton")
-    assert "cheap elementwise" in reason()
-    assert reason(transcendental=True) is None  # gelu chains: 1.36x
-    assert reason(reductions=1) is None  # rms norm: 1.13x
-    assert reason(reductions=2) is None  # layer norm: 1.14x
-    assert "too small" in reason(bytes=1 << 20, reductions=2)
-    assert cost.decline_reason("fused", [], big, "interpret") is None
+    # Measured: x*a+b*c 1.22x, gelu chain 1.36x, layer norm 1.17x, rms norm 1.13x; tiny groups lose
+    # to the custom call's fixed cost.
+    assert cost.decline_reason("fused", [], {"bytes": 1 << 30, "n_cols": 8192}, "triton") is None
+    assert "too small" in cost.decline_reason("fused", [], {"bytes": 1 << 20, "n_cols": 8192}, "triton")
+    assert cost.decline_reason("fused", [], {"bytes": 1 << 10, "n_cols": 8}, "interpret") is None
     closed = jax.make_jaxpr(lambda x, s: layer_norm(x, s, s))(jnp.ones((16384, 4096)), jnp.ones(4096))
     assert pipeline.plan(closed, "triton").fusions  # planning launches nothing: no GPU needed
 

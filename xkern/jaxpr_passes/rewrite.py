@@ -232,10 +232,6 @@ def _rebuilt(value, plans: list[Plan], backend: str):
     return tuple(out) if isinstance(value, tuple) else out[0]
 
 
-TRANSCENDENTAL = frozenset({"exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "erf", "erfc",
-                            "sin", "cos", "sqrt", "rsqrt"})
-
-
 def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
@@ -244,11 +240,8 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     for g in groups:
         last = graph.eqns[g.eqns[-1]]
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        names = [graph.eqns[i].primitive.name for i in g.eqns]
-        reason = cost("fused", [v.aval for v, _ in g.inputs],
-                      {"bytes": moved, "n_cols": g.n_cols,
-                       "reductions": sum(n.startswith("reduce_") for n in names),
-                       "transcendental": any(n in TRANSCENDENTAL for n in names)}, backend)
+        reason = cost("fused", [v.aval for v, _ in g.inputs], {"bytes": moved, "n_cols": g.n_cols},
+                      backend)
         if reason:
             plan.declined.append(Declined(f"generated/{len(g.eqns)} ops", location(last), reason,
                                           g.eqns[-1]))
