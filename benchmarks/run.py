@@ -1,6 +1,6 @@
 """The main job: a short demo of xkern on whatever backend is present, then the benchmark table.
 
-    python -m benchmarks.run [--out results.json]
+    python -m benchmarks.run [--only softmax|programs|generated] [--out results.json]
 
 On a GPU the cases are the shapes of shared/GPU.md; on CPU, kernels run through Triton's
 interpreter, so the cases are small and the timings say nothing about GPU speed.
@@ -30,19 +30,24 @@ def demo() -> None:
           f"its gradient launches {kernels}")
 
 
+SUITES = {"softmax": bench_softmax, "programs": bench_programs, "generated": bench_generated}
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the rows, command and versions as JSON here")
+    parser.add_argument("--only", choices=sorted(SUITES), help="run one suite of cases")
     args = parser.parse_args(argv)
     demo()
     on_gpu = jax.default_backend() != "cpu"
     rows = []
-    for case in (bench_softmax.cases(on_gpu) + bench_programs.cases(on_gpu)
-                 + bench_generated.cases(on_gpu)):
+    suites = [SUITES[args.only]] if args.only else list(SUITES.values())
+    for case in [c for suite in suites for c in suite.cases(on_gpu)]:
         rows.append(harness.run_case(case))
         print(f"  {case.op} {case.shape} {case.mode}: {rows[-1].xkern_ms:.4f} ms", flush=True)
     print(harness.format_table(rows))
-    bench_passes.main()
+    if not args.only:
+        bench_passes.main()
     if not on_gpu:
         print("(CPU: kernels ran through Triton's interpreter; these times are not GPU speed)")
     if args.out:
