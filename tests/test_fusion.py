@@ -197,3 +197,16 @@ def test_random_elementwise_and_reduction_programs(ops, combine, reduce, cols):
             v = v + other * 0.5
         return (v, v.sum(-1, keepdims=True) * v) if reduce else v
     assert_matches_xla(f, x, row, col, rtol=5e-5, atol=5e-5)
+
+
+def test_vmap_fallback_tells_apart_groups_that_share_a_kernel():
+    # Two layer norms of different row shapes compile to the same kernel source; with the scale
+    # batched too, vmap falls back to each group's own equations, which must be the right group's.
+    def f(a, b, s):
+        return layer_norm(a, s, s).sum() + layer_norm(b, s, s).sum()
+    a = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, 40)), jnp.float32)
+    b = jnp.asarray(np.random.default_rng(5).standard_normal((2, 5, 7, 40)), jnp.float32)
+    s = jnp.stack([jnp.linspace(0.5, 1.5, 40), jnp.linspace(1.0, 2.0, 40)])
+    names = fused_kernels(f, a[0], b[0], s[0])
+    assert len(names) == 2 and names[0] == names[1]
+    np.testing.assert_allclose(jax.vmap(xkern.optimize(f))(a, b, s), jax.vmap(f)(a, b, s), rtol=1e-5)

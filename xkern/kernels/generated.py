@@ -42,7 +42,7 @@ class Fused:
         return [env[v] for v, _ in self.group.outputs]
 
 
-_BY_NAME: dict[str, Fused] = {}  # kernel name -> a group it computes (same source, same function)
+_BATCHED: set[str] = set()  # kernel names with the batching rule registered
 
 
 def build(group: Group, eqns) -> Fused:
@@ -50,8 +50,8 @@ def build(group: Group, eqns) -> Fused:
     fused = Fused(name, source, group, tuple(eqns[i] for i in group.eqns),
                   tuple(k for _, k in group.inputs), tuple(k for _, k in group.outputs),
                   tuple(v.aval for v, _ in group.outputs))
-    if name not in _BY_NAME:
-        _BY_NAME[name] = fused
+    if name not in _BATCHED:  # one rule per kernel name; the launch's `info` says which group
+        _BATCHED.add(name)
         L.def_batching(name, _batch)
     return fused
 
@@ -81,7 +81,7 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
     fn = codegen.load(fused.name, fused.source)
     return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs,
                     grid=(L.cdiv(n_rows, config["BLOCK_M"]),), config=config, backend=backend,
-                    constexprs={"N_COLS": fused.n_cols})
+                    constexprs={"N_COLS": fused.n_cols}, info=fused)
 
 
 def run(fused: Fused, inputs, backend: str) -> list:
@@ -107,8 +107,8 @@ def op(fused: Fused, backend: str):
     return fused_op
 
 
-def _batch(args, dims, *, kernel, backend, config, **params):
-    fused: Any = _BY_NAME[kernel]
+def _batch(args, dims, *, info, backend, config, **params):
+    fused: Any = info
     n_arrays = len(fused.input_kinds)
     arrays, arr_dims = args[:n_arrays], dims[:n_arrays]
     foldable = all(d is None or k in ("full", "row") for k, d in zip(fused.input_kinds, arr_dims))

@@ -127,7 +127,8 @@ xkern_kernel_p.multiple_results = True
 
 def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], grid: Sequence[int],
            config: Config, backend: str, constexprs: dict[str, Any] | None = None,
-           aliases: dict[int, int] | None = None, zeroed: Sequence[int] = ()) -> list[jax.Array]:
+           aliases: dict[int, int] | None = None, zeroed: Sequence[int] = (),
+           info: Any = None) -> list[jax.Array]:
     """Launch the Triton kernel `fn` once and return its outputs, one array per `out_shapes` entry.
 
     args: arrays and Python scalars in the kernel's parameter order. The kernel's parameters are
@@ -138,6 +139,7 @@ def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], g
     constexprs: further constexpr arguments that are not tuning knobs.
     aliases: {index into args: index into outputs}: that output is written in place over that input.
     zeroed: outputs filled with zeros before the kernel runs (for kernels that accumulate atomically).
+    info: opaque, hashable data the op's batching rule needs (never passed to the kernel).
     """
     if backend not in ("triton", "interpret"):
         raise ValueError(f"launch needs backend 'triton' or 'interpret'; got {backend!r}")
@@ -162,7 +164,7 @@ def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], g
     return xkern_kernel_p.bind(
         *arrays, kernel=kernel, fn=fn, scalars=tuple(scalars), out_shapes=out_shapes, grid=grid,
         config=config, constexprs=tuple(sorted((constexprs or {}).items())), aliases=aliases,
-        zeroed=tuple(zeroed), backend=backend)
+        zeroed=tuple(zeroed), backend=backend, info=info)
 
 
 xkern_kernel_p.def_impl(functools.partial(_compat.apply_primitive, xkern_kernel_p))
@@ -197,7 +199,7 @@ def _ordered_args(arrays, scalars):
 # --------------------------------------------------------------------------------------------------
 
 def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases, zeroed,
-                 backend):
+                 backend, info):
     import jax_triton  # lazily: it cannot be imported with a CPU-only jaxlib
 
     return jax_triton.triton_call(
@@ -294,7 +296,7 @@ def _poisoned(shape, dtype):
 
 
 def _run_interpreted(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases,
-                     zeroed, backend):
+                     zeroed, backend, info):
     inputs = [np.ascontiguousarray(a) for a in arrays]
     aliased = {o: i for i, o in aliases}
     outs = []
