@@ -46,7 +46,7 @@ def generate(group: Group, eqns) -> tuple[str, str]:
         if lowering.dtype_name(v.aval) in lowering.FLOATS:
             value += ".to(tl.float32)"
         names[(v, kind)] = f"in{k}"
-        body.append(f"    in{k} = {value}  # {kind} {lowering.dtype_name(v.aval)}{list(v.aval.shape)}")
+        body.append(f"    in{k} = {value}  # {kind} {lowering.dtype_name(v.aval)}")
     for n, i in enumerate(group.eqns):
         eqn = eqns[i]
         kinds, _ = eqn_kinds(eqn, group)
