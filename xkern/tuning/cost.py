@@ -11,9 +11,19 @@ import numpy as np
 
 CUSTOM_CALL_US = 6.7
 XLA_FUSION_US = 0.8
-# Streaming bandwidth (TB/s, effective) of one forward pass, xkern kernel vs XLA, large shapes.
-SOFTMAX_TBPS = {"xkern": 4.0, "xla": 3.3}
+# Streaming bandwidth (TB/s, effective) of one pass, xkern kernel vs XLA, large shapes.
+STREAM_TBPS = {"xkern": 4.0, "xla": 3.3}
 SOFTMAX_MAX_ROW = 32768  # longer rows take the two-pass kernels, which lose fwd+bwd (0.84x)
+
+
+def _too_small(nbytes: int) -> str | None:
+    """Whether a kernel moving `nbytes` loses to XLA on the custom call's fixed cost alone."""
+    ours = CUSTOM_CALL_US + nbytes / STREAM_TBPS["xkern"] / 1e6
+    xla = XLA_FUSION_US + nbytes / STREAM_TBPS["xla"] / 1e6
+    if ours < xla:
+        return None
+    return (f"too small: {nbytes / 2**20:.1f} MiB moved; estimated {ours:.1f} us as a kernel vs "
+            f"{xla:.1f} us in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
 
 
 def _softmax(avals, params) -> str | None:
@@ -22,13 +32,7 @@ def _softmax(avals, params) -> str | None:
     if n_cols > SOFTMAX_MAX_ROW:
         return (f"rows of {n_cols} > {SOFTMAX_MAX_ROW}: the two-pass kernels lose to XLA's fused "
                 "forward+backward (0.84x measured at 512x131072)")
-    nbytes = 2 * int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-    ours = CUSTOM_CALL_US + nbytes / SOFTMAX_TBPS["xkern"] / 1e6
-    xla = XLA_FUSION_US + nbytes / SOFTMAX_TBPS["xla"] / 1e6
-    if ours >= xla:
-        return (f"too small: {nbytes / 2**20:.1f} MiB moved; estimated {ours:.1f} us as a kernel vs "
-                f"{xla:.1f} us in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
-    return None
+    return _too_small(2 * int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize)
 
 
 def _log_softmax(avals, params) -> str | None:
@@ -44,13 +48,7 @@ def _fused(avals, params) -> str | None:
     gelu(x*a+b)*c 1.36x, layer norm 1.17x, rms norm 1.13x against XLA's own fusions; so a large
     group is taken, and only the custom call's fixed cost decides.
     """
-    nbytes = params["bytes"]
-    ours = CUSTOM_CALL_US + nbytes / SOFTMAX_TBPS["xkern"] / 1e6
-    xla = XLA_FUSION_US + nbytes / SOFTMAX_TBPS["xla"] / 1e6
-    if ours >= xla:
-        return (f"too small: {nbytes / 2**20:.1f} MiB moved; estimated {ours:.1f} us as a kernel vs "
-                f"{xla:.1f} us in XLA")
-    return None
+    return _too_small(params["bytes"])
 
 
 RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused}
