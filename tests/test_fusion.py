@@ -210,3 +210,39 @@ def test_vmap_fallback_tells_apart_groups_that_share_a_kernel():
     names = fused_kernels(f, a[0], b[0], s[0])
     assert len(names) == 2 and names[0] == names[1]
     np.testing.assert_allclose(jax.vmap(xkern.optimize(f))(a, b, s), jax.vmap(f)(a, b, s), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_matmul_with_generated_epilogue(dtype):
+    # Odd sizes: M, K, N not multiples of any tile.
+    rng = np.random.default_rng(6)
+    x, r = (jnp.asarray(rng.standard_normal(s), dtype) for s in ((3, 37, 45), (3, 37, 29)))
+    w = jnp.asarray(rng.standard_normal((45, 29)) * 0.2, dtype)
+    b = jnp.asarray(np.linspace(-1, 1, 29), dtype)
+    f = lambda x, w, b, r: jax.nn.gelu(x @ w + b) * 0.5 + r
+    (name,) = fused_kernels(f, x, w, b, r)
+    report = xkern.explain(f)(x, w, b, r)
+    assert "tl.dot" in report.matches[0].source and report.matches[0].pattern.startswith("generated/")
+    tol = {jnp.float32: 1e-5, jnp.float16: 5e-3, jnp.bfloat16: 2e-2}[dtype]
+    assert_matches_xla(f, x, w, b, r, rtol=tol, atol=tol * 4)
+    got = jax.grad(lambda *a: xkern.optimize(f)(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, b, r)
+    want = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, b, r)
+    for g, v in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(v, np.float32), rtol=tol, atol=tol)
+
+
+def test_matmul_epilogue_batching_and_what_it_leaves_alone():
+    rng = np.random.default_rng(7)
+    x, w = jnp.asarray(rng.standard_normal((2, 9, 20)), jnp.float32), jnp.asarray(rng.standard_normal((20, 17)), jnp.float32)
+    f = lambda x, w: jnp.tanh(x @ w) + 1.0
+    np.testing.assert_allclose(jax.vmap(xkern.optimize(f), in_axes=(0, None))(x, w),
+                               jax.vmap(f, in_axes=(0, None))(x, w), rtol=1e-5, atol=1e-6)
+    ws = jnp.stack([w, -w])
+    np.testing.assert_allclose(jax.vmap(xkern.optimize(f))(x, ws), jax.vmap(f)(x, ws), rtol=1e-5, atol=1e-6)
+    assert fused_kernels(lambda x, w: x @ w, x[0], w) == []  # a bare matmul stays with XLA (cuBLAS)
+    def product_escapes(x, w):
+        y = x @ w
+        return jnp.tanh(y) + 1.0, y  # y must be written anyway: no epilogue fusion
+    assert not any("tl.dot" in m.source for m in xkern.explain(product_escapes)(x[0], w).matches)
+    big = [ShapedArray((8192, 8192), jnp.bfloat16)] * 2
+    assert "not yet measured" in cost.decline_reason("matmul_epilogue", big, {}, "triton")

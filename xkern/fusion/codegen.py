@@ -27,20 +27,56 @@ from xkern.fusion.triton_math import expm1, log1p, max_nan, min_nan, tanh  # noq
 '''
 
 
-def generate(group: Group, eqns) -> tuple[str, str]:
-    """(kernel name, module source) for `group`; `eqns` are the program's equations."""
+ROW_PROLOGUE = [
+    "    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
+    "    cols = tl.arange(0, BLOCK_N)[None, :]",
+]
+# A [BLOCK_M, BLOCK_N] tile of A @ B (A: [n_rows, K], B: [K, N_COLS], row-major), programs grouped
+# GROUP_M tiles down so neighbouring programs share B's columns in L2; float32 accumulation.
+MATMUL_PROLOGUE = [
+    "    pid = tl.program_id(0)",
+    "    num_m, num_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(N_COLS, BLOCK_N)",
+    "    first_m = (pid // (GROUP_M * num_n)) * GROUP_M",
+    "    size_m = tl.minimum(num_m - first_m, GROUP_M)",
+    "    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m",
+    "    pid_n = (pid % (GROUP_M * num_n)) // size_m",
+    "    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
+    "    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+    "    ks = tl.arange(0, BLOCK_K)",
+    "    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)",
+    "    for k0 in range(0, K, BLOCK_K):",
+    "        a = tl.load(a_ptr + rows.to(tl.int64) * K + (k0 + ks)[None, :],",
+    "                    mask=(rows < n_rows) & ((k0 + ks)[None, :] < K), other=0)",
+    "        b = tl.load(b_ptr + (k0 + ks)[:, None].to(tl.int64) * N_COLS + cols,",
+    "                    mask=((k0 + ks)[:, None] < K) & (cols < N_COLS), other=0)",
+    "        if DOT_F32:  # Triton's interpreter multiplies bf16 as raw bits: give it float32",
+    "            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=\"ieee\")",
+    "        else:",
+    "            acc += tl.dot(a, b{precision})",
+]
+
+
+def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False) -> tuple[str, str]:
+    """(kernel name, module source) for `group`; `eqns` are the program's equations.
+
+    matmul_out: a full-kind input of the group that is a matmul's result: the kernel computes it
+    (the matmul template) instead of loading it, and takes the matmul's operands first.
+    exact_dot: float32 operands, multiplied in full float32 rather than TF32.
+    """
     names: dict = {}
     body: list[str] = []
-
-    def ref(v) -> str:
-        return lowering.literal(v.val, v.aval) if isinstance(v, Literal) else names[v]
-
     loads = {"full": "tl.load({p} + offs, mask=mask, other=0)",
              "row": "tl.load({p} + rows, mask=row_ok, other=0)",
              "col": "tl.load({p} + cols, mask=col_ok, other=0)",
              "scalar": "tl.load({p})"}
-    params = []
+    params = ["a_ptr", "b_ptr"] if matmul_out is not None else []
     for k, (v, kind) in enumerate(group.inputs):
+        if v is matmul_out:
+            names[(v, kind)] = "acc"
+            half = lowering.dtype_name(v.aval)
+            if half != "float32":  # the program rounds the product to its dtype: so do we
+                body.append(f"    acc = acc.to({lowering.TL_DTYPE[half]}).to(tl.float32)")
+            continue
         params.append(f"in{k}_ptr")
         value = loads[kind].format(p=f"in{k}_ptr")
         if lowering.dtype_name(v.aval) in lowering.FLOATS:
@@ -71,12 +107,18 @@ def generate(group: Group, eqns) -> tuple[str, str]:
         else:
             stores.append(f"    tl.store(out{k}_ptr + rows, tl.broadcast_to({value}, (BLOCK_M, 1))"
                           f".to(out{k}_ptr.dtype.element_ty), mask=row_ok)")
-    in_params, out_params = params[:len(group.inputs)], params[len(group.inputs):]
-    signature = ", ".join(in_params + ["n_rows"] + out_params +
-                          ["N_COLS: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"])
-    prologue = [
-        "    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
-        "    cols = tl.arange(0, BLOCK_N)[None, :]",
+    n_in = len(group.inputs) + (1 if matmul_out is not None else 0)
+    in_params, out_params = params[:n_in], params[n_in:]
+    meta = ["N_COLS: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
+    if matmul_out is not None:
+        meta += ["K: tl.constexpr", "DOT_F32: tl.constexpr", "BLOCK_K: tl.constexpr",
+                 "GROUP_M: tl.constexpr"]
+        start = [line.format(precision=', input_precision="ieee"' if exact_dot else "")
+                 for line in MATMUL_PROLOGUE]
+    else:
+        start = ROW_PROLOGUE
+    signature = ", ".join(in_params + ["n_rows"] + out_params + meta)
+    prologue = start + [
         "    row_ok = rows < n_rows",
         "    col_ok = cols < N_COLS",
         "    mask = row_ok & col_ok",

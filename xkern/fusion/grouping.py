@@ -200,3 +200,53 @@ def _finish(group: Group, graph, live: set[int]) -> str | None:
     if group.n_cols > 16384:
         return f"rows of {group.n_cols} are longer than the one-block template takes (16384)"
     return None
+
+
+def supported_dot(eqn) -> bool:
+    """A dot_general the matmul template takes: [..., K] @ [K, N], one float dtype, no batch dims."""
+    if eqn.primitive.name != "dot_general":
+        return False
+    lhs, rhs = eqn.invars
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    dtypes = {lowering.dtype_name(lhs.aval), lowering.dtype_name(rhs.aval)}
+    return (len(rhs.aval.shape) == 2 and len(lhs.aval.shape) >= 2 and tuple(lc) == (len(lhs.aval.shape) - 1,)
+            and tuple(rc) == (0,) and not lb and not rb and len(dtypes) == 1
+            and dtypes <= lowering.FLOATS and lowering.dtype_name(eqn.outvars[0].aval) in lowering.FLOATS
+            and not isinstance(lhs, Literal) and not isinstance(rhs, Literal))
+
+
+def matmul_epilogues(graph, live: set[int], claimed: set[int]) -> list[tuple[int, Group]]:
+    """(dot equation, epilogue group) pairs: the elementwise equations that consume a matmul's result
+    (bias, activation, scaling, residual, casts), to run on its tiles before they are stored."""
+    found = []
+    taken = set(claimed)
+    for d, dot in enumerate(graph.eqns):
+        if d not in live or d in taken or not supported_dot(dot):
+            continue
+        out = dot.outvars[0]
+        group = Group(tuple(out.aval.shape), inputs=[(out, "full")])
+        group.kinds[out] = "full"
+        for i in range(d + 1, len(graph.eqns)):
+            eqn = graph.eqns[i]
+            if (i not in live or i in taken or lowering.supported(eqn) or len(eqn.outvars) != 1
+                    or eqn.primitive.name in lowering.REDUCTIONS
+                    or not any(v in group.kinds for v in eqn.invars if not isinstance(v, Literal))):
+                continue
+            fits = eqn_kinds(eqn, group)
+            if not fits or fits[1] != "full":
+                continue
+            group.eqns.append(i)
+            group.kinds[eqn.outvars[0]] = "full"
+            for v, kind in zip(eqn.invars, fits[0]):
+                if not isinstance(v, Literal) and v not in group.kinds and (v, kind) not in group.inputs:
+                    group.inputs.append((v, kind))
+        inside = set(group.eqns)
+        if not group.eqns or graph.escapes(out, inside) or not _order_ok(group, graph, live):
+            continue
+        for i in group.eqns:
+            v = graph.eqns[i].outvars[0]
+            if v in graph.outvars or any(c in live and c not in inside for c in graph.consumers.get(v, ())):
+                group.outputs.append((v, "full"))
+        found.append((d, group))
+        taken |= inside | {d}
+    return found

@@ -51,7 +51,7 @@ class Fusion:
 
     @property
     def inputs(self) -> list:
-        return [v for v, _ in self.fused.group.inputs]
+        return list(self.fused.input_vars)
 
     @property
     def outputs(self) -> list:
@@ -236,6 +236,16 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
     claimed = plan.skip | set(plan.rewrites)
+    for dot, g in grouping.matmul_epilogues(graph, plan.live, claimed):
+        last = graph.eqns[g.eqns[-1]]
+        reason = cost("matmul_epilogue", [v.aval for v in graph.eqns[dot].invars], {}, backend)
+        if reason:
+            plan.declined.append(Declined(f"generated/matmul+{len(g.eqns)} ops", location(last), reason,
+                                          g.eqns[-1]))
+            continue
+        plan.fusions[g.eqns[-1]] = Fusion(generated.build(g, graph.eqns, dot), location(last))
+        plan.skip |= (set(g.eqns) | {dot}) - {g.eqns[-1]}
+        claimed |= set(g.eqns) | {dot}
     groups, _ = grouping.find_groups(graph, plan.live, claimed)
     for g in groups:
         last = graph.eqns[g.eqns[-1]]

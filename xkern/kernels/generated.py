@@ -24,10 +24,12 @@ class Fused:
     name: str
     source: str
     group: Group
-    eqns: tuple  # the group's equations, in order
-    input_kinds: tuple
+    eqns: tuple  # the equations it computes, in order (a matmul's first)
+    input_vars: tuple  # the program values it reads, in kernel order
+    input_kinds: tuple  # full / row / col / scalar, or a / b for a matmul's operands
     output_kinds: tuple
     output_avals: tuple
+    k: int = 0  # a matmul's contraction length (0: no matmul)
 
     @property
     def n_cols(self) -> int:
@@ -35,7 +37,7 @@ class Fused:
 
     def reference(self, *inputs) -> list:
         """The group computed by XLA: its own equations, bound one by one."""
-        env = {v: x for (v, _), x in zip(self.group.inputs, inputs)}
+        env = dict(zip(self.input_vars, inputs))
         read = lambda v: v.val if isinstance(v, Literal) else env[v]
         for eqn in self.eqns:
             env[eqn.outvars[0]] = _compat.bind_equation(eqn, [read(v) for v in eqn.invars])[0]
@@ -45,11 +47,21 @@ class Fused:
 _BATCHED: set[str] = set()  # kernel names with the batching rule registered
 
 
-def build(group: Group, eqns) -> Fused:
-    name, source = codegen.generate(group, eqns)
-    fused = Fused(name, source, group, tuple(eqns[i] for i in group.eqns),
-                  tuple(k for _, k in group.inputs), tuple(k for _, k in group.outputs),
-                  tuple(v.aval for v, _ in group.outputs))
+def build(group: Group, eqns, dot: int | None = None) -> Fused:
+    """The kernel for `group`; with `dot` (an equation index), as the epilogue of that matmul."""
+    inputs, computed, k = list(group.inputs), [eqns[i] for i in group.eqns], 0
+    if dot is None:
+        name, source = codegen.generate(group, eqns)
+    else:
+        a, b = eqns[dot].invars
+        out = eqns[dot].outvars[0]
+        inputs = [(a, "a"), (b, "b")] + [(v, kind) for v, kind in inputs if v is not out]
+        computed, k = [eqns[dot]] + computed, int(b.aval.shape[0])
+        exact = np.dtype(a.aval.dtype) == np.float32
+        name, source = codegen.generate(group, eqns, matmul_out=out, exact_dot=exact)
+    fused = Fused(name, source, group, tuple(computed), tuple(v for v, _ in inputs),
+                  tuple(kind for _, kind in inputs), tuple(kind for _, kind in group.outputs),
+                  tuple(v.aval for v, _ in group.outputs), k)
     if name not in _BATCHED:  # one rule per kernel name; the launch's `info` says which group
         _BATCHED.add(name)
         L.def_batching(name, _batch)
@@ -60,6 +72,8 @@ def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None =
     """From an H200 sweep (benchmarks/results/h200-generated-sweep.json, 16384x8192 bf16): programs of
     one 8192-wide row want 4 warps (layer norm 0.175 ms vs 0.194 with 16; rms norm 0.138 vs 0.159;
     gelu chain 0.156 either way); short rows are packed ~4096 elements to a program."""
+    if fused is not None and fused.k:
+        return matmul_config(n_rows, n_cols, fused.k, backend)
     block_n = L.next_pow2(n_cols)
     if backend == "interpret":
         return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
@@ -67,11 +81,23 @@ def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None =
     return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 8192 else 8)
 
 
+def matmul_config(m: int, n: int, k: int, backend: str) -> L.Config:
+    """Tiles for a matmul with an epilogue. Not yet tuned on a GPU (the cost model keeps these
+    rewrites off the triton backend until they are measured); tl.dot wants tiles of at least 16."""
+    tile = lambda size, cap: max(16, min(L.next_pow2(size), cap))
+    if backend == "interpret":
+        return L.Config.of(BLOCK_M=tile(m, 64), BLOCK_N=tile(n, 64), BLOCK_K=tile(k, 64), GROUP_M=8)
+    return L.Config.of(BLOCK_M=tile(m, 128), BLOCK_N=tile(n, 128), BLOCK_K=tile(k, 64), GROUP_M=8,
+                       num_warps=8, num_stages=3)
+
+
 def _views(fused: Fused, inputs) -> tuple[list, int]:
-    """Inputs as the kernel reads them: full [rows, cols], row [rows], col [cols], scalar [1]."""
+    """Inputs as the kernel reads them: full [rows, cols], row [rows], col [cols], scalar [1];
+    a matmul's operands as [rows, K] and [K, cols]."""
     n_cols = fused.n_cols
     n_rows = int(np.prod(fused.group.rows, dtype=np.int64))
-    shaped = {"full": (n_rows, n_cols), "row": (n_rows,), "col": (n_cols,), "scalar": (1,)}
+    shaped = {"full": (n_rows, n_cols), "row": (n_rows,), "col": (n_cols,), "scalar": (1,),
+              "a": (n_rows, fused.k), "b": (fused.k, n_cols)}
     return [x.reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
 
 
@@ -79,9 +105,12 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
     outs = [jax.ShapeDtypeStruct((n_rows, fused.n_cols) if k == "full" else (n_rows,), a.dtype)
             for k, a in zip(fused.output_kinds, fused.output_avals)]
     fn = codegen.load(fused.name, fused.source)
-    return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs,
-                    grid=(L.cdiv(n_rows, config["BLOCK_M"]),), config=config, backend=backend,
-                    constexprs={"N_COLS": fused.n_cols}, info=fused)
+    constexprs, grid = {"N_COLS": fused.n_cols}, L.cdiv(n_rows, config["BLOCK_M"])
+    if fused.k:
+        constexprs.update(K=fused.k, DOT_F32=backend == "interpret")
+        grid *= L.cdiv(fused.n_cols, config["BLOCK_N"])
+    return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs, grid=(grid,),
+                    config=config, backend=backend, constexprs=constexprs, info=fused)
 
 
 def run(fused: Fused, inputs, backend: str) -> list:
@@ -111,22 +140,21 @@ def _batch(args, dims, *, info, backend, config, **params):
     fused: Any = info
     n_arrays = len(fused.input_kinds)
     arrays, arr_dims = args[:n_arrays], dims[:n_arrays]
-    foldable = all(d is None or k in ("full", "row") for k, d in zip(fused.input_kinds, arr_dims))
+    foldable = all(d is None or k in ("full", "row", "a") for k, d in zip(fused.input_kinds, arr_dims))
     size = next(a.shape[d] for a, d in zip(arrays, arr_dims) if d is not None)
     if foldable:  # one launch over batch * rows; col and scalar inputs are shared
         folded = []
         for a, d, k in zip(arrays, arr_dims, fused.input_kinds):
-            if k in ("full", "row"):
+            if k in ("full", "row", "a"):
                 a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
                 a = a.reshape(size * a.shape[1], *a.shape[2:])
             folded.append(a)
-        n_rows = folded[fused.input_kinds.index("full")].shape[0] if "full" in fused.input_kinds \
-            else folded[fused.input_kinds.index("row")].shape[0]
+        n_rows = next(x.shape[0] for x, k in zip(folded, fused.input_kinds) if k in ("full", "row", "a"))
         outs = _launch_views(folded, n_rows, fused, backend, config)
         return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
     # Otherwise: the group's own equations, vmapped, on the views (XLA computes this launch).
     def on_views(*views):
-        shaped = [v.reshape(x.aval.shape) for v, (x, _) in zip(views, fused.group.inputs)]
+        shaped = [v.reshape(x.aval.shape) for v, x in zip(views, fused.input_vars)]
         return [o.reshape((-1, fused.n_cols) if k == "full" else (-1,))
                 for o, k in zip(fused.reference(*shaped), fused.output_kinds)]
     outs = jax.vmap(on_views, in_axes=list(arr_dims))(*arrays)
@@ -139,6 +167,19 @@ def _batch(args, dims, *, info, backend, config, **params):
 # --------------------------------------------------------------------------------------------------
 
 _PTR = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16", "int32": "*i32", "bool": "*i1"}
+
+
+def _matmul_signature(fused: Fused) -> dict:
+    """Pointer types in the order codegen names them: a, b, then inK for the group's other inputs."""
+    ptr = lambda v: _PTR[np.dtype(v.aval.dtype).name]
+    dot_out = fused.eqns[0].outvars[0]
+    signature = {"a_ptr": ptr(fused.input_vars[0]), "b_ptr": ptr(fused.input_vars[1])}
+    for k, (v, _) in enumerate(fused.group.inputs):
+        if v is not dot_out:
+            signature[f"in{k}_ptr"] = ptr(v)
+    signature["n_rows"] = "i32"
+    signature.update({f"out{k}_ptr": _PTR[np.dtype(a.dtype).name] for k, a in enumerate(fused.output_avals)})
+    return signature
 
 
 def _sample_programs():
@@ -163,6 +204,12 @@ def _sample_programs():
     yield integers, (jax.ShapeDtypeStruct((64, 1000), jnp.int32),
                      jax.ShapeDtypeStruct((64, 1000), jnp.int32))
 
+    def linear_gelu(x, w, b, r):
+        return jax.nn.gelu(x @ w + b) + r
+
+    yield linear_gelu, tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16)
+                             for s in ((4096, 1024), (1024, 4096), (4096,), (4096, 4096)))
+
 
 def aot_cases():
     """(name, kernel, signature, config) for the generated kernels of a few representative programs."""
@@ -178,6 +225,9 @@ def aot_cases():
             signature["n_rows"] = "i32"
             signature.update({f"out{k}_ptr": _PTR[np.dtype(a.dtype).name]
                               for k, a in enumerate(fused.output_avals)})
-            config = default_config(n_rows, fused.n_cols, "triton").replace(N_COLS=fused.n_cols)
+            config = default_config(n_rows, fused.n_cols, "triton", fused).replace(N_COLS=fused.n_cols)
+            if fused.k:
+                signature = _matmul_signature(fused)
+                config = config.replace(K=fused.k, DOT_F32=False)
             yield (f"generated/{program.__name__}/{fused.name}", codegen.load(fused.name, fused.source),
                    signature, config)

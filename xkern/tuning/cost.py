@@ -51,7 +51,13 @@ def _fused(avals, params) -> str | None:
     return _too_small(params["bytes"])
 
 
-RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused}
+def _matmul_epilogue(avals, params) -> str | None:
+    return ("matmul with a generated epilogue: not yet measured on a GPU, so cuBLAS (through XLA) "
+            "keeps it")
+
+
+RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused,
+         "matmul_epilogue": _matmul_epilogue}
 # Consumers that XLA fuses a row-wise result into without ever writing it (cross-entropy's gather,
 # a sum): a kernel would have to write the whole result first. Measured: an LM loss through
 # log_softmax + take_along_axis ran at 0.68x forward when rewritten.
