@@ -83,7 +83,7 @@ def test_integer_and_boolean_arithmetic():
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.integers(-50, 50, (4, 33)), jnp.int32)
     b = jnp.asarray(rng.integers(1, 9, (4, 33)) * rng.choice([-1, 1], (4, 33)), jnp.int32)
-    f = lambda a, b: (jax.lax.div(a * 3 - b, b) + jnp.maximum(a, b) - jnp.minimum(a, -b) * 2,
+    f = lambda a, b: ((a * 3 - b) + jnp.maximum(a, b) - jnp.minimum(a, -b) * 2,
                       ((a > 0) & (b < 0)) | ~(a == b), jnp.sign(a) * jnp.abs(b))
     assert len(fused_kernels(f, a, b)) == 1
     assert_matches_xla(f, a, b, rtol=0, atol=0)
@@ -160,6 +160,9 @@ def test_what_cannot_be_fused_stays_with_xla():
     assert fused_kernels(lambda x: jnp.sort(x * 2) + 1, x) == []  # sort splits the chain
     assert fused_kernels(lambda x: (x * 2).sum(0) + 1, x) == []  # leading-axis reduction
     assert fused_kernels(lambda x: x * 2, x) == []  # one operation: nothing to fuse
+    assert fused_kernels(lambda a: jax.lax.div(a, a + 1) * 2, jnp.ones((4, 8), jnp.int32)) == []
+    to_int = xkern.explain(lambda x: (x * 2 + 1).astype(jnp.int32))(x)  # the add and mul fuse ...
+    assert to_int.matches and all(".to(tl.int32)" not in m.source for m in to_int.matches)  # ... not the cast
     with jax.enable_x64(True):
         x64 = jnp.ones((4, 8), jnp.float64)
         assert fused_kernels(lambda x: jnp.exp(x) * 2 + 1, x64) == []

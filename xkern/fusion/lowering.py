@@ -31,11 +31,7 @@ def _is_float(eqn, i=0) -> bool:
 
 
 def _div(a, eqn):
-    if _is_float(eqn):
-        return f"({a[0]} / {a[1]})"
-    # lax.div rounds integer quotients toward zero (C semantics), whatever Triton's // does.
-    q = f"(tl.abs({a[0]}) // tl.abs({a[1]}))"
-    return f"tl.where(({a[0]} < 0) != ({a[1]} < 0), -{q}, {q})"
+    return f"({a[0]} / {a[1]})"  # floats only: `supported` leaves integer division to XLA
 
 
 def _integer_pow(a, eqn):
@@ -117,6 +113,12 @@ def supported(eqn) -> str | None:
             return f"dtype {dtype_name(v.aval)}"
     if name in FLOAT_ONLY and not _is_float(eqn):
         return f"{name} on {dtype_name(eqn.invars[0].aval)}"
+    # Cases where Triton's result is undefined and XLA's is defined: keep them with XLA.
+    if name == "div" and not _is_float(eqn):
+        return "integer division (division by zero is defined in XLA, not in Triton)"
+    if (name == "convert_element_type" and _is_float(eqn)
+            and np.dtype(eqn.params["new_dtype"]).name in ("int32",)):
+        return "float to integer conversion (NaN and out-of-range values differ)"
     if name == "select_n" and len(eqn.invars) != 3:
         return "select_n with more than two cases"
     return None
