@@ -56,8 +56,10 @@ MATMUL_PROLOGUE = [
 ]
 
 
-def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False) -> tuple[str, str]:
-    """(kernel name, module source) for `group`; `eqns` are the program's equations.
+def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
+             eqns_in_order=None) -> tuple[str, str]:
+    """(kernel name, module source) for `group`; `eqns` are the program's equations (or
+    `eqns_in_order`, the group's own, in order).
 
     matmul_out: a full-kind input of the group that is a matmul's result: the kernel computes it
     (the matmul template) instead of loading it, and takes the matmul's operands first.
@@ -83,8 +85,7 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False) -> tu
             value += ".to(tl.float32)"
         names[(v, kind)] = f"in{k}"
         body.append(f"    in{k} = {value}  # {kind} {lowering.dtype_name(v.aval)}")
-    for n, i in enumerate(group.eqns):
-        eqn = eqns[i]
+    for n, eqn in enumerate(eqns_in_order or [eqns[i] for i in group.eqns]):
         kinds, _ = eqn_kinds(eqn, group)
         args = [lowering.literal(a.val, a.aval) if isinstance(a, Literal)
                 else names[a] if a in names else names[(a, kind)] for a, kind in zip(eqn.invars, kinds)]
@@ -100,7 +101,7 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False) -> tu
     stores = []
     for k, (v, kind) in enumerate(group.outputs):
         params.append(f"out{k}_ptr")
-        value = names[v]
+        value = names[v] if v in names else names[(v, kind)]  # a matmul's product is an input
         if kind == "full":
             stores.append(f"    tl.store(out{k}_ptr + offs, tl.broadcast_to({value}, (BLOCK_M, BLOCK_N))"
                           f".to(out{k}_ptr.dtype.element_ty), mask=mask)")

@@ -6,6 +6,7 @@ the vmapped axis into the rows, or else by vmapping the group's equations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -37,11 +38,31 @@ class Fused:
 
     def reference(self, *inputs) -> list:
         """The group computed by XLA: its own equations, bound one by one."""
-        env = dict(zip(self.input_vars, inputs))
+        return self._evaluate(dict(zip(self.input_vars, inputs)), self.eqns)
+
+    def epilogue(self, product, *others) -> list:
+        """A matmul group's epilogue alone, from the product and the other inputs."""
+        env = dict(zip(self.input_vars[2:], others))
+        env[self.eqns[0].outvars[0]] = product
+        return self._evaluate(env, self.eqns[1:])
+
+    def _evaluate(self, env: dict, eqns) -> list:
         read = lambda v: v.val if isinstance(v, Literal) else env[v]
-        for eqn in self.eqns:
+        for eqn in eqns:
             env[eqn.outvars[0]] = _compat.bind_equation(eqn, [read(v) for v in eqn.invars])[0]
         return [env[v] for v, _ in self.group.outputs]
+
+    @functools.cached_property
+    def with_product(self) -> "Fused":
+        """The same matmul kernel, also writing the product (the backward pass's residual)."""
+        product = self.eqns[0].outvars[0]
+        group = dataclasses.replace(self.group, outputs=[*self.group.outputs, (product, "full")])
+        name, source = codegen.generate(group, None, matmul_out=product,
+                                        exact_dot=np.dtype(self.input_vars[0].aval.dtype) == np.float32,
+                                        eqns_in_order=self.eqns[1:])
+        return dataclasses.replace(self, name=name, source=source, group=group,
+                                   output_kinds=(*self.output_kinds, "full"),
+                                   output_avals=(*self.output_avals, product.aval))
 
 
 _BATCHED: set[str] = set()  # kernel names with the batching rule registered
@@ -121,16 +142,27 @@ def run(fused: Fused, inputs, backend: str) -> list:
 
 
 def op(fused: Fused, backend: str):
-    """The group as a differentiable function of its inputs."""
+    """The group as a differentiable function of its inputs. The backward pass is XLA's: the vjp of
+    the group's equations from its inputs; for a matmul group, of the epilogue from the saved
+    product, then the two gradient matmuls (no matmul is recomputed)."""
     @jax.custom_vjp
     def fused_op(*inputs):
         return run(fused, inputs, backend)
 
     def fwd(*inputs):
-        return run(fused, inputs, backend), inputs
+        if not fused.k:
+            return run(fused, inputs, backend), inputs
+        *outs, product = run(fused.with_product, inputs, backend)
+        return outs, (inputs, product)
 
-    def bwd(inputs, cotangents):
-        return tuple(jax.vjp(fused.reference, *inputs)[1](list(cotangents)))
+    def bwd(residuals, cotangents):
+        if not fused.k:
+            return tuple(jax.vjp(fused.reference, *residuals)[1](list(cotangents)))
+        (a, b, *others), product = residuals
+        d_product, *d_others = jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
+        dot = fused.eqns[0]
+        d_a, d_b = jax.vjp(lambda a, b: _compat.bind_equation(dot, [a, b])[0], a, b)[1](d_product)
+        return (d_a, d_b, *d_others)
 
     fused_op.defvjp(fwd, bwd)
     return fused_op
