@@ -1,0 +1,94 @@
+"""xkern.ops.layer_norm / rms_norm (optionally with a residual add) against a float32 jax.numpy
+reference: values and every gradient, through the interpreter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xkern
+from xkern.kernels.launch import kernel_names
+from xkern.kernels.norms import reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+
+
+def make(shape, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal(shape) * 2 + 0.5, dtype)
+    r = jnp.asarray(rng.standard_normal(shape), dtype)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, shape[-1]), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(shape[-1]), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return x, r, scale, bias, dy
+
+
+def close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * max(np.abs(want).max(), 1.0))
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("shape", [(1, 1), (7,), (3, 1000), (2, 3, 1025)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_values_and_every_gradient(rms, shape, dtype, with_residual):
+    x, r, scale, bias, dy = make(shape, dtype)
+    b = None if rms else bias
+    op = (lambda x, s, b, r: xkern.ops.rms_norm(x, s, residual=r)) if rms else \
+        (lambda x, s, b, r: xkern.ops.layer_norm(x, s, b, residual=r))
+    ref = lambda x, s, b, r: reference(x, s, b, 1e-6, r, rms)
+    r_arg = r if with_residual else None
+
+    def loss(f):
+        def value(x, s, b, r):
+            out = f(x, s, b, r)
+            y, h = out if with_residual else (out, None)
+            total = jnp.sum(y.astype(jnp.float32) * dy)
+            return total + (jnp.sum(h.astype(jnp.float32) ** 2) if with_residual else 0.0)
+        return value
+
+    close(op(x, scale, b, r_arg)[0] if with_residual else op(x, scale, b, r_arg),
+          ref(x, scale, b, r_arg)[0] if with_residual else ref(x, scale, b, r_arg), dtype)
+    argnums = (0, 1) + (() if rms else (2,)) + ((3,) if with_residual else ())
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    got = jax.grad(loss(op), argnums=argnums)(x, scale, b, r_arg)
+    want = jax.grad(loss(ref), argnums=argnums)(f32(x), scale, b, f32(r_arg))
+    for g, w in zip(got, want):
+        close(g, w, dtype)
+
+
+def test_jit_vmap_and_the_kernels_in_the_jaxpr():
+    x, r, scale, bias, _ = make((2, 3, 40), jnp.float32)
+    f = lambda x: xkern.ops.layer_norm(x, scale, bias, residual=x * 0.5)[0].sum()
+    assert sorted(kernel_names(jax.make_jaxpr(jax.grad(f))(x))) == ["layer_norm_bwd", "layer_norm_fwd"]
+    got = jax.jit(jax.vmap(jax.grad(lambda x, s: xkern.ops.rms_norm(x, s).sum() * 2, argnums=(0, 1)),
+                           in_axes=(0, None)))(x, scale)
+    want = jax.vmap(jax.grad(lambda x, s: reference(x, s, None, 1e-6, None, True).sum() * 2,
+                             argnums=(0, 1)), in_axes=(0, None))(x, scale)
+    for g, w in zip(got, want):
+        close(g, w, jnp.float32)
+
+
+def test_no_scale_wide_rows_empty_and_xla_backend():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 50)), jnp.float32)
+    close(xkern.ops.layer_norm(x), reference(x, None, None, 1e-6, None, False), jnp.float32)
+    wide = jnp.ones((2, 20000), jnp.float32)  # wider than the kernels take: XLA computes it
+    assert kernel_names(jax.make_jaxpr(xkern.ops.rms_norm)(wide)) == []
+    assert xkern.ops.layer_norm(jnp.zeros((0, 8))).shape == (0, 8)
+    np.testing.assert_array_equal(xkern.ops.rms_norm(x, backend="xla"),
+                                  reference(x, None, None, 1e-6, None, True))
+
+
+def test_bad_input_names_the_argument():
+    x = jnp.ones((2, 8))
+    with pytest.raises(TypeError, match="x must have dtype"):
+        xkern.ops.layer_norm(jnp.ones((2, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"scale must have shape \(8,\)"):
+        xkern.ops.layer_norm(x, jnp.ones(7))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        xkern.ops.layer_norm(x, jnp.ones(8), jnp.ones((8, 1)))
+    with pytest.raises(ValueError, match="residual must match x"):
+        xkern.ops.rms_norm(x, residual=jnp.ones((2, 8), jnp.bfloat16))
+    with pytest.raises(ValueError, match="eps must be"):
+        xkern.ops.rms_norm(x, eps=-1.0)

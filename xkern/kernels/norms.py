@@ -1,0 +1,309 @@
+"""LayerNorm and RMSNorm, optionally fused with a residual add: forward and backward Triton kernels,
+launchers, custom_vjp (saving the input and per-row mean / rstd, never the normalized x), batching,
+and the public `layer_norm` / `rms_norm`.
+
+The math the kernels must match (float32 inside), per row of n values, h = x (+ residual):
+
+    layer norm  mean = sum(h)/n   rstd = rsqrt(sum((h-mean)^2)/n + eps)   y = (h-mean)*rstd*scale + bias
+    rms norm    mean = 0          rstd = rsqrt(sum(h^2)/n + eps)          y = h*rstd*scale
+    backward    hhat = (h-mean)*rstd, g = dy*scale
+                dh = rstd * (g - hhat*mean(g*hhat) - [layer norm] mean(g)) + d(h output)
+                dscale = sum_rows(dy*hhat), dbias = sum_rows(dy)   (per-program partial sums, then XLA)
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+MAX_COLS = 16384  # widest row the one-block kernels keep in registers; wider rows use XLA
+
+
+def reference(x, scale, bias, eps, residual, rms: bool):
+    """The definition the kernels are checked against (and the `xla` backend)."""
+    h = x if residual is None else x + residual
+    hf = h.astype(jnp.float32)
+    if rms:
+        y = hf * jax.lax.rsqrt(jnp.mean(hf * hf, -1, keepdims=True) + eps)
+    else:
+        mean = jnp.mean(hf, -1, keepdims=True)
+        y = (hf - mean) * jax.lax.rsqrt(jnp.mean((hf - mean) ** 2, -1, keepdims=True) + eps)
+    if scale is not None:
+        y = y * scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    y = y.astype(x.dtype)
+    return y if residual is None else (y, h)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_COLS]; scale, bias [N_COLS]
+         n_rows, eps,  # sizes and epsilon
+         y_ptr, h_ptr, mean_ptr, rstd_ptr,  # outputs: y, h = x + r (if HAS_RESIDUAL); mean, rstd [n_rows]
+         N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+         HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    row_ok, col_ok = rows < n_rows, cols < N_COLS
+    mask = row_ok & col_ok
+    offs = rows.to(tl.int64) * N_COLS + cols
+    h = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # Round h to its stored dtype first: the statistics must be those of the h the backward
+        # pass reads back (and of x + residual as the program computes it).
+        h = (h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + offs, h, mask=mask)
+        h = h.to(tl.float32)
+    if RMS:
+        mean = tl.zeros([BLOCK_M, 1], tl.float32)
+    else:
+        mean = tl.sum(h, axis=1)[:, None] / N_COLS
+    centered = tl.where(mask, h - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / N_COLS + eps)
+    y = centered * rstd
+    if HAS_SCALE:
+        y *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(mean_ptr + rows, mean, mask=row_ok)
+    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
+         n_rows,  # size
+         dh_ptr, dscale_ptr, dbias_ptr,  # outputs: dh [n_rows, N_COLS]; partial sums [programs, N_COLS]
+         N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+         HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.arange(0, BLOCK_N)[None, :]
+    row_ok, col_ok = rows < n_rows, cols < N_COLS
+    mask = row_ok & col_ok
+    offs = rows.to(tl.int64) * N_COLS + cols
+    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+    hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+    g = dy
+    if HAS_SCALE:
+        g = dy * tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dh = g - hhat * (tl.sum(g * hhat, axis=1)[:, None] / N_COLS)
+    if not RMS:
+        dh -= tl.sum(g, axis=1)[:, None] / N_COLS
+    dh *= rstd
+    if HAS_RESIDUAL:
+        dh += tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+    sums = pid * N_COLS + tl.arange(0, BLOCK_N)
+    tl.store(dscale_ptr + sums, tl.sum(dy * hhat, axis=0), mask=tl.arange(0, BLOCK_N) < N_COLS)
+    tl.store(dbias_ptr + sums, tl.sum(dy, axis=0), mask=tl.arange(0, BLOCK_N) < N_COLS)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs and launchers
+# --------------------------------------------------------------------------------------------------
+
+def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
+    """As the softmax and generated-kernel sweeps found for one-block row kernels (not yet swept
+    for these kernels)."""
+    block_n = L.next_pow2(n_cols)
+    if backend == "interpret":
+        return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
+    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
+    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 8192 else 8)
+
+
+def _flags(rms, has_residual, has_scale, has_bias=None) -> dict:
+    flags = {"RMS": rms, "HAS_RESIDUAL": has_residual, "HAS_SCALE": has_scale}
+    return flags if has_bias is None else {**flags, "HAS_BIAS": has_bias}
+
+
+def _launch_fwd(x2, r2, scale, bias, eps, *, rms, backend, config, out_dtype):
+    n_rows, n_cols = x2.shape
+    dummy = jnp.zeros((1,), jnp.float32)  # stands for an absent operand (the flag keeps it unread)
+    outs = [jax.ShapeDtypeStruct(x2.shape, out_dtype),
+            jax.ShapeDtypeStruct(x2.shape if r2 is not None else (1,), x2.dtype),
+            jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
+    consts = {"N_COLS": n_cols, **_flags(rms, r2 is not None, scale is not None, bias is not None)}
+    return L.launch(_fwd, x2, dummy if r2 is None else r2, dummy if scale is None else scale,
+                    dummy if bias is None else bias, n_rows, float(eps),
+                    kernel="rms_norm_fwd" if rms else "layer_norm_fwd", out_shapes=outs,
+                    grid=(L.cdiv(n_rows, config["BLOCK_M"]),), config=config, backend=backend,
+                    constexprs=consts)
+
+
+def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config):
+    n_rows, n_cols = h2.shape
+    programs = L.cdiv(n_rows, config["BLOCK_M"])
+    dummy = jnp.zeros((1,), jnp.float32)
+    outs = [jax.ShapeDtypeStruct(h2.shape, h2.dtype),
+            jax.ShapeDtypeStruct((programs, n_cols), jnp.float32),
+            jax.ShapeDtypeStruct((programs, n_cols), jnp.float32)]
+    consts = {"N_COLS": n_cols, **_flags(rms, dh_out2 is not None, scale is not None)}
+    return L.launch(_bwd, h2, dy2, dummy if dh_out2 is None else dh_out2,
+                    dummy if scale is None else scale, mean, rstd, n_rows,
+                    kernel="rms_norm_bwd" if rms else "layer_norm_bwd", out_shapes=outs,
+                    grid=(programs,), config=config, backend=backend, constexprs=consts)
+
+
+# --------------------------------------------------------------------------------------------------
+# Differentiation: residuals are h, mean and rstd (per row), never the normalized values
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _norm_rows(x2, r2, scale, bias, eps, rms, backend, config):
+    return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, config)[0]
+
+
+def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, config):
+    y, h, mean, rstd = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend, config=config,
+                                   out_dtype=x2.dtype)
+    h = x2 if r2 is None else h
+    out = (y, h) if r2 is not None else (y,)
+    return out, (h, scale, bias, mean, rstd, r2 is not None)
+
+
+def _norm_rows_bwd(eps, rms, backend, config, residuals, cotangents):
+    h, scale, bias, mean, rstd, has_residual = residuals
+    dy, dh_out = cotangents[0], (cotangents[1] if has_residual else None)
+    dh, dscale, dbias = _launch_bwd(h, dy.astype(h.dtype), dh_out, scale, mean, rstd, rms=rms,
+                                    backend=backend, config=config)
+    d_scale = None if scale is None else jnp.sum(dscale, 0).astype(scale.dtype)
+    d_bias = None if bias is None else jnp.sum(dbias, 0).astype(bias.dtype)
+    return dh, (dh if has_residual else None), d_scale, d_bias
+
+
+_norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    block = 1
+    while block * 2 <= cap and n % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
+    """Fold the vmapped axis into the rows when scale/bias are shared; the backward's partial sums
+    then need programs that never straddle two batch elements (BLOCK_M divides the row count)."""
+    flags = dict(constexprs)
+    rms, fwd = flags["RMS"], kernel.endswith("_fwd")
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    move = lambda a, d: jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+    if fwd:
+        x, r, scale, bias = (move(a, d) if i < 2 else a for i, (a, d) in enumerate(zip(args, dims)))
+        if dims[2] is not None or dims[3] is not None:
+            raise NotImplementedError("xkern norms: vmap over scale or bias is not supported")
+        rows, n_cols = x.shape[1], x.shape[2]
+        folded_r = r.reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
+        outs = _launch_fwd(x.reshape(size * rows, n_cols), folded_r,
+                           scale if flags["HAS_SCALE"] else None, bias if flags["HAS_BIAS"] else None,
+                           dict(scalars)[5], rms=rms, backend=backend, config=config, out_dtype=x.dtype)
+        y, h, mean, rstd = outs
+        h = h.reshape(size, rows, n_cols) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
+        return [y.reshape(size, rows, n_cols), h, mean.reshape(size, rows), rstd.reshape(size, rows)], [0] * 4
+    h, dy, dh_out, scale, mean, rstd = args
+    if dims[3] is not None:
+        raise NotImplementedError("xkern norms: vmap over scale is not supported")
+    h, dy, mean, rstd = (move(a, d) for a, d in zip((h, dy, mean, rstd), (dims[0], dims[1], dims[4], dims[5])))
+    rows, n_cols = h.shape[1], h.shape[2]
+    folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
+    programs = L.cdiv(rows, config["BLOCK_M"])  # the partial sums' leading size, per example
+    block_m = _largest_pow2_divisor(rows, config["BLOCK_M"])
+    config = config.replace(BLOCK_M=block_m)
+    dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
+                                    folded_dh, scale if flags["HAS_SCALE"] else None,
+                                    mean.reshape(-1), rstd.reshape(-1), rms=rms, backend=backend,
+                                    config=config)
+    per = rows // block_m  # programs per batch element here
+    # Each example's partial sums, totalled into the first of its `programs` rows (the rest zero):
+    # the op sums them over that axis, as it does unbatched.
+    parts = lambda p: jnp.zeros((size, programs, n_cols), p.dtype).at[:, 0].set(
+        jnp.sum(p.reshape(size, per, n_cols), 1))
+    return [dh.reshape(size, rows, n_cols), parts(dscale), parts(dbias)], [0] * 3
+
+
+for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
+    L.def_batching(_name, _batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public functions
+# --------------------------------------------------------------------------------------------------
+
+def _norm(op, x, scale, bias, eps, residual, backend, rms):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must have at least one dimension; got a scalar")
+    for name, v in (("scale", scale), ("bias", bias)):
+        if v is not None and tuple(jnp.shape(v)) != (x.shape[-1],):
+            raise ValueError(f"{op}: {name} must have shape ({x.shape[-1]},) (x's last axis); "
+                             f"got {tuple(jnp.shape(v))}")
+    if residual is not None and (residual.shape, residual.dtype) != (x.shape, x.dtype):
+        raise ValueError(f"{op}: residual must match x ({x.dtype}{list(x.shape)}); "
+                         f"got {residual.dtype}{list(residual.shape)}")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"{op}: eps must be a non-negative Python number; got {eps!r}")
+    backend = L.resolve_backend(backend)
+    n_cols = x.shape[-1]
+    if backend == "xla" or x.size == 0 or n_cols > MAX_COLS:
+        return reference(x, scale, bias, eps, residual, rms)
+    x2 = jnp.asarray(x).reshape(-1, n_cols)
+    r2 = None if residual is None else jnp.asarray(residual).reshape(-1, n_cols)
+    config = default_config(x2.shape[0], n_cols, backend)
+    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, config)
+    y = outs[0].reshape(x.shape)
+    return y if residual is None else (y, outs[1].reshape(x.shape))
+
+
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, residual=None,
+               backend: str | None = None):
+    """LayerNorm over the last axis, float32 math; with `residual`, normalizes x + residual and
+    returns (y, x + residual). Rows wider than 16384 run through XLA."""
+    return _norm("layer_norm", x, scale, bias, eps, residual, backend, rms=False)
+
+
+def rms_norm(x, scale=None, eps: float = 1e-6, *, residual=None, backend: str | None = None):
+    """RMSNorm over the last axis, float32 math; with `residual`, as `layer_norm`."""
+    return _norm("rms_norm", x, scale, None, eps, residual, backend, rms=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases
+# --------------------------------------------------------------------------------------------------
+
+def aot_cases():
+    """(name, kernel, signature, config) for both kernels, both norms, with and without residual."""
+    for dtype in ("fp32", "bf16"):
+        for rms in (False, True):
+            for residual in (False, True):
+                config = default_config(16384, 8192, "triton").replace(
+                    N_COLS=8192, RMS=rms, HAS_RESIDUAL=residual, HAS_SCALE=True)
+                tag = f"{'rms' if rms else 'layer'}_norm/{dtype}{'/residual' if residual else ''}"
+                yield (f"{tag}/fwd", _fwd,
+                       {"x_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "scale_ptr": "*fp32",
+                        "bias_ptr": "*fp32", "n_rows": "i32", "eps": "fp32", "y_ptr": f"*{dtype}",
+                        "h_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
+                       config.replace(HAS_BIAS=not rms))
+                yield (f"{tag}/bwd", _bwd,
+                       {"h_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dh_out_ptr": f"*{dtype}",
+                        "scale_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32",
+                        "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, config)
