@@ -17,6 +17,7 @@ from xkern import _compat
 from xkern.fusion import codegen
 from xkern.fusion.grouping import Group
 from xkern.kernels import launch as L
+from xkern.tuning.configs import one_block_rows
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -90,16 +91,10 @@ def build(group: Group, eqns, dot: int | None = None) -> Fused:
 
 
 def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None = None) -> L.Config:
-    """From an H200 sweep (benchmarks/results/h200-generated-sweep.json, 16384x8192 bf16): programs of
-    one 8192-wide row want 4 warps (layer norm 0.175 ms vs 0.194 with 16; rms norm 0.138 vs 0.159;
-    gelu chain 0.156 either way); short rows are packed ~4096 elements to a program."""
+    """The matmul template's tiles, or the one-block row config (xkern/tuning/configs.py)."""
     if fused is not None and fused.k:
         return matmul_config(n_rows, n_cols, fused.k, backend)
-    block_n = L.next_pow2(n_cols)
-    if backend == "interpret":
-        return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
-    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
-    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 8192 else 8)
+    return one_block_rows(n_rows, n_cols, backend)
 
 
 def matmul_config(m: int, n: int, k: int, backend: str) -> L.Config:

@@ -23,6 +23,8 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
+from xkern.tuning.configs import one_block_rows
+
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_COLS = 16384  # widest row the one-block kernels keep in registers; wider rows use XLA
 
@@ -119,13 +121,8 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
 # --------------------------------------------------------------------------------------------------
 
 def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
-    """As the softmax and generated-kernel sweeps found for one-block row kernels (not yet swept
-    for these kernels)."""
-    block_n = L.next_pow2(n_cols)
-    if backend == "interpret":
-        return L.Config.of(BLOCK_M=min(L.next_pow2(n_rows), max(1, (1 << 16) // block_n)), BLOCK_N=block_n)
-    block_m = max(1, min(L.next_pow2(n_rows), 4096 // block_n))
-    return L.Config.of(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4 if block_m * block_n <= 8192 else 8)
+    """The one-block row config the generated kernels were swept with (not yet swept for these)."""
+    return one_block_rows(n_rows, n_cols, backend)
 
 
 def _flags(rms, has_residual, has_scale, has_bias=None) -> dict:
