@@ -231,6 +231,13 @@ def _sample_programs():
     yield integers, (jax.ShapeDtypeStruct((64, 1000), jnp.int32),
                      jax.ShapeDtypeStruct((64, 1000), jnp.int32))
 
+    def row_extremes(x, mask):
+        shifted = jnp.where(mask, x - x.max(-1, keepdims=True), -1e9)
+        return jnp.exp(shifted) * x.min(-1, keepdims=True), jnp.isfinite(x)
+
+    yield row_extremes, (jax.ShapeDtypeStruct((64, 2048), jnp.float32),
+                         jax.ShapeDtypeStruct((64, 2048), jnp.bool_))
+
     def linear_gelu(x, w, b, r):
         return jax.nn.gelu(x @ w + b) + r
 
