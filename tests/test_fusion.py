@@ -260,3 +260,9 @@ def test_matmul_epilogue_batching_and_what_it_leaves_alone():
     assert not any("tl.dot" in m.source for m in xkern.explain(product_escapes)(x[0], w).matches)
     big = [ShapedArray((8192, 8192), jnp.bfloat16)] * 2
     assert "not yet measured" in cost.decline_reason("matmul_epilogue", big, {}, "triton")
+    # On a GPU the declined epilogue stays with XLA as a whole (cuBLASLt fuses it into the matmul):
+    # no generated kernel may take the bias + gelu and read the product back.
+    mlp = lambda x, w, b: jax.nn.gelu(x @ w + b)
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    plan = pipeline.plan(jax.make_jaxpr(mlp)(spec(8192, 4096), spec(4096, 8192), spec(8192)), "triton")
+    assert not plan.fusions and "matmul" in plan.declined[0].pattern

@@ -242,6 +242,9 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
         if reason:
             plan.declined.append(Declined(f"generated/matmul+{len(g.eqns)} ops", location(last), reason,
                                           g.eqns[-1]))
+            # Leave the epilogue with XLA too: it fuses bias and activation into the matmul itself
+            # (cuBLASLt), which a separate kernel reading the product back would undo.
+            claimed |= set(g.eqns)
             continue
         plan.fusions[g.eqns[-1]] = Fusion(generated.build(g, graph.eqns, dot), location(last))
         plan.skip |= (set(g.eqns) | {dot}) - {g.eqns[-1]}
