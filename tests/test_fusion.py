@@ -176,6 +176,11 @@ def test_cost_model_follows_the_h200_measurements():
     assert cost.decline_reason("fused", [], {"bytes": 1 << 10, "n_cols": 8}, "interpret") is None
     closed = jax.make_jaxpr(lambda x, s: layer_norm(x, s, s))(jnp.ones((16384, 4096)), jnp.ones(4096))
     assert pipeline.plan(closed, "triton").fusions  # planning launches nothing: no GPU needed
+    # Bordered by an operation XLA would fuse into it (a column sum, a transpose): left to XLA.
+    for f in (lambda x, s: layer_norm(x, s, s).sum(0), lambda x, s: layer_norm(x.T, s, s)):
+        x = jnp.ones((4096, 4096))
+        plan = pipeline.plan(jax.make_jaxpr(f)(x, jnp.ones(4096)), "triton")
+        assert not plan.fusions and "XLA would fuse" in plan.declined[0].reason
 
 
 OPS = [lambda v: jnp.exp(-jnp.abs(v)), jnp.tanh, jax.nn.sigmoid, jnp.abs, lambda v: v * 1.5, lambda v: v + 0.25,

@@ -232,6 +232,32 @@ def _rebuilt(value, plans: list[Plan], backend: str):
     return tuple(out) if isinstance(value, tuple) else out[0]
 
 
+# Operations XLA never fuses into a neighbouring elementwise kernel: a group bordered only by these
+# (and by the program's inputs and outputs) replaces a whole XLA fusion, as in the measured cases.
+XLA_BARRIERS = frozenset({"dot_general", "conv_general_dilated", "xkern_kernel", "custom_vjp_call",
+                          "custom_vjp_call_jaxpr", "custom_jvp_call", "scan", "while", "cond", "sort",
+                          "jit", "pjit", "scatter", "scatter-add", "scatter_add", "argsort",
+                          "cumsum", "cumprod", "cummax", "cumlogsumexp"})
+
+
+def _fusable_neighbour(group, graph, live: set[int], claimed: set[int]) -> str | None:
+    """An operation next to the group that XLA would fuse with it (so a separate kernel moves more
+    bytes than XLA's fusion would), or None if the group's borders are all fusion barriers."""
+    inside = set(group.eqns)
+    for v, kind in group.inputs:
+        if kind == "full" and v in graph.producer:
+            i = graph.producer[v][0]
+            name = graph.eqns[i].primitive.name
+            if i not in claimed and name not in XLA_BARRIERS:
+                return f"its input comes from {name}"
+    for v, _ in group.outputs:
+        for c in graph.consumers.get(v, ()):
+            name = graph.eqns[c].primitive.name
+            if c in live and c not in inside and c not in claimed and name not in XLA_BARRIERS:
+                return f"its result feeds {name}"
+    return None
+
+
 def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
@@ -253,8 +279,9 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     for g in groups:
         last = graph.eqns[g.eqns[-1]]
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        reason = cost("fused", [v.aval for v, _ in g.inputs], {"bytes": moved, "n_cols": g.n_cols},
-                      backend)
+        reason = cost("fused", [v.aval for v, _ in g.inputs],
+                      {"bytes": moved, "n_cols": g.n_cols,
+                       "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)}, backend)
         if reason:
             plan.declined.append(Declined(f"generated/{len(g.eqns)} ops", location(last), reason,
                                           g.eqns[-1]))

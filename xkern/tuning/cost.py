@@ -45,9 +45,14 @@ def _fused(avals, params) -> str | None:
     """A generated kernel for a group of elementwise / row-reduction equations.
 
     Measured on an H200 (16384x8192 bf16, benchmarks/results/h200-generated.json): x*a+b*c 1.22x,
-    gelu(x*a+b)*c 1.36x, layer norm 1.17x, rms norm 1.13x against XLA's own fusions; so a large
-    group is taken, and only the custom call's fixed cost decides.
+    gelu(x*a+b)*c 1.36x, layer norm 1.17x, rms norm 1.13x against XLA's own fusions, each group a
+    whole program. So a large group is taken when its borders are ones XLA would not fuse across
+    either (matmuls, custom calls, the program's inputs and outputs); next to an operation XLA would
+    fuse it with, a separate kernel re-reads what XLA keeps in registers, so it is left alone.
     """
+    if params.get("fusable_neighbour"):
+        return (f"{params['fusable_neighbour']}, which XLA would fuse with the group (not measured "
+                "to win there)")
     return _too_small(params["bytes"])
 
 
