@@ -181,6 +181,11 @@ def test_cost_model_follows_the_h200_measurements():
         x = jnp.ones((4096, 4096))
         plan = pipeline.plan(jax.make_jaxpr(f)(x, jnp.ones(4096)), "triton")
         assert not plan.fusions and "XLA would fuse" in plan.declined[0].reason
+    # An elementwise epilogue of a (batched) matmul: XLA folds it into the matmul's output.
+    bmm = lambda q, k: jnp.where(q > 0, jnp.einsum("bij,bkj->bik", q, k) * 0.125, -1e9)
+    q = jnp.ones((16, 1024, 1024))
+    plan = pipeline.plan(jax.make_jaxpr(bmm)(q, q), "triton")
+    assert not plan.fusions and "matmul's product" in plan.declined[0].reason
 
 
 OPS = [lambda v: jnp.exp(-jnp.abs(v)), jnp.tanh, jax.nn.sigmoid, jnp.abs, lambda v: v * 1.5, lambda v: v + 0.25,

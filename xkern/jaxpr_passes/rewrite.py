@@ -244,12 +244,15 @@ def _fusable_neighbour(group, graph, live: set[int], claimed: set[int]) -> str |
     """An operation next to the group that XLA would fuse with it (so a separate kernel moves more
     bytes than XLA's fusion would), or None if the group's borders are all fusion barriers."""
     inside = set(group.eqns)
+    elementwise_only = not any(graph.eqns[i].primitive.name.startswith("reduce_") for i in inside)
     for v, kind in group.inputs:
         if kind == "full" and v in graph.producer:
             i = graph.producer[v][0]
             name = graph.eqns[i].primitive.name
             if i not in claimed and name not in XLA_BARRIERS:
                 return f"its input comes from {name}"
+            if name == "dot_general" and elementwise_only:  # XLA fuses such epilogues into matmuls
+                return "its input is a matmul's product, whose elementwise epilogue XLA fuses"
     for v, _ in group.outputs:
         for c in graph.consumers.get(v, ()):
             name = graph.eqns[c].primitive.name
