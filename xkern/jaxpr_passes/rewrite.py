@@ -240,24 +240,49 @@ XLA_BARRIERS = frozenset({"dot_general", "conv_general_dilated", "xkern_kernel",
                           "cumsum", "cumprod", "cummax", "cumlogsumexp"})
 
 
+BITCASTS = frozenset({"reshape", "squeeze", "expand_dims"})  # free in XLA: look through them
+
+
 def _fusable_neighbour(group, graph, live: set[int], claimed: set[int]) -> str | None:
     """An operation next to the group that XLA would fuse with it (so a separate kernel moves more
     bytes than XLA's fusion would), or None if the group's borders are all fusion barriers."""
     inside = set(group.eqns)
     elementwise_only = not any(graph.eqns[i].primitive.name.startswith("reduce_") for i in inside)
-    for v, kind in group.inputs:
-        if kind == "full" and v in graph.producer:
-            i = graph.producer[v][0]
-            name = graph.eqns[i].primitive.name
-            if i not in claimed and name not in XLA_BARRIERS:
-                return f"its input comes from {name}"
-            if name == "dot_general" and elementwise_only:  # XLA fuses such epilogues into matmuls
-                return "its input is a matmul's product, whose elementwise epilogue XLA fuses"
-    for v, _ in group.outputs:
+
+    def producer_issue(v) -> str | None:
+        if v not in graph.producer:
+            return None  # a program input
+        i = graph.producer[v][0]
+        name = graph.eqns[i].primitive.name
+        if i in claimed:
+            return None
+        if name in BITCASTS:
+            return producer_issue(graph.eqns[i].invars[0])
+        if name == "dot_general":  # XLA fuses elementwise epilogues into matmuls
+            return "its input is a matmul's product (an elementwise epilogue)" if elementwise_only else None
+        return None if name in XLA_BARRIERS else f"its input comes from {name}"
+
+    def consumer_issue(v, seen=()) -> str | None:
         for c in graph.consumers.get(v, ()):
             name = graph.eqns[c].primitive.name
-            if c in live and c not in inside and c not in claimed and name not in XLA_BARRIERS:
-                return f"its result feeds {name}"
+            if c not in live or c in inside or c in claimed or name in XLA_BARRIERS:
+                continue
+            if name in BITCASTS:
+                issue = consumer_issue(graph.eqns[c].outvars[0])
+                if issue:
+                    return issue
+                continue
+            return f"its result feeds {name}"
+        return None
+
+    for v, kind in group.inputs:
+        issue = producer_issue(v) if kind == "full" else None
+        if issue:
+            return issue
+    for v, _ in group.outputs:
+        issue = consumer_issue(v)
+        if issue:
+            return issue
     return None
 
 
