@@ -1,6 +1,5 @@
 """The jaxpr passes behind xkern.jit / optimize / explain: which spellings match, which near misses
 must not, and that rewritten programs equal jax.jit's. Kernels run through the interpreter."""
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
 
