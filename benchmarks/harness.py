@@ -107,3 +107,12 @@ def save(rows: list[Row], path: str, command: str) -> None:
     with open(path, "w") as f:
         json.dump({"command": command, "environment": environment(),
                    "rows": [dataclasses.asdict(r) for r in rows]}, f, indent=1)
+
+
+def best_vs_heuristic(label: str, results: list[dict], chosen: str) -> str:
+    """One line of a config sweep: the fastest correct config, and the heuristic's time."""
+    ok = [r for r in results if "ms" in r and r["max_error"] < 2e-2]
+    best = min(ok, key=lambda r: r["ms"])
+    mine = next((r for r in ok if r["config"] == chosen), None)
+    return (f"{label}: best {best['ms']:.4f} ms {best['tbps']:.2f} TB/s {best['config']} | "
+            f"heuristic {mine['ms'] if mine else '-'} ms")

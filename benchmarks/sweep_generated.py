@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from benchmarks import bench_generated
-from benchmarks.harness import max_error
+from benchmarks.harness import best_vs_heuristic, max_error
 from xkern import pipeline
 from xkern.kernels import generated
 from xkern.kernels import launch as L
@@ -59,12 +59,9 @@ def main(argv: list[str]) -> int:
             finally:
                 generated.default_config = default_config
             results.append({"program": name, "config": repr(config), "ms": round(ms, 4),
-                            "tbps": round(2 * rows * cols * 2 / ms / 1e9, 3), "max_error": err,
-                            "chosen": config == chosen})
-        ok = sorted((r for r in results if r["program"] == name and "ms" in r), key=lambda r: r["ms"])
-        mine = next((r for r in ok if r["chosen"]), None)
-        print(f"{name}: best {ok[0]['ms']} ms {ok[0]['tbps']} TB/s {ok[0]['config']} | "
-              f"heuristic {mine['ms'] if mine else '-'} ms", flush=True)
+                            "tbps": round(2 * rows * cols * 2 / ms / 1e9, 3), "max_error": err})
+        print(best_vs_heuristic(name, [r for r in results if r["program"] == name], repr(chosen)),
+              flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -15,7 +15,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from benchmarks.harness import max_error
+from benchmarks.harness import best_vs_heuristic, max_error
 from benchmarks.bench_softmax import GPU_SHAPES
 from xkern.kernels import launch as L
 from xkern.kernels import softmax as S
@@ -76,11 +76,8 @@ def main(argv: list[str]) -> int:
         everything += results
         chosen = {k: repr(S.default_config(*shape, "triton", k)) for k in ("fwd", "bwd")}
         for kernel in ("fwd", "bwd"):
-            ok = [r for r in results if r["kernel"] == kernel and "ms" in r and r["max_error"] < 2e-2]
-            best = min(ok, key=lambda r: r["ms"])
-            mine = next((r for r in ok if r["config"] == chosen[kernel]), None)
-            print(f"{shape} {kernel}: best {best['ms']:.4f} ms {best['tbps']:.2f} TB/s {best['config']}"
-                  f" | heuristic {mine['ms'] if mine else '-'} ms", flush=True)
+            print(best_vs_heuristic(f"{shape} {kernel}", [r for r in results if r["kernel"] == kernel],
+                                    chosen[kernel]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(everything, f, indent=1)
