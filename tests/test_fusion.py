@@ -149,9 +149,12 @@ def test_source_is_cached_on_disk_and_shown_by_explain(tmp_path, monkeypatch):
     report = xkern.explain(ROW_PROGRAMS["rms norm"])(x, s)
     (match,) = [m for m in report.matches if m.op == "fused"]
     assert "@triton.jit" in match.source and "tl.sum" in match.source
+    name = match.kernels[0]
+    monkeypatch.delitem(codegen._LOADED, name, raising=False)  # force a fresh load from disk
     xkern.jit(ROW_PROGRAMS["rms norm"])(x, s)
-    path = os.path.join(codegen.cache_dir(), f"{match.kernels[0]}.py")
-    assert os.path.exists(path) or match.kernels[0] in codegen._LOADED
+    path = tmp_path / "generated" / f"{name}.py"
+    assert path.read_text() == match.source  # written under XKERN_CACHE_DIR, content-addressed
+    assert name in codegen._LOADED
     assert report.bytes_before > report.bytes_after
 
 
