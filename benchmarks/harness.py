@@ -32,6 +32,7 @@ class Case:
     make_args: Callable[[jax.Array], tuple]  # key -> fresh random inputs
     min_bytes: int  # 0 for whole programs (no single roofline applies)
     tolerance: float  # on max |xkern - xla| / max(|xla|, 1)
+    flops: int = 0  # matmuls: floating-point operations per call (rates then in TFLOP/s)
 
 
 @dataclasses.dataclass
@@ -47,6 +48,8 @@ class Row:
     xla_tbps: float | None
     roofline_pct: float | None
     max_error: float
+    xkern_tflops: float | None = None
+    xla_tflops: float | None = None
 
 
 def device_name() -> str:
@@ -60,13 +63,20 @@ def _roofline() -> float | None:
 
 
 def max_error(got, want) -> float:
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    if got.shape != want.shape:
-        raise AssertionError(f"shape {got.shape} != {want.shape}")
-    if not np.isfinite(got).all():
-        raise AssertionError("xkern produced non-finite values on finite inputs")
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0)) if got.size else 0.0
+    """Largest error relative to the reference's magnitude, over every output (a pytree)."""
+    got_leaves, want_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        raise AssertionError(f"{len(got_leaves)} outputs != {len(want_leaves)}")
+    errors = [0.0]
+    for got, want in zip(got_leaves, want_leaves):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        if got.shape != want.shape:
+            raise AssertionError(f"shape {got.shape} != {want.shape}")
+        if not np.isfinite(got).all():
+            raise AssertionError("xkern produced non-finite values on finite inputs")
+        if got.size:
+            errors.append(float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0)))
+    return max(errors)
 
 
 def run_case(case: Case, seed: int = 0) -> Row:
@@ -78,18 +88,24 @@ def run_case(case: Case, seed: int = 0) -> Row:
     t_xkern, t_xla = time_pipelined(xkern_fn, *args), time_pipelined(xla_fn, *args)
     roofline = _roofline() if case.min_bytes else None  # whole programs: no single roofline
     tbps = lambda t: round(case.min_bytes / t / 1e12, 3) if case.min_bytes else None
+    tflops = lambda t: round(case.flops / t / 1e12, 1) if case.flops else None
     return Row(case.op, "x".join(map(str, case.shape)), case.dtype, case.mode,
                round(t_xkern * 1e3, 4), round(t_xla * 1e3, 4), round(t_xla / t_xkern, 3),
                tbps(t_xkern), tbps(t_xla),
-               round(100 * tbps(t_xkern) / roofline, 1) if roofline else None, err)
+               round(100 * tbps(t_xkern) / roofline, 1) if roofline else None, err,
+               tflops(t_xkern), tflops(t_xla))
 
 
 def format_table(rows: list[Row]) -> str:
-    head = ("op", "shape", "dtype", "mode", "xkern ms", "jax.jit ms", "speedup", "xkern TB/s",
-            "jax TB/s", "% roofline")
-    tb = lambda v: "-" if v is None else f"{v:.2f}"
+    head = ("op", "shape", "dtype", "mode", "xkern ms", "jax.jit ms", "speedup", "xkern rate",
+            "jax rate", "% roofline")
+
+    def rate(tbps, tflops):
+        return f"{tflops:.0f} TFLOP/s" if tflops else ("-" if tbps is None else f"{tbps:.2f} TB/s")
+
     lines = [head] + [(r.op, r.shape, r.dtype, r.mode, f"{r.xkern_ms:.4f}", f"{r.xla_ms:.4f}",
-                       f"{r.speedup:.2f}x", tb(r.xkern_tbps), tb(r.xla_tbps),
+                       f"{r.speedup:.2f}x", rate(r.xkern_tbps, r.xkern_tflops),
+                       rate(r.xla_tbps, r.xla_tflops),
                        "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}%") for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)

@@ -92,3 +92,24 @@ def test_bad_input_names_the_argument():
         xkern.ops.rms_norm(x, residual=jnp.ones((2, 8), jnp.bfloat16))
     with pytest.raises(ValueError, match="eps must be"):
         xkern.ops.rms_norm(x, eps=-1.0)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_backward_programs_loop_over_many_row_blocks(rms, monkeypatch):
+    """Two-row blocks over 37 rows: each of the 4 backward programs loops over several blocks (the
+    last one partial) and sums scale/bias gradients across them; vmapped, one segment per example."""
+    from xkern.kernels import launch as L, norms
+    monkeypatch.setattr(norms, "default_config", lambda rows, cols, backend: L.Config.of(
+        BLOCK_M=2, BLOCK_N=L.next_pow2(cols)))
+    x, r, scale, bias, dy = make((3, 37, 24), jnp.float32, seed=3)
+    op = (lambda x, s, b: xkern.ops.rms_norm(x, s)) if rms else xkern.ops.layer_norm
+    ref = lambda x, s, b: reference(x, s, None if rms else b, 1e-6, None, rms)
+    loss = lambda f: (lambda x, s, b: jnp.sum(f(x, s, b) * dy[0]))
+    got = jax.grad(loss(op), argnums=(0, 1, 2))(x[0], scale, bias)
+    want = jax.grad(loss(ref), argnums=(0, 1, 2))(x[0], scale, bias)
+    for g, w in zip(got[:2] if rms else got, want[:2] if rms else want):
+        close(g, w, jnp.float32)
+    per_example = jax.vmap(jax.grad(loss(op), argnums=(0, 1)), in_axes=(0, None, None))(x, scale, bias)
+    expected = jax.vmap(jax.grad(loss(ref), argnums=(0, 1)), in_axes=(0, None, None))(x, scale, bias)
+    for g, w in zip(per_example, expected):
+        close(g, w, jnp.float32)

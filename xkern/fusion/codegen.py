@@ -135,18 +135,20 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, object] = {}
 
 
-def cache_dir() -> str:
-    """Where generated sources live: $XKERN_CACHE_DIR, else ~/.cache/xkern, else a temp folder."""
-    for path in (os.environ.get("XKERN_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".cache", "xkern")):
-        if path:
+def cache_dir(sub: str = "generated") -> str:
+    """xkern's cache folder `sub` (generated sources, tuned configs): under $XKERN_CACHE_DIR, else
+    ~/.cache/xkern, else a temp folder."""
+    roots = (os.environ.get("XKERN_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".cache", "xkern"),
+             os.path.join(tempfile.gettempdir(), "xkern"))
+    for root in roots:
+        if root:
             try:
-                os.makedirs(os.path.join(path, "generated"), exist_ok=True)
-                return os.path.join(path, "generated")
+                os.makedirs(os.path.join(root, sub), exist_ok=True)
+                return os.path.join(root, sub)
             except OSError:
                 continue
-    path = os.path.join(tempfile.gettempdir(), "xkern-generated")
-    os.makedirs(path, exist_ok=True)
-    return path
+    raise OSError(f"xkern: no writable cache folder (tried {', '.join(r for r in roots if r)}); "
+                  "set XKERN_CACHE_DIR")
 
 
 def load(name: str, source: str):

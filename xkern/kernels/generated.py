@@ -17,7 +17,9 @@ from xkern import _compat
 from xkern.fusion import codegen
 from xkern.fusion.grouping import Group
 from xkern.kernels import launch as L
+from xkern.tuning import autotune
 from xkern.tuning.configs import one_block_rows
+from xkern.tuning.timing import time_pipelined
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,20 +93,70 @@ def build(group: Group, eqns, dot: int | None = None) -> Fused:
 
 
 def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None = None) -> L.Config:
-    """The matmul template's tiles, or the one-block row config (xkern/tuning/configs.py)."""
+    """The matmul template's heuristic tiles, or the one-block row config (xkern/tuning/configs.py)."""
     if fused is not None and fused.k:
-        return matmul_config(n_rows, n_cols, fused.k, backend)
+        return matmul_configs(n_rows, n_cols, fused.k, backend)[0]
     return one_block_rows(n_rows, n_cols, backend)
 
 
-def matmul_config(m: int, n: int, k: int, backend: str) -> L.Config:
-    """Tiles for a matmul with an epilogue. Not yet tuned on a GPU (the cost model keeps these
-    rewrites off the triton backend until they are measured); tl.dot wants tiles of at least 16."""
+# Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the tuner tries for the matmul
+# template, the first being the heuristic. Hopper: wgmma wants BLOCK_M a multiple of 64 and 4-8
+# warps; deeper pipelines hide HBM latency. ROCm: 64-wide wavefronts, LDS of 64 KB, and Triton's
+# AMD pipeliner works with 2 stages.
+MATMUL_TILES = {
+    "cuda": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4),
+             (128, 128, 64, 4, 4), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 64, 64, 4, 4)],
+    "rocm": [(128, 128, 64, 8, 2), (256, 256, 64, 8, 2), (256, 128, 64, 8, 2), (128, 128, 32, 4, 2),
+             (64, 128, 64, 4, 2)],
+}
+
+
+def matmul_configs(m: int, n: int, k: int, backend: str, vendor: str = "cuda") -> list[L.Config]:
+    """Candidate tiles for a matmul with an epilogue (heuristic first), clamped to the problem;
+    tl.dot wants tiles of at least 16."""
     tile = lambda size, cap: max(16, min(L.next_pow2(size), cap))
     if backend == "interpret":
-        return L.Config.of(BLOCK_M=tile(m, 64), BLOCK_N=tile(n, 64), BLOCK_K=tile(k, 64), GROUP_M=8)
-    return L.Config.of(BLOCK_M=tile(m, 128), BLOCK_N=tile(n, 128), BLOCK_K=tile(k, 64), GROUP_M=8,
-                       num_warps=8, num_stages=3)
+        return [L.Config.of(BLOCK_M=tile(m, 64), BLOCK_N=tile(n, 64), BLOCK_K=tile(k, 64), GROUP_M=8)]
+    configs = []
+    for bm, bn, bk, warps, stages in MATMUL_TILES[vendor]:
+        config = L.Config.of(BLOCK_M=tile(m, bm), BLOCK_N=tile(n, bn), BLOCK_K=tile(k, bk), GROUP_M=8,
+                             num_warps=warps, num_stages=stages)
+        if config not in configs:
+            configs.append(config)
+    return configs
+
+
+def _random_like(views) -> list:
+    """Random device arrays shaped and typed like the kernel's inputs (for timing candidates)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for v in views:
+        dtype = np.dtype(v.dtype)
+        if dtype == np.bool_:
+            value = rng.random(v.shape) < 0.5
+        elif np.issubdtype(dtype, np.integer):
+            value = rng.integers(-100, 100, v.shape)
+        else:
+            value = rng.standard_normal(v.shape, dtype=np.float32)
+        out.append(jax.device_put(np.asarray(value).astype(dtype)))
+    return out
+
+
+def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
+    """The launch config: tuned (and cached on disk) for a matmul on a GPU, else the heuristic."""
+    if not fused.k:
+        return default_config(n_rows, fused.n_cols, backend)
+    vendor = "rocm" if jax.devices()[0].platform == "rocm" else "cuda"
+    candidates = matmul_configs(n_rows, fused.n_cols, fused.k, backend, vendor)
+    # Keyed by the problem, not the epilogue: the tiles that win are the matmul's.
+    key = f"{n_rows}x{fused.n_cols}x{fused.k}|{views[0].dtype}|{views[1].dtype}"
+
+    def measure(config):
+        samples = _random_like(views)
+        step = jax.jit(lambda *v: _launch_views(v, n_rows, fused, backend, config))
+        return time_pipelined(step, *samples, min_seconds=0.02)
+
+    return autotune.tuned("matmul_epilogue", key, candidates, measure, backend)
 
 
 def _views(fused: Fused, inputs) -> tuple[list, int]:
@@ -131,8 +183,7 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
 
 def run(fused: Fused, inputs, backend: str) -> list:
     views, n_rows = _views(fused, inputs)
-    outs = _launch_views(views, n_rows, fused, backend,
-                         default_config(n_rows, fused.n_cols, backend, fused))
+    outs = _launch_views(views, n_rows, fused, backend, _config(fused, views, n_rows, backend))
     return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
 
 

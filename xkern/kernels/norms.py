@@ -85,34 +85,44 @@ def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_CO
 
 @triton.jit
 def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
-         n_rows,  # size
-         dh_ptr, dscale_ptr, dbias_ptr,  # outputs: dh [n_rows, N_COLS]; partial sums [programs, N_COLS]
+         rows_per_seg,  # rows of one segment (one vmapped example; the whole input unbatched)
+         dh_ptr, dscale_ptr, dbias_ptr,  # outputs: dh [n_rows, N_COLS]; partial sums [segs*programs, N_COLS]
          N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    # A fixed number of programs per segment, each looping over every programs-th block of rows and
+    # keeping its dscale/dbias sums in registers: one partial row per program, not per row block.
+    pid, seg, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
-    row_ok, col_ok = rows < n_rows, cols < N_COLS
-    mask = row_ok & col_ok
-    offs = rows.to(tl.int64) * N_COLS + cols
-    h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-    hhat = tl.where(mask, (h - mean) * rstd, 0.0)
-    g = dy
+    col_ok = cols < N_COLS
+    scale = tl.full((1, BLOCK_N), 1.0, tl.float32)
     if HAS_SCALE:
-        g = dy * tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    dh = g - hhat * (tl.sum(g * hhat, axis=1)[:, None] / N_COLS)
-    if not RMS:
-        dh -= tl.sum(g, axis=1)[:, None] / N_COLS
-    dh *= rstd
-    if HAS_RESIDUAL:
-        dh += tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-    sums = pid * N_COLS + tl.arange(0, BLOCK_N)
-    tl.store(dscale_ptr + sums, tl.sum(dy * hhat, axis=0), mask=tl.arange(0, BLOCK_N) < N_COLS)
-    tl.store(dbias_ptr + sums, tl.sum(dy, axis=0), mask=tl.arange(0, BLOCK_N) < N_COLS)
+        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dbias_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for block in range(pid, tl.cdiv(rows_per_seg, BLOCK_M), programs):
+        local = block * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        row_ok = local < rows_per_seg
+        rows = seg.to(tl.int64) * rows_per_seg + local
+        mask = row_ok & col_ok
+        offs = rows * N_COLS + cols
+        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        g = dy * scale
+        dh = g - hhat * (tl.sum(g * hhat, axis=1)[:, None] / N_COLS)
+        if not RMS:
+            dh -= tl.sum(g, axis=1)[:, None] / N_COLS
+        dh *= rstd
+        if HAS_RESIDUAL:
+            dh += tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
+        dscale_acc += tl.sum(dy * hhat, axis=0)
+        dbias_acc += tl.sum(dy, axis=0)
+    sums = (seg * programs + pid) * N_COLS + tl.arange(0, BLOCK_N)
+    tl.store(dscale_ptr + sums, dscale_acc, mask=tl.arange(0, BLOCK_N) < N_COLS)
+    tl.store(dbias_ptr + sums, dbias_acc, mask=tl.arange(0, BLOCK_N) < N_COLS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -143,18 +153,29 @@ def _launch_fwd(x2, r2, scale, bias, eps, *, rms, backend, config, out_dtype):
                     constexprs=consts)
 
 
-def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config):
+def bwd_programs(rows: int, block_m: int, backend: str) -> int:
+    """Backward programs per segment: enough to fill the GPU twice over (each keeps its scale/bias
+    sums in registers and writes one partial row), never more than there are row blocks."""
+    if backend == "interpret":
+        target = 4  # the interpreter runs programs one after another: fewer is as fast
+    else:
+        target = 2 * getattr(jax.devices()[0], "core_count", 132)
+    return max(1, min(L.cdiv(rows, block_m), target))
+
+
+def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config, segments=1):
     n_rows, n_cols = h2.shape
-    programs = L.cdiv(n_rows, config["BLOCK_M"])
+    rows_per_seg = n_rows // segments
+    programs = bwd_programs(rows_per_seg, config["BLOCK_M"], backend)
     dummy = jnp.zeros((1,), jnp.float32)
     outs = [jax.ShapeDtypeStruct(h2.shape, h2.dtype),
-            jax.ShapeDtypeStruct((programs, n_cols), jnp.float32),
-            jax.ShapeDtypeStruct((programs, n_cols), jnp.float32)]
+            jax.ShapeDtypeStruct((segments * programs, n_cols), jnp.float32),
+            jax.ShapeDtypeStruct((segments * programs, n_cols), jnp.float32)]
     consts = {"N_COLS": n_cols, **_flags(rms, dh_out2 is not None, scale is not None)}
     return L.launch(_bwd, h2, dy2, dummy if dh_out2 is None else dh_out2,
-                    dummy if scale is None else scale, mean, rstd, n_rows,
+                    dummy if scale is None else scale, mean, rstd, rows_per_seg,
                     kernel="rms_norm_bwd" if rms else "layer_norm_bwd", out_shapes=outs,
-                    grid=(programs,), config=config, backend=backend, constexprs=consts)
+                    grid=(programs, segments), config=config, backend=backend, constexprs=consts)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -187,16 +208,9 @@ def _norm_rows_bwd(eps, rms, backend, config, residuals, cotangents):
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    block = 1
-    while block * 2 <= cap and n % (block * 2) == 0:
-        block *= 2
-    return block
-
-
 def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
-    """Fold the vmapped axis into the rows when scale/bias are shared; the backward's partial sums
-    then need programs that never straddle two batch elements (BLOCK_M divides the row count)."""
+    """Fold the vmapped axis into the rows when scale/bias are shared; the backward runs one segment
+    of programs per example (grid axis 1), so each example gets its own partial sums."""
     flags = dict(constexprs)
     rms, fwd = flags["RMS"], kernel.endswith("_fwd")
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -219,19 +233,12 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
     h, dy, mean, rstd = (move(a, d) for a, d in zip((h, dy, mean, rstd), (dims[0], dims[1], dims[4], dims[5])))
     rows, n_cols = h.shape[1], h.shape[2]
     folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
-    programs = L.cdiv(rows, config["BLOCK_M"])  # the partial sums' leading size, per example
-    block_m = _largest_pow2_divisor(rows, config["BLOCK_M"])
-    config = config.replace(BLOCK_M=block_m)
     dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
                                     folded_dh, scale if flags["HAS_SCALE"] else None,
                                     mean.reshape(-1), rstd.reshape(-1), rms=rms, backend=backend,
-                                    config=config)
-    per = rows // block_m  # programs per batch element here
-    # Each example's partial sums, totalled into the first of its `programs` rows (the rest zero):
-    # the op sums them over that axis, as it does unbatched.
-    parts = lambda p: jnp.zeros((size, programs, n_cols), p.dtype).at[:, 0].set(
-        jnp.sum(p.reshape(size, per, n_cols), 1))
-    return [dh.reshape(size, rows, n_cols), parts(dscale), parts(dbias)], [0] * 3
+                                    config=config, segments=size)  # one segment per example
+    return [dh.reshape(size, rows, n_cols), dscale.reshape(size, -1, n_cols),
+            dbias.reshape(size, -1, n_cols)], [0] * 3
 
 
 for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
@@ -301,5 +308,6 @@ def aot_cases():
                        config.replace(HAS_BIAS=not rms))
                 yield (f"{tag}/bwd", _bwd,
                        {"h_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dh_out_ptr": f"*{dtype}",
-                        "scale_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32", "n_rows": "i32",
+                        "scale_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
+                        "rows_per_seg": "i32",
                         "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, config)

@@ -1,0 +1,39 @@
+"""xkern.ops.layer_norm / rms_norm against the same math under jax.jit.
+
+Forward: reads x, writes y (2 tensors). Forward+backward is the input gradient's program (reads x
+and dy, writes dx: 3 tensors, as shared/GPU.md counts XLA's); "+ scale/bias grads" also returns
+dscale and dbias (same minimum bytes: they are vectors).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import xkern
+from benchmarks.harness import Case
+from xkern.kernels.norms import reference
+
+
+def cases(on_gpu: bool) -> list[Case]:
+    rows, cols = (16384, 8192) if on_gpu else (64, 300)
+    n = rows * cols * 2
+
+    def make(key):
+        kx, ks, kb, kd = jax.random.split(key, 4)
+        return (jax.random.normal(kx, (rows, cols), jnp.bfloat16),
+                1 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32),
+                0.1 * jax.random.normal(kb, (cols,), jnp.float32),
+                jax.random.normal(kd, (rows, cols), jnp.bfloat16))
+
+    out = []
+    for name, rms in (("layer_norm", False), ("rms_norm", True)):
+        ours = (lambda x, s, b: xkern.ops.rms_norm(x, s)) if rms else xkern.ops.layer_norm
+        ref = lambda x, s, b, rms=rms: reference(x, s, None if rms else b, 1e-6, None, rms)
+        fwd = lambda f: (lambda x, s, b, dy: f(x, s, b))
+        dx = lambda f: (lambda x, s, b, dy: jax.vjp(lambda x: f(x, s, b), x)[1](dy)[0])
+        every = lambda f: (lambda x, s, b, dy: jax.vjp(f, x, s, b)[1](dy)[:2 if rms else 3])
+        out.append(Case(name, (rows, cols), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 2 * n, 2e-2))
+        out.append(Case(name, (rows, cols), "bfloat16", "fwd+bwd", dx(ours), dx(ref), make, 3 * n, 3e-2))
+        out.append(Case(f"{name} + scale/bias grads", (rows, cols), "bfloat16", "fwd+bwd", every(ours),
+                        every(ref), make, 3 * n, 3e-2))
+    return out

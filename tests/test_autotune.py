@@ -1,0 +1,96 @@
+"""The autotuner's choice and its on-disk config cache (shared by processes)."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from xkern.kernels import launch as L
+from xkern.kernels.generated import matmul_configs
+from xkern.tuning import autotune
+
+A = L.Config.of(BLOCK_M=64, num_warps=4)
+B = L.Config.of(BLOCK_M=128, num_warps=8, num_stages=3)
+C = L.Config.of(BLOCK_M=256, num_warps=8)
+
+
+def test_best_picks_the_fastest_and_skips_failures():
+    times = {A: 3.0, B: 1.0}
+
+    def measure(config):
+        if config == C:
+            raise RuntimeError("out of shared memory")
+        return times[config]
+
+    assert autotune.best([A, B, C], measure) == (B, 1.0)
+    assert autotune.best([C], measure) == (C, math.inf)  # nothing ran: the heuristic, unstored
+
+
+def test_tuned_measures_once_then_reads_the_file(tmp_path):
+    path = str(tmp_path / "dev.json")
+    calls = []
+
+    def measure(config):
+        calls.append(config)
+        return {A: 2e-3, B: 1e-3, C: 5e-3}[config]
+
+    assert autotune.tuned("mm", "8x8", [A, B, C], measure, "triton", path) == B
+    assert len(calls) == 3
+    assert autotune.tuned("mm", "8x8", [A, B, C], measure, "triton", path) == B
+    assert len(calls) == 3  # from memory
+    saved = json.load(open(path))
+    assert saved["mm|8x8"]["us"] == 1000.0 and saved["mm|8x8"]["num_stages"] == 3
+    autotune._MEMORY.clear()
+    assert autotune.lookup("mm|8x8", path) == B  # from the file, as a new process would
+
+
+def test_other_process_reads_the_cache_and_merges_its_own(tmp_path):
+    path = str(tmp_path / "dev.json")
+    autotune.store("mm|1", B, 1e-4, path)
+    code = f"""
+from xkern.kernels import launch as L
+from xkern.tuning import autotune
+assert autotune.lookup("mm|1", {path!r}) == L.Config.of(BLOCK_M=128, num_warps=8, num_stages=3)
+autotune.store("mm|2", L.Config.of(BLOCK_M=64, num_warps=4), 2e-4, {path!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    autotune._MEMORY.clear()
+    assert autotune.lookup("mm|1", path) == B and autotune.lookup("mm|2", path) == A
+
+
+def test_unreadable_or_stale_cache_is_retuned(tmp_path):
+    path = tmp_path / "dev.json"
+    path.write_text("{ not json")
+    autotune._MEMORY.clear()
+    assert autotune.tuned("mm", "k", [A, B], lambda c: {A: 2.0, B: 1.0}[c], "triton", str(path)) == B
+    path.write_text(json.dumps({"mm|k": {"meta": {}, "num_warps": 3}}))  # invalid entry
+    autotune._MEMORY.clear()
+    assert autotune.tuned("mm", "k", [A, B], lambda c: {A: 1.0, B: 2.0}[c], "triton", str(path)) == A
+
+
+def test_no_tuning_off_gpu_or_when_disabled(tmp_path, monkeypatch):
+    fail = lambda config: pytest.fail("measured")
+    assert autotune.tuned("mm", "k", [A, B], fail, "interpret", str(tmp_path / "x.json")) == A
+    monkeypatch.setenv(autotune.ENV_VAR, "0")
+    assert autotune.tuned("mm", "k", [A, B], fail, "triton", str(tmp_path / "x.json")) == A
+    monkeypatch.setenv(autotune.ENV_VAR, "maybe")
+    with pytest.raises(ValueError, match="XKERN_AUTOTUNE"):
+        autotune.enabled()
+
+
+def test_config_json_round_trip():
+    for config in (A, B, C, *matmul_configs(8192, 8192, 8192, "triton")):
+        assert autotune.from_json(json.loads(json.dumps(autotune.to_json(config)))) == config
+
+
+@pytest.mark.parametrize("vendor", ["cuda", "rocm"])
+def test_matmul_candidates_fit_the_problem(vendor):
+    for m, n, k in ((8192, 8192, 8192), (7, 1000, 33), (4096, 16, 4096)):
+        configs = matmul_configs(m, n, k, "triton", vendor)
+        assert len(configs) == len(set(configs)) >= 1
+        for c in configs:
+            assert 16 <= c["BLOCK_M"] <= max(16, L.next_pow2(m))
+            assert 16 <= c["BLOCK_N"] <= max(16, L.next_pow2(n))
+            if vendor == "rocm":
+                assert c.num_warps * 64 <= 1024 and c.num_stages <= 2

@@ -1,0 +1,120 @@
+"""The autotuner and its on-disk config cache.
+
+A kernel family with a config space (the matmul template's tiles, for one) asks `tuned` for the
+config of one problem key. The answer comes from, in order: this process's memory, the cache file
+of this device, or a measurement of every candidate with the pipelined timer (tuning/timing.py) on
+random inputs of the problem's shapes, whose winner is written back to the file. So a process pays
+for tuning once per key and device, and every later process starts with the tuned config.
+
+The file is JSON, one per device kind and Triton version
+($XKERN_CACHE_DIR or ~/.cache/xkern, then configs/<device>--triton-<version>.json), written by
+atomic rename after merging with what is on disk, so processes tuning at once never corrupt it (at
+worst one re-measures a key another wrote meanwhile). Tuning runs only on the triton backend and only
+when XKERN_AUTOTUNE is not 0; otherwise, and for keys whose candidates all fail, the family's
+heuristic config (the first candidate) is used.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+import threading
+from typing import Callable, Sequence
+
+from xkern.kernels import launch as L
+
+ENV_VAR = "XKERN_AUTOTUNE"
+_LOCK = threading.Lock()
+_MEMORY: dict[str, dict[str, dict]] = {}  # cache file path -> {key: entry}
+
+
+def enabled() -> bool:
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"{ENV_VAR} must be 0 or 1; got {value!r}")
+    return value not in ("0", "false", "off")
+
+
+def device_name() -> str:
+    """The device kind and Triton version a cache file belongs to (configs do not travel)."""
+    import jax
+    import triton
+    kind = jax.devices()[0].device_kind
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{kind}--triton-{triton.__version__}")
+
+
+def cache_path(device: str | None = None) -> str:
+    from xkern.fusion.codegen import cache_dir  # the same root as generated sources
+    return os.path.join(cache_dir("configs"), f"{device or device_name()}.json")
+
+
+def to_json(config: L.Config) -> dict:
+    return {"meta": dict(config.meta), "num_warps": config.num_warps, "num_stages": config.num_stages}
+
+
+def from_json(entry: dict) -> L.Config:
+    return L.Config.of(num_warps=int(entry["num_warps"]), num_stages=int(entry["num_stages"]),
+                       **entry["meta"])
+
+
+def _read(path: str) -> dict[str, dict]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}  # absent or unreadable (a half-written file is never renamed into place)
+
+
+def lookup(key: str, path: str) -> L.Config | None:
+    with _LOCK:
+        if path not in _MEMORY:
+            _MEMORY[path] = _read(path)
+        entry = _MEMORY[path].get(key)
+    try:
+        return from_json(entry) if entry else None
+    except (KeyError, TypeError, ValueError):
+        return None  # an entry from an incompatible version: re-tune
+
+
+def store(key: str, config: L.Config, seconds: float, path: str) -> None:
+    entry = {**to_json(config), "us": round(seconds * 1e6, 2)}
+    with _LOCK:
+        merged = {**_read(path), key: entry}
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(merged, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+        _MEMORY[path] = merged
+
+
+def best(candidates: Sequence[L.Config], measure: Callable[[L.Config], float]) -> tuple[L.Config, float]:
+    """The fastest candidate by `measure` (seconds); one that fails to compile or run is skipped."""
+    results = []
+    for config in candidates:
+        try:
+            results.append((measure(config), config))
+        except Exception:  # noqa: BLE001 - out of shared memory, too many registers...: not a winner
+            continue
+    if not results:
+        return candidates[0], math.inf
+    seconds, config = min(results, key=lambda r: r[0])
+    return config, seconds
+
+
+def tuned(family: str, key: str, candidates: Sequence[L.Config], measure: Callable[[L.Config], float],
+          backend: str, path: str | None = None) -> L.Config:
+    """The config for `family` at `key`; candidates[0] is the heuristic, used when not tuning."""
+    if backend != "triton" or not enabled() or len(candidates) == 1:
+        return candidates[0]
+    path = path or cache_path()
+    full_key = f"{family}|{key}"
+    config = lookup(full_key, path)
+    if config is None:
+        config, seconds = best(candidates, measure)
+        if math.isfinite(seconds):
+            store(full_key, config, seconds, path)
+    return config
