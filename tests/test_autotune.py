@@ -94,3 +94,21 @@ def test_matmul_candidates_fit_the_problem(vendor):
             assert 16 <= c["BLOCK_N"] <= max(16, L.next_pow2(n))
             if vendor == "rocm":
                 assert c.num_warps * 64 <= 1024 and c.num_stages <= 2
+
+
+def test_candidates_run_now_even_inside_a_trace():
+    """Tuning happens while the user's program is traced; its timing runs must execute, not be
+    staged into that program (as 2 GB of captured constants and a bogus winner)."""
+    import jax
+    import numpy as np
+
+    seen = []
+
+    def measure(config):
+        x = jax.device_put(np.ones((4, 4), np.float32))
+        y = jax.jit(lambda a: a * config["BLOCK_M"])(x)
+        seen.append(float(y[0, 0]))  # a tracer here would raise
+        return 1.0 / config["BLOCK_M"]
+
+    jax.jit(lambda x: x + autotune.best([A, B], measure)[0]["BLOCK_M"])(1.0)
+    assert seen == [64.0, 128.0]

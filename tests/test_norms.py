@@ -99,7 +99,7 @@ def test_backward_programs_loop_over_many_row_blocks(rms, monkeypatch):
     """Two-row blocks over 37 rows: each of the 4 backward programs loops over several blocks (the
     last one partial) and sums scale/bias gradients across them; vmapped, one segment per example."""
     from xkern.kernels import launch as L, norms
-    monkeypatch.setattr(norms, "default_config", lambda rows, cols, backend: L.Config.of(
+    monkeypatch.setattr(norms, "default_config", lambda rows, cols, backend, kernel="fwd": L.Config.of(
         BLOCK_M=2, BLOCK_N=L.next_pow2(cols)))
     x, r, scale, bias, dy = make((3, 37, 24), jnp.float32, seed=3)
     op = (lambda x, s, b: xkern.ops.rms_norm(x, s)) if rms else xkern.ops.layer_norm

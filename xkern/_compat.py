@@ -32,3 +32,10 @@ def summarize_source(source_info) -> str:
 
 
 __all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source"]
+
+
+def eval_context():
+    """A context in which jax operations run now, even inside a trace (the autotuner times kernels
+    while the user's program is being traced; without this its timing runs would be staged into it)."""
+    from jax._src import core
+    return core.eval_context()

@@ -94,9 +94,6 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
     pid, seg, programs = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)[None, :]
     col_ok = cols < N_COLS
-    scale = tl.full((1, BLOCK_N), 1.0, tl.float32)
-    if HAS_SCALE:
-        scale = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
     dbias_acc = tl.zeros((BLOCK_N,), tl.float32)
     for block in range(pid, tl.cdiv(rows_per_seg, BLOCK_M), programs):
@@ -110,7 +107,9 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
         mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
         rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
         hhat = tl.where(mask, (h - mean) * rstd, 0.0)
-        g = dy * scale
+        g = dy
+        if HAS_SCALE:  # re-read per block (from cache): fewer registers held across the loop
+            g = dy * tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         dh = g - hhat * (tl.sum(g * hhat, axis=1)[:, None] / N_COLS)
         if not RMS:
             dh -= tl.sum(g, axis=1)[:, None] / N_COLS
@@ -129,9 +128,17 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
 # Configs and launchers
 # --------------------------------------------------------------------------------------------------
 
-def default_config(n_rows: int, n_cols: int, backend: str) -> L.Config:
-    """The one-block row config the generated kernels were swept with (not yet swept for these)."""
-    return one_block_rows(n_rows, n_cols, backend)
+def default_config(n_rows: int, n_cols: int, backend: str, kernel: str = "fwd") -> L.Config:
+    """Forward: the one-block row config of the generated kernels. Backward: the same rows, with
+    warps enough that a thread holds at most 16 values of each [BLOCK_M, BLOCK_N] tile, since its
+    programs also keep two [BLOCK_N] float32 sums live across their loop (4 warps on 8192-wide
+    rows spill registers and run 20x slower)."""
+    config = one_block_rows(n_rows, n_cols, backend)
+    if kernel == "fwd" or backend == "interpret":
+        return config
+    per_warp = 32 * 16
+    warps = min(32, max(4, L.next_pow2(config["BLOCK_M"] * config["BLOCK_N"] // per_warp)))
+    return L.Config.of(num_warps=warps, **dict(config.meta))
 
 
 def _flags(rms, has_residual, has_scale, has_bias=None) -> dict:
@@ -182,24 +189,24 @@ def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config, se
 # Differentiation: residuals are h, mean and rstd (per row), never the normalized values
 # --------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _norm_rows(x2, r2, scale, bias, eps, rms, backend, config):
-    return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _norm_rows(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
+    return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config)[0]
 
 
-def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, config):
-    y, h, mean, rstd = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend, config=config,
-                                   out_dtype=x2.dtype)
+def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
+    y, h, mean, rstd = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend,
+                                   config=fwd_config, out_dtype=x2.dtype)
     h = x2 if r2 is None else h
     out = (y, h) if r2 is not None else (y,)
     return out, (h, scale, bias, mean, rstd, r2 is not None)
 
 
-def _norm_rows_bwd(eps, rms, backend, config, residuals, cotangents):
+def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, residuals, cotangents):
     h, scale, bias, mean, rstd, has_residual = residuals
     dy, dh_out = cotangents[0], (cotangents[1] if has_residual else None)
     dh, dscale, dbias = _launch_bwd(h, dy.astype(h.dtype), dh_out, scale, mean, rstd, rms=rms,
-                                    backend=backend, config=config)
+                                    backend=backend, config=bwd_config)
     d_scale = None if scale is None else jnp.sum(dscale, 0).astype(scale.dtype)
     d_bias = None if bias is None else jnp.sum(dbias, 0).astype(bias.dtype)
     return dh, (dh if has_residual else None), d_scale, d_bias
@@ -271,8 +278,8 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms):
         return reference(x, scale, bias, eps, residual, rms)
     x2 = jnp.asarray(x).reshape(-1, n_cols)
     r2 = None if residual is None else jnp.asarray(residual).reshape(-1, n_cols)
-    config = default_config(x2.shape[0], n_cols, backend)
-    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, config)
+    configs = [default_config(x2.shape[0], n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
+    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, *configs)
     y = outs[0].reshape(x.shape)
     return y if residual is None else (y, outs[1].reshape(x.shape))
 
@@ -298,8 +305,8 @@ def aot_cases():
     for dtype in ("fp32", "bf16"):
         for rms in (False, True):
             for residual in (False, True):
-                config = default_config(16384, 8192, "triton").replace(
-                    N_COLS=8192, RMS=rms, HAS_RESIDUAL=residual, HAS_SCALE=True)
+                config, bwd_config = (default_config(16384, 8192, "triton", k).replace(
+                    N_COLS=8192, RMS=rms, HAS_RESIDUAL=residual, HAS_SCALE=True) for k in ("fwd", "bwd"))
                 tag = f"{'rms' if rms else 'layer'}_norm/{dtype}{'/residual' if residual else ''}"
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "scale_ptr": "*fp32",
@@ -310,4 +317,4 @@ def aot_cases():
                        {"h_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dh_out_ptr": f"*{dtype}",
                         "scale_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
                         "rows_per_seg": "i32",
-                        "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, config)
+                        "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, bwd_config)
