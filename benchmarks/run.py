@@ -1,6 +1,6 @@
 """The main job: a short demo of xkern on whatever backend is present, then the benchmark table.
 
-    python -m benchmarks.run [--only softmax|norms|programs|generated|matmul] [--out results.json]
+    python -m benchmarks.run [--only SUITE] [--out results.json]
 
 On a GPU the cases are the shapes of shared/GPU.md; on CPU, kernels run through Triton's
 interpreter, so the cases are small and the timings say nothing about GPU speed.
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 
 import xkern
-from benchmarks import (bench_generated, bench_matmul, bench_norms, bench_passes, bench_programs,
-                        bench_softmax, harness)
+from benchmarks import (bench_cross_entropy, bench_generated, bench_matmul, bench_norms, bench_passes,
+                        bench_programs, bench_softmax, harness)
 from xkern.kernels.launch import kernel_names
 
 
@@ -31,7 +31,8 @@ def demo() -> None:
           f"its gradient launches {kernels}")
 
 
-SUITES = {"softmax": bench_softmax, "norms": bench_norms, "programs": bench_programs,
+SUITES = {"softmax": bench_softmax, "norms": bench_norms, "cross_entropy": bench_cross_entropy,
+          "programs": bench_programs,
           "generated": bench_generated, "matmul": bench_matmul}
 
 

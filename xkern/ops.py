@@ -1,5 +1,6 @@
 """The public ops: each runs xkern's Triton kernels (or, with backend="xla", its jax.numpy definition)."""
+from xkern.kernels.cross_entropy import cross_entropy
 from xkern.kernels.norms import layer_norm, rms_norm
 from xkern.kernels.softmax import log_softmax, softmax
 
-__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm"]
+__all__ = ["softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy"]

@@ -1,6 +1,9 @@
 """LayerNorm and RMSNorm, optionally fused with a residual add: forward and backward Triton kernels,
-launchers, custom_vjp (saving the input and per-row mean / rstd, never the normalized x), batching,
-and the public `layer_norm` / `rms_norm`.
+launchers, custom_vjp, batching, and the public `layer_norm` / `rms_norm`.
+
+The custom_vjp saves only h (the input, or x + residual). The backward recomputes each row's mean
+and rstd from the row it must load anyway (two register reductions, no extra memory traffic), so
+nothing per row is stored, and a program that only needs gradients never runs the forward kernel.
 
 The math the kernels must match (float32 inside), per row of n values, h = x (+ residual):
 
@@ -50,9 +53,21 @@ def reference(x, scale, bias, eps, residual, rms: bool):
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _normalize(h, mask, eps, N_COLS: tl.constexpr, RMS: tl.constexpr):
+    """(h - mean) and rstd of each row of the float32 tile h; the forward and the backward (which
+    recomputes them from the row it has loaded anyway) share this, so they agree bit for bit."""
+    if RMS:
+        centered = h
+    else:
+        centered = tl.where(mask, h - tl.sum(h, axis=1)[:, None] / N_COLS, 0.0)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / N_COLS + eps)
+    return centered, rstd
+
+
+@triton.jit
 def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_COLS]; scale, bias [N_COLS]
          n_rows, eps,  # sizes and epsilon
-         y_ptr, h_ptr, mean_ptr, rstd_ptr,  # outputs: y, h = x + r (if HAS_RESIDUAL); mean, rstd [n_rows]
+         y_ptr, h_ptr,  # outputs: y, h = x + r (if HAS_RESIDUAL)
          N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
@@ -67,25 +82,18 @@ def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_CO
         h = (h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
         h = h.to(tl.float32)
-    if RMS:
-        mean = tl.zeros([BLOCK_M, 1], tl.float32)
-    else:
-        mean = tl.sum(h, axis=1)[:, None] / N_COLS
-    centered = tl.where(mask, h - mean, 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / N_COLS + eps)
+    centered, rstd = _normalize(h, mask, eps, N_COLS, RMS)
     y = centered * rstd
     if HAS_SCALE:
         y *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(mean_ptr + rows, mean, mask=row_ok)
-    tl.store(rstd_ptr + rows, rstd, mask=row_ok)
 
 
 @triton.jit
-def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
-         rows_per_seg,  # rows of one segment (one vmapped example; the whole input unbatched)
+def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr,  # inputs
+         rows_per_seg, eps,  # rows of one segment (one vmapped example; the whole input unbatched)
          dh_ptr, dscale_ptr, dbias_ptr,  # outputs: dh [n_rows, N_COLS]; partial sums [segs*programs, N_COLS]
          N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -104,9 +112,8 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr, mean_ptr, rstd_ptr,  # inputs
         offs = rows * N_COLS + cols
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + rows, mask=row_ok, other=0.0)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        hhat = tl.where(mask, (h - mean) * rstd, 0.0)
+        centered, rstd = _normalize(h, mask, eps, N_COLS, RMS)
+        hhat = tl.where(mask, centered * rstd, 0.0)
         g = dy
         if HAS_SCALE:  # re-read per block (from cache): fewer registers held across the loop
             g = dy * tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -137,7 +144,7 @@ def default_config(n_rows: int, n_cols: int, backend: str, kernel: str = "fwd") 
     if kernel == "fwd" or backend == "interpret":
         return config
     per_warp = 32 * 16
-    warps = min(32, max(4, L.next_pow2(config["BLOCK_M"] * config["BLOCK_N"] // per_warp)))
+    warps = min(16, max(4, L.next_pow2(config["BLOCK_M"] * config["BLOCK_N"] // per_warp)))  # 16: ROCm max
     return L.Config.of(num_warps=warps, **dict(config.meta))
 
 
@@ -150,8 +157,7 @@ def _launch_fwd(x2, r2, scale, bias, eps, *, rms, backend, config, out_dtype):
     n_rows, n_cols = x2.shape
     dummy = jnp.zeros((1,), jnp.float32)  # stands for an absent operand (the flag keeps it unread)
     outs = [jax.ShapeDtypeStruct(x2.shape, out_dtype),
-            jax.ShapeDtypeStruct(x2.shape if r2 is not None else (1,), x2.dtype),
-            jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
+            jax.ShapeDtypeStruct(x2.shape if r2 is not None else (1,), x2.dtype)]
     consts = {"N_COLS": n_cols, **_flags(rms, r2 is not None, scale is not None, bias is not None)}
     return L.launch(_fwd, x2, dummy if r2 is None else r2, dummy if scale is None else scale,
                     dummy if bias is None else bias, n_rows, float(eps),
@@ -170,7 +176,7 @@ def bwd_programs(rows: int, block_m: int, backend: str) -> int:
     return max(1, min(L.cdiv(rows, block_m), target))
 
 
-def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config, segments=1):
+def _launch_bwd(h2, dy2, dh_out2, scale, eps, *, rms, backend, config, segments=1):
     n_rows, n_cols = h2.shape
     rows_per_seg = n_rows // segments
     programs = bwd_programs(rows_per_seg, config["BLOCK_M"], backend)
@@ -180,7 +186,7 @@ def _launch_bwd(h2, dy2, dh_out2, scale, mean, rstd, *, rms, backend, config, se
             jax.ShapeDtypeStruct((segments * programs, n_cols), jnp.float32)]
     consts = {"N_COLS": n_cols, **_flags(rms, dh_out2 is not None, scale is not None)}
     return L.launch(_bwd, h2, dy2, dummy if dh_out2 is None else dh_out2,
-                    dummy if scale is None else scale, mean, rstd, rows_per_seg,
+                    dummy if scale is None else scale, rows_per_seg, float(eps),
                     kernel="rms_norm_bwd" if rms else "layer_norm_bwd", out_shapes=outs,
                     grid=(programs, segments), config=config, backend=backend, constexprs=consts)
 
@@ -195,17 +201,19 @@ def _norm_rows(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
 
 
 def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
-    y, h, mean, rstd = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend,
-                                   config=fwd_config, out_dtype=x2.dtype)
+    y, h = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend, config=fwd_config,
+                       out_dtype=x2.dtype)
     h = x2 if r2 is None else h
     out = (y, h) if r2 is not None else (y,)
-    return out, (h, scale, bias, mean, rstd, r2 is not None)
+    # Only h is saved: the backward recomputes each row's statistics from the row it loads anyway,
+    # so when y itself is unused (a gradient-only program) the forward kernel is dead code.
+    return out, (h, scale, bias, r2 is not None)
 
 
 def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, residuals, cotangents):
-    h, scale, bias, mean, rstd, has_residual = residuals
+    h, scale, bias, has_residual = residuals
     dy, dh_out = cotangents[0], (cotangents[1] if has_residual else None)
-    dh, dscale, dbias = _launch_bwd(h, dy.astype(h.dtype), dh_out, scale, mean, rstd, rms=rms,
+    dh, dscale, dbias = _launch_bwd(h, dy.astype(h.dtype), dh_out, scale, eps, rms=rms,
                                     backend=backend, config=bwd_config)
     d_scale = None if scale is None else jnp.sum(dscale, 0).astype(scale.dtype)
     d_bias = None if bias is None else jnp.sum(dbias, 0).astype(bias.dtype)
@@ -231,19 +239,19 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
         outs = _launch_fwd(x.reshape(size * rows, n_cols), folded_r,
                            scale if flags["HAS_SCALE"] else None, bias if flags["HAS_BIAS"] else None,
                            dict(scalars)[5], rms=rms, backend=backend, config=config, out_dtype=x.dtype)
-        y, h, mean, rstd = outs
+        y, h = outs
         h = h.reshape(size, rows, n_cols) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
-        return [y.reshape(size, rows, n_cols), h, mean.reshape(size, rows), rstd.reshape(size, rows)], [0] * 4
-    h, dy, dh_out, scale, mean, rstd = args
+        return [y.reshape(size, rows, n_cols), h], [0, 0]
+    h, dy, dh_out, scale = args
     if dims[3] is not None:
         raise NotImplementedError("xkern norms: vmap over scale is not supported")
-    h, dy, mean, rstd = (move(a, d) for a, d in zip((h, dy, mean, rstd), (dims[0], dims[1], dims[4], dims[5])))
+    h, dy = move(h, dims[0]), move(dy, dims[1])
     rows, n_cols = h.shape[1], h.shape[2]
     folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
     dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
                                     folded_dh, scale if flags["HAS_SCALE"] else None,
-                                    mean.reshape(-1), rstd.reshape(-1), rms=rms, backend=backend,
-                                    config=config, segments=size)  # one segment per example
+                                    dict(scalars)[5], rms=rms, backend=backend, config=config,
+                                    segments=size)  # one segment per example
     return [dh.reshape(size, rows, n_cols), dscale.reshape(size, -1, n_cols),
             dbias.reshape(size, -1, n_cols)], [0] * 3
 
@@ -311,10 +319,9 @@ def aot_cases():
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "scale_ptr": "*fp32",
                         "bias_ptr": "*fp32", "n_rows": "i32", "eps": "fp32", "y_ptr": f"*{dtype}",
-                        "h_ptr": f"*{dtype}", "mean_ptr": "*fp32", "rstd_ptr": "*fp32"},
+                        "h_ptr": f"*{dtype}"},
                        config.replace(HAS_BIAS=not rms))
                 yield (f"{tag}/bwd", _bwd,
                        {"h_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dh_out_ptr": f"*{dtype}",
-                        "scale_ptr": "*fp32", "mean_ptr": "*fp32", "rstd_ptr": "*fp32",
-                        "rows_per_seg": "i32",
+                        "scale_ptr": "*fp32", "rows_per_seg": "i32", "eps": "fp32",
                         "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, bwd_config)

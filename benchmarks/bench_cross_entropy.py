@@ -1,0 +1,36 @@
+"""xkern.ops.cross_entropy against the same loss under jax.jit (optax's formula: logsumexp minus
+the label's logit, in float32).
+
+Minimum bytes: the forward reads the logits once; forward+backward (value and gradient) reads them
+and writes the gradient (2 tensors), as shared/GPU.md counts XLA's.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import xkern
+from benchmarks.harness import Case
+from xkern.kernels.cross_entropy import reference
+
+
+def cases(on_gpu: bool) -> list[Case]:
+    shapes = [(8192, 128256), (8192, 32000)] if on_gpu else [(64, 1000)]
+    out = []
+    for rows, vocab in shapes:
+        def make(key, rows=rows, vocab=vocab):
+            kx, kl, kw = jax.random.split(key, 3)
+            return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16) * 2,
+                    jax.random.randint(kl, (rows,), 0, vocab),
+                    jax.random.uniform(kw, (rows,), jnp.float32))
+        n = rows * vocab * 2
+        mean = lambda f: (lambda x, y, w: f(x, y))
+        grad = lambda f: (lambda x, y, w: jax.value_and_grad(f)(x, y))
+        per_row = lambda f: (lambda x, y, w: jax.value_and_grad(
+            lambda x: jnp.sum(f(x, y, reduction="none") * w))(x))
+        for name, wrap, nbytes, mode in (("cross_entropy mean", mean, n, "fwd"),
+                                         ("cross_entropy mean", grad, 2 * n, "fwd+bwd"),
+                                         ("cross_entropy none, weighted", per_row, 2 * n, "fwd+bwd")):
+            out.append(Case(name, (rows, vocab), "bfloat16", mode, wrap(xkern.ops.cross_entropy),
+                            wrap(reference), make, nbytes, 2e-2))
+    return out

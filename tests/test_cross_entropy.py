@@ -1,0 +1,125 @@
+"""xkern.ops.cross_entropy against a float32 jax.numpy reference: losses and logits gradients for
+every reduction and option, edge values, vmap, and errors; through the interpreter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xkern
+from xkern.kernels import cross_entropy as ce
+from xkern.kernels import launch as L
+from xkern.kernels.launch import kernel_names
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+OPTIONS = {"plain": {}, "ignore": {"ignore_index": -100},
+           "all": {"ignore_index": 0, "label_smoothing": 0.1, "z_loss": 1e-3}}
+
+
+def make(shape, dtype, seed=0, ignore=None):
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.standard_normal(shape) * 3, dtype)
+    labels = rng.integers(0, shape[-1], shape[:-1])
+    if ignore is not None and labels.size:
+        labels.reshape(-1)[:: 3] = ignore  # every third row ignored
+    return logits, jnp.asarray(labels, jnp.int32)
+
+
+def close(got, want, dtype, scale=None):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * (scale or max(np.abs(want).max(), 1.0)))
+
+
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("options", list(OPTIONS), ids=str)
+@pytest.mark.parametrize("shape", [(3, 1), (7,), (4, 1000), (2, 3, 1025)], ids=str)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_loss_and_gradient(reduction, options, shape, dtype):
+    kw = OPTIONS[options]
+    logits, labels = make(shape, dtype, ignore=kw.get("ignore_index"))
+    weights = jnp.asarray(np.random.default_rng(1).uniform(0.5, 2, labels.shape), jnp.float32)
+
+    def loss(f, x):
+        out = f(x, labels, reduction=reduction, **kw)
+        return jnp.sum(out * weights) if reduction == "none" else out * 1.5
+
+    got = xkern.ops.cross_entropy(logits, labels, reduction=reduction, **kw)
+    want = ce.reference(logits.astype(jnp.float32), labels, reduction=reduction, **kw)
+    assert got.dtype == jnp.float32 and got.shape == want.shape
+    close(got, want, jnp.float32 if dtype == jnp.float32 else jnp.float16)  # float32 math inside
+    g = jax.grad(lambda x: loss(xkern.ops.cross_entropy, x))(logits)
+    w = jax.grad(lambda x: loss(ce.reference, x))(logits.astype(jnp.float32))
+    assert g.dtype == logits.dtype
+    close(g, w, dtype)
+
+
+def test_long_rows_stream_in_chunks(monkeypatch):
+    """Rows longer than a chunk: the online logsumexp and the dx pass loop over 5 chunks."""
+    monkeypatch.setattr(ce, "default_config", lambda n, backend: L.Config.of(BLOCK_N=64))
+    logits, labels = make((3, 300), jnp.float32, seed=2)
+    logits = logits.at[0, 299].set(40.0).at[1, 0].set(-1e30)  # the max in the last, partial chunk
+    for reduction in ("mean", "none"):
+        kw = {"reduction": reduction, "label_smoothing": 0.2}
+        close(xkern.ops.cross_entropy(logits, labels, **kw), ce.reference(logits, labels, **kw), jnp.float32)
+        f = lambda impl: (lambda x: jnp.sum(impl(x, labels, **kw) ** 2))
+        close(jax.grad(f(xkern.ops.cross_entropy))(logits), jax.grad(f(ce.reference))(logits), jnp.float32)
+
+
+def test_edge_values_as_xla():
+    x = jnp.array([[0.0, -jnp.inf, 1.0, 2.0],     # a -inf logit: fine
+                   [-jnp.inf] * 4,                 # every logit -inf: lse -inf, loss nan
+                   [1.0, jnp.inf, 0.0, 0.0],       # +inf: lse +inf
+                   [1.0, jnp.nan, 0.0, 0.0],       # NaN anywhere: NaN
+                   [1e30, -1e30, 3.0, 0.0]], jnp.float32)
+    labels = jnp.array([2, 0, 0, 2, 0], jnp.int32)
+    got = xkern.ops.cross_entropy(x, labels, reduction="none")
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ce.reference(x, labels, reduction="none")))
+    np.testing.assert_allclose(got, ce.reference(x, labels, reduction="none"), rtol=1e-6)
+
+
+def test_labels_out_of_range_give_nan_and_ignored_rows_give_zero():
+    logits, _ = make((4, 10), jnp.float32)
+    labels = jnp.array([3, 10, -1, -100], jnp.int32)
+    loss = xkern.ops.cross_entropy(logits, labels, ignore_index=-100, reduction="none")
+    assert np.isfinite(loss[0]) and np.isnan(loss[1]) and np.isnan(loss[2]) and loss[3] == 0.0
+    dx = jax.grad(lambda x: xkern.ops.cross_entropy(x, labels, ignore_index=-100, reduction="sum"))(logits)
+    assert np.isnan(dx[1]).all() and np.isnan(dx[2]).all() and (dx[3] == 0).all()
+    np.testing.assert_allclose(dx[0], jax.grad(lambda x: ce.reference(x, labels[:1], reduction="sum"))(logits[:1])[0],
+                               atol=1e-6)
+    everything_ignored = jnp.full((4,), -100, jnp.int32)
+    assert xkern.ops.cross_entropy(logits, everything_ignored, ignore_index=-100) == 0.0
+    grads = jax.grad(lambda x: xkern.ops.cross_entropy(x, everything_ignored, ignore_index=-100))(logits)
+    assert (grads == 0).all()
+
+
+def test_kernels_per_reduction_vmap_jit_and_empty():
+    logits, labels = make((2, 5, 33), jnp.float32, seed=4)
+    mean_grad = jax.make_jaxpr(jax.grad(lambda x: xkern.ops.cross_entropy(x, labels[0])))(logits[0])
+    assert kernel_names(mean_grad) == ["cross_entropy_fwd"]  # dx comes out of the forward
+    none_grad = jax.make_jaxpr(jax.grad(lambda x: xkern.ops.cross_entropy(x, labels[0], reduction="none").sum()))
+    assert sorted(kernel_names(none_grad(logits[0]))) == ["cross_entropy_bwd", "cross_entropy_fwd"]
+    for reduction in ("mean", "none"):
+        f = lambda impl: jax.jit(jax.vmap(jax.value_and_grad(
+            lambda x, y: jnp.sum(impl(x, y, reduction=reduction, ignore_index=1)))))
+        (got, dgot), (want, dwant) = f(xkern.ops.cross_entropy)(logits, labels), f(ce.reference)(logits, labels)
+        close(got, want, jnp.float32)
+        close(dgot, dwant, jnp.float32)
+    empty = xkern.ops.cross_entropy(jnp.zeros((0, 8)), jnp.zeros((0,), jnp.int32), reduction="none")
+    assert empty.shape == (0,)
+    np.testing.assert_array_equal(xkern.ops.cross_entropy(logits, labels, backend="xla"),
+                                  ce.reference(logits, labels))
+
+
+def test_bad_input_names_the_argument():
+    x, y = jnp.ones((2, 8)), jnp.zeros((2,), jnp.int32)
+    cases = [((jnp.ones((2, 8), jnp.int32), y), {}, TypeError, "logits must have dtype"),
+             ((x, y.astype(jnp.float32)), {}, TypeError, "labels must be an integer array"),
+             ((x, jnp.zeros((3,), jnp.int32)), {}, ValueError, r"labels must have shape \(2,\)"),
+             ((x, y), {"reduction": "avg"}, ValueError, "reduction must be one of"),
+             ((x, y), {"label_smoothing": 1.5}, ValueError, "label_smoothing must be"),
+             ((x, y), {"z_loss": -1.0}, ValueError, "z_loss must be"),
+             ((x, y), {"ignore_index": 1.0}, TypeError, "ignore_index must be an int"),
+             ((jnp.ones(()), y), {}, ValueError, "logits must have a class axis")]
+    for args, kw, error, message in cases:
+        with pytest.raises(error, match=message):
+            xkern.ops.cross_entropy(*args, **kw)
