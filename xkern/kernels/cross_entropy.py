@@ -75,68 +75,74 @@ def _dx_chunk(x, cols, label, lse, valid, SMOOTHING: tl.constexpr, Z_LOSS: tl.co
 
 @triton.jit
 def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], labels, dx scale [n_rows]
+         n_rows,
          loss_ptr, lse_ptr, dx_ptr,  # outputs: loss, lse [n_rows]; dx [n_rows, N_COLS] (WRITE_DX)
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, WRITE_DX: tl.constexpr,
          BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * N_COLS
-    label = tl.load(labels_ptr + row)
-    valid = label != IGNORE_INDEX if HAS_IGNORE else True
-    cols = tl.arange(0, BLOCK_N)
-    # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
-    # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
-    m = -float("inf")
-    ref = 0.0
-    s = 0.0
-    total = 0.0
-    for start in range(0, N_COLS, BLOCK_N):
-        mask = start + cols < N_COLS
-        x = tl.load(x_ptr + base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-        m = tl.maximum(m, tl.max(x, 0))
-        new_ref = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
-        s = s * tl.exp(ref - new_ref) + tl.sum(tl.exp(x - new_ref), 0)
-        ref = new_ref
-        if SMOOTHING != 0.0:
-            total += tl.sum(tl.where(mask, x, 0.0), 0)
-    lse = tl.log(s) + ref
-    in_range = (label >= 0) & (label < N_COLS)
-    picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
-    picked = tl.where(in_range, picked, float("nan"))
-    loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
-    if SMOOTHING != 0.0:
-        loss -= SMOOTHING / N_COLS * total
-    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
-    tl.store(lse_ptr + row, lse)
-    if WRITE_DX:
-        scale = tl.load(row_scale_ptr + row)
+    # Each program takes every num_programs-th row: with fewer programs than rows, the rows in
+    # flight fit in L2, so the dx pass re-reads its row from L2 instead of HBM.
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
+        base = row * N_COLS
+        label = tl.load(labels_ptr + row)
+        valid = label != IGNORE_INDEX if HAS_IGNORE else True
+        cols = tl.arange(0, BLOCK_N)
+        # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
+        # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
+        m = -float("inf")
+        ref = 0.0
+        s = 0.0
+        total = 0.0
         for start in range(0, N_COLS, BLOCK_N):
             mask = start + cols < N_COLS
-            x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-            dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * scale
-            dx = tl.where(in_range | (not valid), dx, float("nan"))
-            tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            x = tl.load(x_ptr + base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            m = tl.maximum(m, tl.max(x, 0))
+            new_ref = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
+            s = s * tl.exp(ref - new_ref) + tl.sum(tl.exp(x - new_ref), 0)
+            ref = new_ref
+            if SMOOTHING != 0.0:
+                total += tl.sum(tl.where(mask, x, 0.0), 0)
+        lse = tl.log(s) + ref
+        in_range = (label >= 0) & (label < N_COLS)
+        picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
+        picked = tl.where(in_range, picked, float("nan"))
+        loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
+        if SMOOTHING != 0.0:
+            loss -= SMOOTHING / N_COLS * total
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        tl.store(lse_ptr + row, lse)
+        if WRITE_DX:
+            scale = tl.load(row_scale_ptr + row)
+            for start in range(0, N_COLS, BLOCK_N):
+                mask = start + cols < N_COLS
+                x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
+                dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * scale
+                dx = tl.where(in_range | (not valid), dx, float("nan"))
+                tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; labels, lse, dloss [n_rows]
+         n_rows,
          dx_ptr,  # output: dx [n_rows, N_COLS]
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * N_COLS
-    label = tl.load(labels_ptr + row)
-    valid = label != IGNORE_INDEX if HAS_IGNORE else True
-    in_range = (label >= 0) & (label < N_COLS)
-    lse = tl.load(lse_ptr + row)
-    g = tl.load(g_ptr + row)
-    cols = tl.arange(0, BLOCK_N)
-    for start in range(0, N_COLS, BLOCK_N):
-        mask = start + cols < N_COLS
-        x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * g
-        dx = tl.where(in_range | (not valid), dx, float("nan"))
-        tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
+        base = row * N_COLS
+        label = tl.load(labels_ptr + row)
+        valid = label != IGNORE_INDEX if HAS_IGNORE else True
+        in_range = (label >= 0) & (label < N_COLS)
+        lse = tl.load(lse_ptr + row)
+        g = tl.load(g_ptr + row)
+        cols = tl.arange(0, BLOCK_N)
+        for start in range(0, N_COLS, BLOCK_N):
+            mask = start + cols < N_COLS
+            x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * g
+            dx = tl.where(in_range | (not valid), dx, float("nan"))
+            tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -144,12 +150,23 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
 # --------------------------------------------------------------------------------------------------
 
 def default_config(n_cols: int, backend: str) -> L.Config:
-    """One row a program, streamed in chunks. Not yet swept on a GPU: 4096-wide chunks with 8 warps
-    keep 16 values a thread, as the other streaming kernels do."""
+    """Rows streamed in chunks. From the H200 sweep (benchmarks/results/h200-ce-sweep.json,
+    8192x128256 bf16): 4096-wide chunks with 4 warps are best for value and gradient (1.567 ms) and
+    within 4% of the best forward (8192 / 4 warps)."""
     if backend == "interpret":
         return L.Config.of(BLOCK_N=min(L.next_pow2(n_cols), 1 << 14))
     block_n = min(L.next_pow2(n_cols), 4096)
-    return L.Config.of(BLOCK_N=block_n, num_warps=max(1, min(8, block_n // 512)))
+    return L.Config.of(BLOCK_N=block_n, num_warps=max(1, min(4, block_n // 256)))
+
+
+def programs(n_rows: int, backend: str) -> int:
+    """How many programs share the rows (each loops over every programs-th row)."""
+    if backend == "interpret":
+        return n_rows
+    return max(1, min(n_rows, PROGRAMS_PER_SM * getattr(jax.devices()[0], "core_count", 132)))
+
+
+PROGRAMS_PER_SM = 64  # not yet swept: as many as fit, i.e. one program per row
 
 
 def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, **_):
@@ -157,14 +174,15 @@ def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, **_):
     consts = dict(constexprs)
     outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows,), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
-    return L.launch(_fwd, x2, labels, row_scale, kernel="cross_entropy_fwd", out_shapes=outs,
-                    grid=(n_rows,), config=config, backend=backend, constexprs=consts)
+    return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
+                    grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts)
 
 
 def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, **_):
     out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
-    return L.launch(_bwd, x2, labels, lse, g, kernel="cross_entropy_bwd", out_shapes=[out],
-                    grid=(x2.shape[0],), config=config, backend=backend, constexprs=dict(constexprs))
+    return L.launch(_bwd, x2, labels, lse, g, x2.shape[0], kernel="cross_entropy_bwd", out_shapes=[out],
+                    grid=(programs(x2.shape[0], backend),), config=config, backend=backend,
+                    constexprs=dict(constexprs))
 
 
 def _batch_fwd(args, dims, **params):
@@ -309,8 +327,8 @@ def aot_cases():
                 tag = f"cross_entropy/{dtype}/n{n_cols}{'/options' if options else ''}"
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32",
-                        "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
+                        "n_rows": "i32", "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
                        config.replace(WRITE_DX=True))
                 yield (f"{tag}/bwd", _bwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "lse_ptr": "*fp32",
-                        "g_ptr": "*fp32", "dx_ptr": f"*{dtype}"}, config)
+                        "g_ptr": "*fp32", "n_rows": "i32", "dx_ptr": f"*{dtype}"}, config)

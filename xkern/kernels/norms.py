@@ -53,21 +53,22 @@ def reference(x, scale, bias, eps, residual, rms: bool):
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _normalize(h, mask, eps, N_COLS: tl.constexpr, RMS: tl.constexpr):
+def _normalize(h, mask, EPS: tl.constexpr, N_COLS: tl.constexpr, RMS: tl.constexpr):
     """(h - mean) and rstd of each row of the float32 tile h; the forward and the backward (which
     recomputes them from the row it has loaded anyway) share this, so they agree bit for bit."""
     if RMS:
         centered = h
     else:
         centered = tl.where(mask, h - tl.sum(h, axis=1)[:, None] / N_COLS, 0.0)
-    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / N_COLS + eps)
+    rstd = tl.rsqrt(tl.sum(centered * centered, axis=1)[:, None] / N_COLS + EPS)
     return centered, rstd
 
 
 @triton.jit
 def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_COLS]; scale, bias [N_COLS]
-         n_rows, eps,  # sizes and epsilon
+         n_rows,
          y_ptr, h_ptr,  # outputs: y, h = x + r (if HAS_RESIDUAL)
+         EPS: tl.constexpr,  # a constexpr: a Python float argument would be float64 math
          N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
          HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
@@ -82,7 +83,7 @@ def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_CO
         h = (h + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + offs, h, mask=mask)
         h = h.to(tl.float32)
-    centered, rstd = _normalize(h, mask, eps, N_COLS, RMS)
+    centered, rstd = _normalize(h, mask, EPS, N_COLS, RMS)
     y = centered * rstd
     if HAS_SCALE:
         y *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -93,9 +94,9 @@ def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_CO
 
 @triton.jit
 def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr,  # inputs
-         rows_per_seg, eps,  # rows of one segment (one vmapped example; the whole input unbatched)
+         rows_per_seg,  # rows of one segment (one vmapped example; the whole input unbatched)
          dh_ptr, dscale_ptr, dbias_ptr,  # outputs: dh [n_rows, N_COLS]; partial sums [segs*programs, N_COLS]
-         N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+         EPS: tl.constexpr, N_COLS: tl.constexpr, RMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
          HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # A fixed number of programs per segment, each looping over every programs-th block of rows and
     # keeping its dscale/dbias sums in registers: one partial row per program, not per row block.
@@ -112,7 +113,7 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr,  # inputs
         offs = rows * N_COLS + cols
         h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        centered, rstd = _normalize(h, mask, eps, N_COLS, RMS)
+        centered, rstd = _normalize(h, mask, EPS, N_COLS, RMS)
         hhat = tl.where(mask, centered * rstd, 0.0)
         g = dy
         if HAS_SCALE:  # re-read per block (from cache): fewer registers held across the loop
@@ -158,9 +159,10 @@ def _launch_fwd(x2, r2, scale, bias, eps, *, rms, backend, config, out_dtype):
     dummy = jnp.zeros((1,), jnp.float32)  # stands for an absent operand (the flag keeps it unread)
     outs = [jax.ShapeDtypeStruct(x2.shape, out_dtype),
             jax.ShapeDtypeStruct(x2.shape if r2 is not None else (1,), x2.dtype)]
-    consts = {"N_COLS": n_cols, **_flags(rms, r2 is not None, scale is not None, bias is not None)}
+    consts = {"N_COLS": n_cols, "EPS": float(eps),
+              **_flags(rms, r2 is not None, scale is not None, bias is not None)}
     return L.launch(_fwd, x2, dummy if r2 is None else r2, dummy if scale is None else scale,
-                    dummy if bias is None else bias, n_rows, float(eps),
+                    dummy if bias is None else bias, n_rows,
                     kernel="rms_norm_fwd" if rms else "layer_norm_fwd", out_shapes=outs,
                     grid=(L.cdiv(n_rows, config["BLOCK_M"]),), config=config, backend=backend,
                     constexprs=consts)
@@ -184,9 +186,9 @@ def _launch_bwd(h2, dy2, dh_out2, scale, eps, *, rms, backend, config, segments=
     outs = [jax.ShapeDtypeStruct(h2.shape, h2.dtype),
             jax.ShapeDtypeStruct((segments * programs, n_cols), jnp.float32),
             jax.ShapeDtypeStruct((segments * programs, n_cols), jnp.float32)]
-    consts = {"N_COLS": n_cols, **_flags(rms, dh_out2 is not None, scale is not None)}
+    consts = {"N_COLS": n_cols, "EPS": float(eps), **_flags(rms, dh_out2 is not None, scale is not None)}
     return L.launch(_bwd, h2, dy2, dummy if dh_out2 is None else dh_out2,
-                    dummy if scale is None else scale, rows_per_seg, float(eps),
+                    dummy if scale is None else scale, rows_per_seg,
                     kernel="rms_norm_bwd" if rms else "layer_norm_bwd", out_shapes=outs,
                     grid=(programs, segments), config=config, backend=backend, constexprs=consts)
 
@@ -238,7 +240,7 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
         folded_r = r.reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
         outs = _launch_fwd(x.reshape(size * rows, n_cols), folded_r,
                            scale if flags["HAS_SCALE"] else None, bias if flags["HAS_BIAS"] else None,
-                           dict(scalars)[5], rms=rms, backend=backend, config=config, out_dtype=x.dtype)
+                           flags["EPS"], rms=rms, backend=backend, config=config, out_dtype=x.dtype)
         y, h = outs
         h = h.reshape(size, rows, n_cols) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
         return [y.reshape(size, rows, n_cols), h], [0, 0]
@@ -250,7 +252,7 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
     folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
     dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
                                     folded_dh, scale if flags["HAS_SCALE"] else None,
-                                    dict(scalars)[5], rms=rms, backend=backend, config=config,
+                                    flags["EPS"], rms=rms, backend=backend, config=config,
                                     segments=size)  # one segment per example
     return [dh.reshape(size, rows, n_cols), dscale.reshape(size, -1, n_cols),
             dbias.reshape(size, -1, n_cols)], [0] * 3
@@ -314,14 +316,14 @@ def aot_cases():
         for rms in (False, True):
             for residual in (False, True):
                 config, bwd_config = (default_config(16384, 8192, "triton", k).replace(
-                    N_COLS=8192, RMS=rms, HAS_RESIDUAL=residual, HAS_SCALE=True) for k in ("fwd", "bwd"))
+                    N_COLS=8192, EPS=1e-6, RMS=rms, HAS_RESIDUAL=residual, HAS_SCALE=True) for k in ("fwd", "bwd"))
                 tag = f"{'rms' if rms else 'layer'}_norm/{dtype}{'/residual' if residual else ''}"
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "r_ptr": f"*{dtype}", "scale_ptr": "*fp32",
-                        "bias_ptr": "*fp32", "n_rows": "i32", "eps": "fp32", "y_ptr": f"*{dtype}",
+                        "bias_ptr": "*fp32", "n_rows": "i32", "y_ptr": f"*{dtype}",
                         "h_ptr": f"*{dtype}"},
                        config.replace(HAS_BIAS=not rms))
                 yield (f"{tag}/bwd", _bwd,
                        {"h_ptr": f"*{dtype}", "dy_ptr": f"*{dtype}", "dh_out_ptr": f"*{dtype}",
-                        "scale_ptr": "*fp32", "rows_per_seg": "i32", "eps": "fp32",
+                        "scale_ptr": "*fp32", "rows_per_seg": "i32",
                         "dh_ptr": f"*{dtype}", "dscale_ptr": "*fp32", "dbias_ptr": "*fp32"}, bwd_config)
