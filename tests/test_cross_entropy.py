@@ -125,3 +125,53 @@ def test_bad_input_names_the_argument():
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             xkern.ops.cross_entropy(*args, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Patterns: the ways people write cross-entropy, found by xkern.jit / xkern.optimize
+# --------------------------------------------------------------------------------------------------
+
+def _spellings():
+    import optax
+
+    take = lambda a, y: jnp.take_along_axis(a, y[..., None], axis=-1)
+    return {
+        "optax_integer_labels": lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean(),
+        "optax_integer_labels+upcast": lambda x, y: jnp.sum(
+            optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)),
+        "logsumexp-take_along_axis": lambda x, y: jnp.mean(jax.nn.logsumexp(x, -1) - take(x, y)[..., 0]),
+        "-take_along_axis(log_softmax)+upcast": lambda x, y: jnp.sum(
+            -take(jax.nn.log_softmax(x.astype(jnp.float32), -1), y)[..., 0] * 0.5),
+        "take_along_axis(log_softmax)+upcast": lambda x, y: -jnp.mean(
+            take(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), y)),
+    }
+
+
+@pytest.mark.parametrize("spelling", list(_spellings()))
+def test_patterns_match_and_equal_jax_jit(spelling):
+    f = _spellings()[spelling]
+    logits, labels = make((3, 5, 37), jnp.bfloat16, seed=5)
+    labels = labels.at[0, 0].set(-2)  # negative labels count from the end, as take_along_axis does
+    report = xkern.explain(f)(logits, labels)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")] == \
+        [f"cross_entropy/{spelling}"]
+    assert "cross_entropy_fwd" in kernel_names(jax.make_jaxpr(xkern.optimize(f))(logits, labels))
+    close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
+    close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
+          jnp.bfloat16)
+
+
+def test_near_misses_are_not_rewritten():
+    logits, labels = make((4, 9), jnp.float32, seed=6)
+    near_misses = {
+        # the logsumexp over rows while the label picks within a row
+        "other axis": lambda x, y: jax.nn.logsumexp(x, 0)[:4] - jnp.take_along_axis(x, y[:, None], -1)[:, 0],
+        # the picked logit from a different array than the normalizer's
+        "other array": lambda x, y: jax.nn.logsumexp(x, -1) - jnp.take_along_axis(x * 2, y[:, None], -1)[:, 0],
+        # soft labels: not an integer-label cross-entropy
+        "soft labels": lambda x, y: -jnp.sum(jax.nn.one_hot(y, 9) * jax.nn.log_softmax(x), -1),
+    }
+    for name, f in near_misses.items():
+        report = xkern.explain(f)(logits, labels)
+        assert not [m for m in report.matches if m.pattern.startswith("cross_entropy")], name
+        close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)

@@ -22,6 +22,7 @@ import pkgutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
@@ -89,6 +90,8 @@ def _same_param(a, b) -> bool:
         return len(a) == len(b) and all(_same_param(x, y) for x, y in zip(a, b))
     if callable(a) and callable(b):
         return True  # traced callables (custom_jvp rules, thunks) differ per trace
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True  # NaN params (take_along_axis's fill_value) equal themselves
     try:
         return bool(a == b)
     except Exception:  # arrays and other values without a plain ==
@@ -107,7 +110,11 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
 
     def match(tv, pv) -> bool:
         if isinstance(tv, Literal):
-            return isinstance(pv, Literal) and same_literal(tv, pv) and (
+            # Integer literals are often sizes (take_along_axis wraps negative indices by adding
+            # the axis length): structurally any integer will do; the exact re-trace checks it.
+            sizes = not strict and all(np.issubdtype(v.aval.dtype, np.integer) for v in (tv, pv)
+                                       if isinstance(v, Literal))
+            return isinstance(pv, Literal) and (sizes or same_literal(tv, pv)) and (
                 not strict or tv.aval.dtype == pv.aval.dtype)
         if isinstance(pv, Literal):
             return False

@@ -105,14 +105,22 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr,  # inputs
     col_ok = cols < N_COLS
     dscale_acc = tl.zeros((BLOCK_N,), tl.float32)
     dbias_acc = tl.zeros((BLOCK_N,), tl.float32)
+    seg_base = seg.to(tl.int64) * rows_per_seg
+    # Pipelined by hand: the next block's h and dy are loaded before this block's math, so each
+    # program keeps loads in flight while it reduces (without it the loop is latency-bound).
+    local = pid * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    next_mask = (local < rows_per_seg) & col_ok
+    next_offs = (seg_base + local) * N_COLS + cols
+    h_next = tl.load(h_ptr + next_offs, mask=next_mask, other=0.0)
+    dy_next = tl.load(dy_ptr + next_offs, mask=next_mask, other=0.0)
     for block in range(pid, tl.cdiv(rows_per_seg, BLOCK_M), programs):
-        local = block * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        row_ok = local < rows_per_seg
-        rows = seg.to(tl.int64) * rows_per_seg + local
-        mask = row_ok & col_ok
-        offs = rows * N_COLS + cols
-        h = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        h, dy = h_next.to(tl.float32), dy_next.to(tl.float32)
+        mask, offs = next_mask, next_offs
+        local = (block + programs) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        next_mask = (local < rows_per_seg) & col_ok
+        next_offs = (seg_base + local) * N_COLS + cols
+        h_next = tl.load(h_ptr + next_offs, mask=next_mask, other=0.0)
+        dy_next = tl.load(dy_ptr + next_offs, mask=next_mask, other=0.0)
         centered, rstd = _normalize(h, mask, EPS, N_COLS, RMS)
         hhat = tl.where(mask, centered * rstd, 0.0)
         g = dy
