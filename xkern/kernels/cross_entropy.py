@@ -80,8 +80,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, WRITE_DX: tl.constexpr,
          BLOCK_N: tl.constexpr):
-    # Each program takes every num_programs-th row: with fewer programs than rows, the rows in
-    # flight fit in L2, so the dx pass re-reads its row from L2 instead of HBM.
+    # Each program takes every num_programs-th row (see PROGRAMS_PER_SM for how many programs).
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
         base = row * N_COLS
@@ -166,7 +165,9 @@ def programs(n_rows: int, backend: str) -> int:
     return max(1, min(n_rows, PROGRAMS_PER_SM * getattr(jax.devices()[0], "core_count", 132)))
 
 
-PROGRAMS_PER_SM = 64  # not yet swept: as many as fit, i.e. one program per row
+# Swept on an H200 (h200-cross-entropy-sweep.json): 1-8 programs per SM, meant to keep the rows in
+# flight within L2 for the dx pass, were all slower than one program per row (this cap).
+PROGRAMS_PER_SM = 64
 
 
 def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, **_):
