@@ -61,16 +61,24 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dx_chunk(x, cols, label, lse, valid, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-              N_COLS: tl.constexpr):
-    """dloss/dx for one chunk of a row (float32), before the row's scale."""
-    p = tl.exp(x - lse)
-    if Z_LOSS != 0.0:
-        p = p * (1.0 + 2.0 * Z_LOSS * lse)
-    dx = p - tl.where(cols == label, 1.0 - SMOOTHING, 0.0)
-    if SMOOTHING != 0.0:
-        dx -= SMOOTHING / N_COLS
-    return tl.where(valid, dx, 0.0)
+def _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, factor, SMOOTHING: tl.constexpr,
+                  Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
+    NaN for a label out of range, 0 for an ignored row."""
+    cols = tl.arange(0, BLOCK_N)
+    in_range = (label >= 0) & (label < N_COLS)
+    for start in range(0, N_COLS, BLOCK_N):
+        mask = start + cols < N_COLS
+        x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse)
+        if Z_LOSS != 0.0:
+            p = p * (1.0 + 2.0 * Z_LOSS * lse)
+        dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
+        if SMOOTHING != 0.0:
+            dx -= SMOOTHING / N_COLS
+        dx = tl.where(valid, dx * factor, 0.0)
+        dx = tl.where(in_range | (not valid), dx, float("nan"))
+        tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -112,13 +120,8 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + row, lse)
         if WRITE_DX:
-            scale = tl.load(row_scale_ptr + row)
-            for start in range(0, N_COLS, BLOCK_N):
-                mask = start + cols < N_COLS
-                x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-                dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * scale
-                dx = tl.where(in_range | (not valid), dx, float("nan"))
-                tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, tl.load(row_scale_ptr + row),
+                          SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
 
 
 @triton.jit
@@ -132,16 +135,8 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
         valid = label != IGNORE_INDEX if HAS_IGNORE else True
-        in_range = (label >= 0) & (label < N_COLS)
-        lse = tl.load(lse_ptr + row)
-        g = tl.load(g_ptr + row)
-        cols = tl.arange(0, BLOCK_N)
-        for start in range(0, N_COLS, BLOCK_N):
-            mask = start + cols < N_COLS
-            x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-            dx = _dx_chunk(x, start + cols, label, lse, valid, SMOOTHING, Z_LOSS, N_COLS) * g
-            dx = tl.where(in_range | (not valid), dx, float("nan"))
-            tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + row), valid, tl.load(g_ptr + row),
+                      SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
