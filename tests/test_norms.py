@@ -92,6 +92,25 @@ def test_bad_input_names_the_argument():
         xkern.ops.rms_norm(x, residual=jnp.ones((2, 8), jnp.bfloat16))
     with pytest.raises(ValueError, match="eps must be"):
         xkern.ops.rms_norm(x, eps=-1.0)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        xkern.ops.rms_norm(x, out_dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_out_dtype_rounds_once_and_takes_its_cotangent(rms):
+    """bf16 x, float32 y (as flax with float32 params): y is the float32 math, not a bf16 rounding."""
+    x, _, scale, bias, dy = make((5, 33), jnp.bfloat16, seed=11)
+    b = None if rms else bias
+    op = (lambda x, s: xkern.ops.rms_norm(x, s, out_dtype=jnp.float32)) if rms else \
+        (lambda x, s: xkern.ops.layer_norm(x, s, b, out_dtype=jnp.float32))
+    ref = lambda x, s: reference(x.astype(jnp.float32), s, b, 1e-6, None, rms)
+    y = op(x, scale)
+    assert y.dtype == jnp.float32
+    close(y, ref(x, scale), jnp.float32)
+    got = jax.grad(lambda x, s: jnp.sum(op(x, s) * dy), (0, 1))(x, scale)
+    want = jax.grad(lambda x, s: jnp.sum(ref(x, s) * dy), (0, 1))(x, scale)
+    close(got[0], want[0], jnp.bfloat16)
+    close(got[1], want[1], jnp.float32)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
@@ -113,3 +132,74 @@ def test_backward_programs_loop_over_many_row_blocks(rms, monkeypatch):
     expected = jax.vmap(jax.grad(loss(ref), argnums=(0, 1)), in_axes=(0, None, None))(x, scale, bias)
     for g, w in zip(per_example, expected):
         close(g, w, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Patterns: the ways people write layer / rms norm, found by xkern.jit / xkern.optimize
+# --------------------------------------------------------------------------------------------------
+
+from xkern.jaxpr_passes import norm_rules  # noqa: E402
+
+def _pattern_args(pattern, seed):
+    """Inputs for `pattern` in its first (x dtype, parameter dtype), at an odd 3-D shape."""
+    x_dtype, p_dtype = pattern.dtypes[0]
+    n_params = len(pattern.example(pattern.dtypes[0])) - 1
+    x, _, scale, bias, _ = make((3, 5, 37), x_dtype, seed)
+    return (x, *[scale.astype(p_dtype), bias.astype(p_dtype)][:n_params])
+
+
+@pytest.mark.parametrize("name", [p.name for p in norm_rules.PATTERNS])
+def test_each_norm_spelling_is_found_and_equals_jax_jit(name):
+    pattern = next(p for p in norm_rules.PATTERNS if p.name == name)
+    args = _pattern_args(pattern, seed=len(name))
+    f = lambda *a: pattern.fn(*a, eps=1e-5)
+    report = xkern.explain(f)(*args)
+    assert [m.pattern for m in report.matches] == [name]
+    got, want = xkern.jit(f)(*args), jax.jit(f)(*args)
+    assert got.dtype == want.dtype
+    close(got, want, args[0].dtype.type)
+
+
+@pytest.mark.parametrize("name", ["layer_norm/flax.linen.LayerNorm", "layer_norm/ln_var*scale+bias/upcast",
+                                  "rms_norm/rms_square*scale/cast back first", "rms_norm/rms_pow*(1+scale)/plain"])
+def test_norm_spellings_differentiate_through_the_kernels(name):
+    pattern = next(p for p in norm_rules.PATTERNS if p.name == name)
+    args = _pattern_args(pattern, seed=3)
+    dy = make(args[0].shape, jnp.float32, seed=4)[-1]
+    loss = lambda *a: jnp.sum(pattern.fn(*a, eps=1e-5).astype(jnp.float32) * dy)
+    argnums = tuple(range(len(args)))
+    assert any(k.endswith("norm_bwd") for k in
+               kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(loss), argnums))(*args)))
+    got = jax.jit(jax.grad(xkern.optimize(loss), argnums))(*args)
+    want = jax.jit(jax.grad(loss, argnums))(*args)
+    for g, w in zip(got, want):
+        close(g, w, args[0].dtype.type)
+
+
+def test_scale_first_and_any_eps_are_found():
+    x, _, scale, _, _ = make((4, 24), jnp.bfloat16, seed=8)
+    llama = lambda x: scale.astype(x.dtype) * norm_rules.rms_square(x.astype(jnp.float32), 3e-4).astype(x.dtype)
+    report = xkern.explain(llama)(x)
+    assert [m.pattern for m in report.matches] == ["rms_norm/rms_square*scale/cast back first"]
+    close(xkern.jit(llama)(x), jax.jit(llama)(x), jnp.bfloat16)
+
+
+def test_norm_near_misses_are_not_rewritten():
+    x, _, scale, _, _ = make((6, 24), jnp.float32, seed=9)
+    mean = lambda h, axis: jnp.mean(h, axis, keepdims=True)
+    near_misses = {
+        # statistics over rows, not over each row
+        "other axis": lambda x: (x - mean(x, 0)) * jax.lax.rsqrt(jnp.var(x, 0, keepdims=True) + 1e-5),
+        # eps added outside the square root
+        "eps outside sqrt": lambda x: x / (jnp.sqrt(mean(jnp.square(x), -1)) + 1e-5),
+        # centred on a different array's mean
+        "other mean": lambda x: (x - mean(x * 2, -1)) * jax.lax.rsqrt(jnp.var(x, -1, keepdims=True) + 1e-5),
+    }
+    for name, f in near_misses.items():
+        report = xkern.explain(f)(x)
+        assert not [m for m in report.matches if "norm" in m.pattern], name
+        close(xkern.jit(f)(x), jax.jit(f)(x), jnp.float32)
+    # a scale that is not one value per column stays outside (the norm itself is still found)
+    f = lambda x: norm_rules.rms_square(x, 1e-5) * scale[:1]
+    assert [m.pattern for m in xkern.explain(f)(x).matches] == ["rms_norm/rms_square/plain"]
+    close(xkern.jit(f)(x), jax.jit(f)(x), jnp.float32)

@@ -3,8 +3,9 @@ structurally against the program.
 
 Matching is two-step, so that one pattern serves every shape, axis and dtype:
   1. structural: from an anchor equation (the one producing the pattern's output), walk the template
-     and the program backwards together, comparing primitives, operand wiring and literal values but
-     not params (reduction axes, broadcast shapes differ from the example the template was traced at);
+     and the program backwards together, comparing primitives and operand wiring but not params or
+     literal values (reduction axes, broadcast shapes, a mean's 1/n and an eps differ from the
+     example the template was traced at);
   2. exact: read the pattern's params off the match (e.g. the softmax axis), trace the pattern again on
      the matched inputs' real shapes and dtypes, and require the program to equal that trace equation
      for equation, params included.
@@ -22,7 +23,6 @@ import pkgutil
 from typing import Any, Callable
 
 import jax
-import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
@@ -77,6 +77,10 @@ class Match:
 # Structural matching
 # --------------------------------------------------------------------------------------------------
 
+# Binary primitives whose operands may come in either order (exactly: IEEE add and mul commute).
+COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
+
+
 def _same_params(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
@@ -110,12 +114,12 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
 
     def match(tv, pv) -> bool:
         if isinstance(tv, Literal):
-            # Integer literals are often sizes (take_along_axis wraps negative indices by adding
-            # the axis length): structurally any integer will do; the exact re-trace checks it.
-            sizes = not strict and all(np.issubdtype(v.aval.dtype, np.integer) for v in (tv, pv)
-                                       if isinstance(v, Literal))
-            return isinstance(pv, Literal) and (sizes or same_literal(tv, pv)) and (
-                not strict or tv.aval.dtype == pv.aval.dtype)
+            # Structurally any scalar literal will do: literals are often sizes (a mean divides by
+            # the row length; take_along_axis wraps negative indices by adding it) or params (a
+            # norm's eps), which the pattern's params_of reads off the match; the exact re-trace
+            # then checks every value.
+            return isinstance(pv, Literal) and (not strict or (
+                same_literal(tv, pv) and tv.aval.dtype == pv.aval.dtype))
         if isinstance(pv, Literal):
             return False
         if strict and (tv.aval.shape, tv.aval.dtype) != (pv.aval.shape, pv.aval.dtype):
@@ -139,7 +143,17 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
             return False
         eqn_map[ti] = pi
         binding[tv] = pv
-        return all(match(a, b) for a, b in zip(te.invars, pe.invars))
+        if te.primitive.name not in COMMUTATIVE:
+            return all(match(a, b) for a, b in zip(te.invars, pe.invars))
+        # `scale * x` is `x * scale`: try the program's operands in both orders (undoing the
+        # bindings of a failed first try; the choice is local, which suffices for small patterns).
+        saved = dict(binding), dict(eqn_map)
+        for operands in (pe.invars, pe.invars[::-1]):
+            if all(match(a, b) for a, b in zip(te.invars, operands)):
+                return True
+            binding.clear(), eqn_map.clear()
+            binding.update(saved[0]), eqn_map.update(saved[1])
+        return False
 
     p_out = graph.eqns[anchor].outvars
     if len(p_out) != 1 or not match(t_out, p_out[0]):

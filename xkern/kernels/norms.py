@@ -31,7 +31,7 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_COLS = 16384  # widest row the one-block kernels keep in registers; wider rows use XLA
 
 
-def reference(x, scale, bias, eps, residual, rms: bool):
+def reference(x, scale, bias, eps, residual, rms: bool, out_dtype=None):
     """The definition the kernels are checked against (and the `xla` backend)."""
     h = x if residual is None else x + residual
     hf = h.astype(jnp.float32)
@@ -44,7 +44,7 @@ def reference(x, scale, bias, eps, residual, rms: bool):
         y = y * scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    y = y.astype(x.dtype)
+    y = y.astype(out_dtype or x.dtype)
     return y if residual is None else (y, h)
 
 
@@ -205,14 +205,14 @@ def _launch_bwd(h2, dy2, dh_out2, scale, eps, *, rms, backend, config, segments=
 # Differentiation: residuals are h, mean and rstd (per row), never the normalized values
 # --------------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _norm_rows(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
-    return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _norm_rows(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config, out_dtype):
+    return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config, out_dtype)[0]
 
 
-def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config):
+def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config, out_dtype):
     y, h = _launch_fwd(x2, r2, scale, bias, eps, rms=rms, backend=backend, config=fwd_config,
-                       out_dtype=x2.dtype)
+                       out_dtype=out_dtype)
     h = x2 if r2 is None else h
     out = (y, h) if r2 is not None else (y,)
     # Only h is saved: the backward recomputes each row's statistics from the row it loads anyway,
@@ -220,10 +220,10 @@ def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_confi
     return out, (h, scale, bias, r2 is not None)
 
 
-def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, residuals, cotangents):
+def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, out_dtype, residuals, cotangents):
     h, scale, bias, has_residual = residuals
     dy, dh_out = cotangents[0], (cotangents[1] if has_residual else None)
-    dh, dscale, dbias = _launch_bwd(h, dy.astype(h.dtype), dh_out, scale, eps, rms=rms,
+    dh, dscale, dbias = _launch_bwd(h, dy, dh_out, scale, eps, rms=rms,
                                     backend=backend, config=bwd_config)
     d_scale = None if scale is None else jnp.sum(dscale, 0).astype(scale.dtype)
     d_bias = None if bias is None else jnp.sum(dbias, 0).astype(bias.dtype)
@@ -233,7 +233,7 @@ def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, residuals, cotange
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
 
 
-def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
+def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shapes, **_):
     """Fold the vmapped axis into the rows when scale/bias are shared; the backward runs one segment
     of programs per example (grid axis 1), so each example gets its own partial sums."""
     flags = dict(constexprs)
@@ -248,7 +248,8 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, **_):
         folded_r = r.reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
         outs = _launch_fwd(x.reshape(size * rows, n_cols), folded_r,
                            scale if flags["HAS_SCALE"] else None, bias if flags["HAS_BIAS"] else None,
-                           flags["EPS"], rms=rms, backend=backend, config=config, out_dtype=x.dtype)
+                           flags["EPS"], rms=rms, backend=backend, config=config,
+                           out_dtype=out_shapes[0].dtype)
         y, h = outs
         h = h.reshape(size, rows, n_cols) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
         return [y.reshape(size, rows, n_cols), h], [0, 0]
@@ -274,7 +275,7 @@ for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"
 # Public functions
 # --------------------------------------------------------------------------------------------------
 
-def _norm(op, x, scale, bias, eps, residual, backend, rms):
+def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -290,28 +291,33 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms):
                          f"got {residual.dtype}{list(residual.shape)}")
     if not (isinstance(eps, (int, float)) and eps >= 0):
         raise ValueError(f"{op}: eps must be a non-negative Python number; got {eps!r}")
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out_dtype}")
     backend = L.resolve_backend(backend)
     n_cols = x.shape[-1]
     if backend == "xla" or x.size == 0 or n_cols > MAX_COLS:
-        return reference(x, scale, bias, eps, residual, rms)
+        return reference(x, scale, bias, eps, residual, rms, out_dtype)
     x2 = jnp.asarray(x).reshape(-1, n_cols)
     r2 = None if residual is None else jnp.asarray(residual).reshape(-1, n_cols)
     configs = [default_config(x2.shape[0], n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
-    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, *configs)
+    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, *configs, out_dtype)
     y = outs[0].reshape(x.shape)
     return y if residual is None else (y, outs[1].reshape(x.shape))
 
 
-def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, residual=None,
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, residual=None, out_dtype=None,
                backend: str | None = None):
-    """LayerNorm over the last axis, float32 math; with `residual`, normalizes x + residual and
-    returns (y, x + residual). Rows wider than 16384 run through XLA."""
-    return _norm("layer_norm", x, scale, bias, eps, residual, backend, rms=False)
+    """LayerNorm over the last axis, float32 math, y in `out_dtype` (default: x's); with
+    `residual`, normalizes x + residual and returns (y, x + residual). Rows wider than 16384 run
+    through XLA."""
+    return _norm("layer_norm", x, scale, bias, eps, residual, backend, False, out_dtype)
 
 
-def rms_norm(x, scale=None, eps: float = 1e-6, *, residual=None, backend: str | None = None):
+def rms_norm(x, scale=None, eps: float = 1e-6, *, residual=None, out_dtype=None,
+             backend: str | None = None):
     """RMSNorm over the last axis, float32 math; with `residual`, as `layer_norm`."""
-    return _norm("rms_norm", x, scale, None, eps, residual, backend, rms=True)
+    return _norm("rms_norm", x, scale, None, eps, residual, backend, True, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,188 @@
+"""LayerNorm and RMSNorm over the last axis, in the ways people write them, replaced by
+xkern.ops.layer_norm / rms_norm (float32 math, one rounding to the program's output dtype).
+
+A spelling is three choices, combined:
+  statistics  layer norm: (h - mean) * rsqrt(mean(square(h - mean)) + eps), the same through
+              jnp.var, or divided by sqrt(var + eps); rms norm: h * rsqrt(mean(square(h)) + eps),
+              with h ** 2, or divided by sqrt(...)
+  affine      none, * scale, * scale + bias (layer norm), * (1 + scale) (rms norm, Gemma's form)
+  precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
+              after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
+and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
+jax.nn.standardize. eps is read off the program (any value; the exact re-trace checks it).
+
+Where the program rounds twice (cast back, then multiply by scale) the kernel rounds once: results
+agree within one rounding of the output dtype. flax's LayerNorm computes the variance as
+E[h^2] - E[h]^2; the kernel's two-pass variance agrees with it wherever that does not cancel.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xkern.jaxpr_passes.patterns import Pattern
+from xkern.kernels import norms as kernels
+
+F32 = jnp.float32
+ALL = (jnp.float32, jnp.bfloat16, jnp.float16)
+HALF = (jnp.bfloat16, jnp.float16)
+EXAMPLE_EPS = 0.0123  # distinctive, so params_of can find the eps literal in the template
+
+
+# --------------------------------------------------------------------------------------------------
+# Spellings: statistics, affine, precision
+# --------------------------------------------------------------------------------------------------
+
+def ln_square(h, eps):
+    centered = h - jnp.mean(h, -1, keepdims=True)
+    return centered * jax.lax.rsqrt(jnp.mean(jnp.square(centered), -1, keepdims=True) + eps)
+
+
+def ln_var(h, eps):
+    return (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(jnp.var(h, -1, keepdims=True) + eps)
+
+
+def ln_var_sqrt(h, eps):
+    return (h - jnp.mean(h, -1, keepdims=True)) / jnp.sqrt(jnp.var(h, -1, keepdims=True) + eps)
+
+
+def rms_square(h, eps):
+    return h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + eps)
+
+
+def rms_pow(h, eps):
+    return h * jax.lax.rsqrt(jnp.mean(h ** 2, -1, keepdims=True) + eps)
+
+
+def rms_sqrt(h, eps):
+    return h / jnp.sqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + eps)
+
+
+AFFINE = {  # name: (number of parameter inputs, apply(normed, *params))
+    "": (0, lambda n: n),
+    "*scale": (1, lambda n, scale: n * scale),
+    "*scale+bias": (2, lambda n, scale, bias: n * scale + bias),
+    "*(1+scale)": (1, lambda n, scale: n * (1 + scale)),
+}
+
+
+def spelling(stats, affine: str, precision: str):
+    """The pattern function of one combination; inputs (x, *affine params), param eps."""
+    apply = AFFINE[affine][1]
+
+    def fn(x, *params, eps):
+        if precision == "plain":
+            return apply(stats(x, eps), *params)
+        normed = stats(x.astype(F32), eps)
+        if precision == "upcast":
+            return apply(normed, *params).astype(x.dtype)
+        return apply(normed.astype(x.dtype), *params)  # "cast back first"
+    fn.__name__ = f"{stats.__name__}{affine}/{precision}"
+    return fn
+
+
+# --------------------------------------------------------------------------------------------------
+# Library forms
+# --------------------------------------------------------------------------------------------------
+
+def flax_layer_norm(x, scale, bias, *, eps):
+    import flax.linen as nn
+    return nn.LayerNorm(epsilon=eps).apply({"params": {"scale": scale, "bias": bias}}, x)
+
+
+def flax_layer_norm_no_bias(x, scale, *, eps):
+    import flax.linen as nn
+    return nn.LayerNorm(epsilon=eps, use_bias=False).apply({"params": {"scale": scale}}, x)
+
+
+def flax_rms_norm(x, scale, *, eps):
+    import flax.linen as nn
+    return nn.RMSNorm(epsilon=eps).apply({"params": {"scale": scale}}, x)
+
+
+def standardize(x, *, eps):
+    return jax.nn.standardize(x, axis=-1, epsilon=eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Matching and replacing
+# --------------------------------------------------------------------------------------------------
+
+def _eps(match) -> dict:
+    """eps: the program's literal where the template has EXAMPLE_EPS (in whatever dtype)."""
+    for ti, eqn in enumerate(match.template.eqns):
+        for k, v in enumerate(eqn.invars):
+            value = getattr(v, "val", None)
+            if value is not None and np.ndim(value) == 0 and np.isclose(float(value), EXAMPLE_EPS,
+                                                                        rtol=1e-2):
+                return {"eps": float(match.graph.eqns[match.eqns[ti]].invars[k].val)}
+    raise ValueError("no eps literal in the matched program")
+
+
+def _check(match, params) -> str | None:
+    x, *affine = match.input_avals
+    if x.dtype not in ALL:
+        return f"dtype {x.dtype}: the norm kernels take float32, bfloat16 and float16"
+    if x.ndim < 1 or x.shape[-1] == 0:
+        return "no axis to normalize"
+    if any(tuple(p.shape) != (x.shape[-1],) for p in affine):
+        return f"scale / bias are not one value per column ({x.shape[-1]},)"
+    if x.shape[-1] > kernels.MAX_COLS:
+        return f"rows of {x.shape[-1]} > {kernels.MAX_COLS}: wider than the kernels keep in registers"
+    return None
+
+
+def _pattern(name, op, fn, n_params, dtypes, affine=""):
+    def example(dtypes):
+        x_dtype, param_dtype = dtypes
+        return (jax.ShapeDtypeStruct((4, 8), x_dtype),
+                *[jax.ShapeDtypeStruct((8,), param_dtype)] * n_params)
+
+    def replace(x, *params, backend, eps):
+        out_dtype = jax.eval_shape(lambda *a: fn(*a, eps=eps), x, *params).dtype
+        scale = params[0] if params else None
+        if affine == "*(1+scale)":
+            scale = 1 + scale  # as the program computes it, in scale's dtype
+        if op == "rms_norm":
+            return kernels.rms_norm(x, scale, eps, out_dtype=out_dtype, backend=backend)
+        bias = params[1] if len(params) > 1 else None
+        return kernels.layer_norm(x, scale, bias, eps, out_dtype=out_dtype, backend=backend)
+
+    return Pattern(name=name, op=op, fn=fn, dtypes=dtypes, example=example,
+                   example_params={"eps": EXAMPLE_EPS}, params_of=_eps, check=_check, replace=replace)
+
+
+def _param_dtypes(x_dtypes):
+    """(x dtype, scale/bias dtype): float32 parameters, or parameters in x's dtype."""
+    return tuple(dict.fromkeys((x, p) for x in x_dtypes for p in (F32, x)))
+
+
+def _spellings():
+    out = []
+    for op, stats_fns, affines in (("layer_norm", (ln_square, ln_var, ln_var_sqrt), ("", "*scale", "*scale+bias")),
+                                   ("rms_norm", (rms_square, rms_pow, rms_sqrt), ("", "*scale", "*(1+scale)"))):
+        for stats in stats_fns:
+            for affine in affines:
+                for precision, x_dtypes in (("plain", ALL), ("upcast", HALF), ("cast back first", HALF)):
+                    if precision == "cast back first" and not affine:
+                        continue  # the same as "upcast"
+                    fn = spelling(stats, affine, precision)
+                    out.append(_pattern(f"{op}/{fn.__name__}", op, fn, AFFINE[affine][0],
+                                        _param_dtypes(x_dtypes), affine))
+    return out
+
+
+PATTERNS = _spellings() + [
+    _pattern("layer_norm/jax.nn.standardize", "layer_norm", standardize, 0, _param_dtypes(ALL)),
+]
+if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
+    PATTERNS += [
+        _pattern("layer_norm/flax.linen.LayerNorm", "layer_norm", flax_layer_norm, 2, _param_dtypes(ALL),
+                 "*scale+bias"),
+        _pattern("layer_norm/flax.linen.LayerNorm(use_bias=False)", "layer_norm", flax_layer_norm_no_bias,
+                 1, _param_dtypes(ALL), "*scale"),
+        _pattern("rms_norm/flax.linen.RMSNorm", "rms_norm", flax_rms_norm, 1, _param_dtypes(ALL), "*scale"),
+    ]
