@@ -165,20 +165,23 @@ def programs(n_rows: int, backend: str) -> int:
 PROGRAMS_PER_SM = 64
 
 
-def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, **_):
+def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=False, **_):
+    """in_place: dx overwrites the logits (each row's dx pass reads a chunk before writing it), for
+    callers whose logits are a temporary (linear_cross_entropy)."""
     n_rows, n_cols = x2.shape
     consts = dict(constexprs)
     outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows,), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
     return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
-                    grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts)
+                    grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts,
+                    aliases={0: 2} if in_place and consts["WRITE_DX"] else None)
 
 
-def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, **_):
+def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, in_place=False, **_):
     out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
     return L.launch(_bwd, x2, labels, lse, g, x2.shape[0], kernel="cross_entropy_bwd", out_shapes=[out],
                     grid=(programs(x2.shape[0], backend),), config=config, backend=backend,
-                    constexprs=dict(constexprs))
+                    constexprs=dict(constexprs), aliases={0: 0} if in_place else None)
 
 
 def _batch_fwd(args, dims, **params):

@@ -1,0 +1,118 @@
+"""xkern.ops.linear_cross_entropy against cross-entropy of the materialized float32 logits: losses and
+h / w gradients for every reduction and option, chunks that do not divide the rows, edge values,
+vmap, errors, and that no rows x vocabulary buffer appears in the gradient program."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xkern
+from xkern.kernels import cross_entropy as ce
+from xkern.kernels.launch import kernel_names
+from xkern.kernels.linear_cross_entropy import linear_cross_entropy, reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+OPTIONS = {"plain": {}, "all": {"ignore_index": 2, "label_smoothing": 0.1, "z_loss": 1e-3}}
+
+
+def make(rows_shape, d, v, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((*rows_shape, d)), dtype)
+    w = jnp.asarray(rng.standard_normal((d, v)) / np.sqrt(d) * 3, dtype)
+    labels = jnp.asarray(rng.integers(0, v, rows_shape), jnp.int32)
+    return h, w, labels
+
+
+def close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * max(np.abs(want).max(), 1.0))
+
+
+def f32(*arrays):
+    return [a.astype(jnp.float32) for a in arrays]
+
+
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_loss_and_gradients(reduction, options, dtype):
+    kw = {**OPTIONS[options], "reduction": reduction}
+    h, w, labels = make((2, 5), 24, 37, dtype)  # 10 rows in chunks of 4: the last chunk is padded
+    labels = labels.at[0, 0].set(2)
+    ct = jnp.asarray(np.random.default_rng(1).uniform(0.5, 2, labels.shape), jnp.float32)
+
+    def loss(f, h, w):
+        out = f(h, w, labels, **kw)
+        return jnp.sum(out * ct) if reduction == "none" else out * 1.5
+
+    ours = lambda h, w, labels, **kw: linear_cross_entropy(h, w, labels, chunk_rows=4, **kw)
+    got, want = ours(h, w, labels, **kw), reference(*f32(h, w), labels, **kw)
+    assert got.dtype == jnp.float32
+    close(got, want, dtype)
+    grads = jax.grad(lambda h, w: loss(ours, h, w), (0, 1))(h, w)
+    wants = jax.grad(lambda h, w: loss(reference, h, w), (0, 1))(*f32(h, w))
+    for g, r, a in zip(grads, wants, (h, w)):
+        assert g.dtype == a.dtype
+        close(g, r, dtype)
+
+
+def test_default_chunk_jit_and_public_name():
+    h, w, labels = make((7,), 16, 1025, jnp.float32, seed=2)
+    f = jax.jit(jax.value_and_grad(xkern.ops.linear_cross_entropy, (0, 1)))
+    (value, grads), (want, wants) = f(h, w, labels), jax.value_and_grad(reference, (0, 1))(h, w, labels)
+    close(value, want, jnp.float32)
+    for g, r in zip(grads, wants):
+        close(g, r, jnp.float32)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_no_rows_by_vocabulary_buffer_in_the_gradient_program(reduction):
+    """The point of the op: only chunk x V logits exist; the program has no [rows, V] value."""
+    rows, v = 64, 300
+    h, w, labels = make((rows,), 8, v, jnp.bfloat16, seed=3)
+    loss = lambda h, w: jnp.sum(linear_cross_entropy(h, w, labels, reduction=reduction, chunk_rows=16))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(h, w)
+    shapes = set()
+
+    def collect(j):
+        for eqn in j.eqns:
+            shapes.update(tuple(getattr(v.aval, "shape", ())) for v in eqn.outvars)
+            for p in eqn.params.values():
+                for sub in (p if isinstance(p, tuple) else (p,)):
+                    if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+                        collect(getattr(sub, "jaxpr", sub))
+    collect(jaxpr.jaxpr)
+    assert (16, v) in shapes and not [s for s in shapes if s[-1:] == (v,) and int(np.prod(s[:-1])) > 16]
+    assert kernel_names(jaxpr).count("cross_entropy_fwd") == 1
+
+
+def test_edge_values_vmap_and_empty():
+    h, w, labels = make((6,), 8, 11, jnp.float32, seed=4)
+    bad = labels.at[1].set(11)  # out of range: NaN, as cross_entropy
+    assert np.isnan(np.asarray(linear_cross_entropy(h, w, bad, reduction="none", chunk_rows=4)))[1]
+    assert np.isnan(float(linear_cross_entropy(h, w, bad, chunk_rows=4)))
+    hs = jnp.stack([h, -h, 2 * h])
+    got = jax.vmap(lambda h: linear_cross_entropy(h, w, labels, chunk_rows=4))(hs)
+    close(got, jax.vmap(lambda h: reference(h, w, labels))(hs), jnp.float32)
+    gots = jax.vmap(jax.grad(lambda h: linear_cross_entropy(h, w, labels, chunk_rows=4)))(hs)
+    close(gots, jax.vmap(jax.grad(lambda h: reference(h, w, labels)))(hs), jnp.float32)
+    empty = linear_cross_entropy(h[:0], w, labels[:0], reduction="none")
+    assert empty.shape == (0,)
+    all_ignored = linear_cross_entropy(h, w, jnp.full((6,), -100), ignore_index=-100, chunk_rows=4)
+    assert float(all_ignored) == 0.0
+
+
+def test_bad_input_names_the_argument():
+    h, w, labels = make((4,), 8, 11, jnp.float32)
+    cases = [((h.astype(jnp.int32), w, labels), {}, TypeError, "h must have dtype"),
+             ((h, w[:7], labels), {}, ValueError, r"w must have shape \(8, vocabulary\)"),
+             ((h, w.astype(jnp.bfloat16), labels), {}, TypeError, "w must have h's dtype"),
+             ((h, w, labels.astype(jnp.float32)), {}, TypeError, "labels must be an integer array"),
+             ((h, w, labels[:3]), {}, ValueError, r"labels must have shape \(4,\)"),
+             ((h, w, labels), {"chunk_rows": 0}, ValueError, "chunk_rows must be a positive int"),
+             ((h, w, labels), {"reduction": "avg"}, ValueError, "reduction must be one of"),
+             ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "label_smoothing must be")]
+    for args, kw, error, message in cases:
+        with pytest.raises(error, match=message):
+            linear_cross_entropy(*args, **kw)

@@ -1,0 +1,208 @@
+"""The final projection and cross-entropy together, `cross_entropy(h @ w, labels)`, chunked over rows
+so that the logits of only `chunk_rows` rows ever exist: with gradients for h and w.
+
+Per chunk c of rows (matmuls by XLA, the loss by xkern.kernels.cross_entropy's kernels):
+
+    logits_c = h_c @ w                                  [chunk, V], a temporary
+    mean/sum:  the forward kernel writes the losses and overwrites logits_c in place with
+               dlogits_c = dloss/dlogits, each row already scaled by its weight in the reduction;
+               dh_c = dlogits_c @ w.T,  dw += h_c.T @ dlogits_c
+               all in the forward pass: the backward only scales dh, dw by the loss's cotangent
+               (3 matmuls, as XLA's unfused program; nothing of size rows x V is kept)
+    none:      each row has its own cotangent, known only in the backward: the forward keeps the
+               per-row logsumexp; the backward recomputes logits_c and runs the backward kernel
+               (4 matmuls: one more than XLA, the price of never holding the logits)
+
+dw accumulates in w's dtype across chunks (a float32 accumulator the size of w would itself be
+more temporary memory than the logits it avoids): one rounding per chunk.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xkern.kernels import cross_entropy as ce
+from xkern.kernels import launch as L
+
+CHUNK_BYTES = 1 << 28  # logits of one chunk: 256 MiB (1024 rows of a 128256 vocabulary in bf16)
+
+
+def reference(h, w, labels, **options):
+    """The definition (and the `xla` backend): the logits, materialized."""
+    return ce.reference(jnp.matmul(h, w), labels, **options)
+
+
+def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
+    """Rows per chunk: logits of about CHUNK_BYTES, a multiple of 128 rows (whole matmul tiles)."""
+    rows = max(128, CHUNK_BYTES // max(1, n_cols * itemsize) // 128 * 128)
+    return min(rows, max(1, n_rows))
+
+
+# --------------------------------------------------------------------------------------------------
+# One chunk
+# --------------------------------------------------------------------------------------------------
+
+def _logits(h_c, w):
+    return jnp.matmul(h_c, w)
+
+
+def _grads(h_c, w, dlogits, dw):
+    """dh of the chunk's rows, and dw with the chunk's part added (no transposes materialized)."""
+    dh = jax.lax.dot_general(dlogits, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw_c = jax.lax.dot_general(h_c, dlogits, (((0,), (0,)), ((), ())))
+    return dh.astype(h_c.dtype), dw + dw_c.astype(dw.dtype)
+
+
+def _chunks(a, chunk):
+    """a as [n_chunks, chunk, ...], padded with zeros: padded rows get h = 0, label 0, weight 0
+    (their losses are dropped and their gradients are zero)."""
+    pad = -a.shape[0] % chunk
+    return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(-1, chunk, *a.shape[1:])
+
+
+def _unchunk(a, n_rows):
+    return a.reshape(-1, *a.shape[2:])[:n_rows]
+
+
+def _consts(options: tuple, write_dx=None) -> dict:
+    ignore_index, smoothing, z_loss, n_cols = options
+    return ce._consts(n_cols, ignore_index, smoothing, z_loss, write_dx)
+
+
+def _losses(h2, w, labels, options, chunk, backend, config):
+    """Per-row losses and logsumexps, chunk by chunk (no gradients)."""
+    consts = _consts(options, write_dx=False)
+
+    def step(_, xs):
+        h_c, y_c = xs
+        loss, lse, _ = ce._launch_fwd(_logits(h_c, w), y_c, jnp.zeros(y_c.shape, jnp.float32),
+                                      backend=backend, config=config, constexprs=consts)
+        return None, (loss, lse)
+
+    _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h2, chunk), _chunks(labels, chunk)))
+    return _unchunk(loss, h2.shape[0]), _unchunk(lse, h2.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# mean / sum: sum(weights * loss), gradients computed in the forward
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
+    loss, _ = _losses(h2, w, labels, options, chunk, backend, config)
+    return jnp.sum(loss * weights)
+
+
+def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
+    consts = _consts(options, write_dx=True)
+
+    def step(dw, xs):
+        h_c, y_c, wt_c = xs
+        loss, _, dlogits = ce._launch_fwd(_logits(h_c, w), y_c, wt_c, backend=backend, config=config,
+                                          constexprs=consts, in_place=True)
+        dh_c, dw = _grads(h_c, w, dlogits, dw)
+        return dw, (loss, dh_c)
+
+    xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
+    dw, (loss, dh) = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
+    loss, dh = _unchunk(loss, h2.shape[0]), _unchunk(dh, h2.shape[0])
+    return jnp.sum(loss * weights), (dh, dw, loss)
+
+
+def _weighted_sum_bwd(options, chunk, backend, config, residuals, g):
+    dh, dw, loss = residuals
+    # g is the scalar loss's cotangent: usually jax.grad's constant 1, which XLA folds away.
+    return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None, loss * g)
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# none: per-row losses, gradients recomputed chunk by chunk in the backward
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _rows(h2, w, labels, options, chunk, backend, config):
+    return _losses(h2, w, labels, options, chunk, backend, config)[0]
+
+
+def _rows_fwd(h2, w, labels, options, chunk, backend, config):
+    loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
+    return loss, (h2, w, labels, lse)
+
+
+def _rows_bwd(options, chunk, backend, config, residuals, g):
+    h2, w, labels, lse = residuals
+    consts = _consts(options)
+
+    def step(dw, xs):
+        h_c, y_c, g_c, lse_c = xs
+        (dlogits,) = ce._launch_bwd(_logits(h_c, w), y_c, lse_c, g_c, backend=backend, config=config,
+                                    constexprs=consts, in_place=True)
+        dh_c, dw = _grads(h_c, w, dlogits, dw)
+        return dw, dh_c
+
+    xs = tuple(_chunks(a, chunk) for a in (h2, labels, g.astype(jnp.float32), lse))
+    dw, dh = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
+    return _unchunk(dh, h2.shape[0]), dw, None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------------
+
+def _check(h, w, labels, chunk_rows):
+    op = "linear_cross_entropy"
+    for name, a in (("h", h), ("w", w)):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise TypeError(f"{op}: {name} must be a jax or numpy array; got {type(a).__name__}")
+        if a.dtype not in ce.SUPPORTED_DTYPES:
+            raise TypeError(f"{op}: {name} must have dtype float32, bfloat16 or float16; got {a.dtype}")
+    if h.ndim < 1:
+        raise ValueError(f"{op}: h must have a feature axis (last); got a scalar")
+    if w.ndim != 2 or w.shape[0] != h.shape[-1]:
+        raise ValueError(f"{op}: w must have shape ({h.shape[-1]}, vocabulary) (h's last axis first); "
+                         f"got {tuple(w.shape)}")
+    if w.dtype != h.dtype:
+        raise TypeError(f"{op}: w must have h's dtype {h.dtype}; got {w.dtype}")
+    if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{op}: labels must be an integer array; got "
+                        f"{getattr(labels, 'dtype', type(labels).__name__)}")
+    if tuple(labels.shape) != tuple(h.shape[:-1]):
+        raise ValueError(f"{op}: labels must have shape {tuple(h.shape[:-1])} (h without its feature "
+                         f"axis); got {tuple(labels.shape)}")
+    if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
+        raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
+
+
+def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
+                         chunk_rows: int | None = None, backend: str | None = None):
+    """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
+    w [D, V], labels [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose
+    logits exist at once (default: about 256 MiB of logits)."""
+    _check(h, w, labels, chunk_rows)
+    logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], w.shape[1]), h.dtype)
+    ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction)
+    backend = L.resolve_backend(backend)
+    h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels).astype(jnp.int32)
+    options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                   reduction=reduction)
+    if backend == "xla" or h.size == 0 or w.shape[1] == 0:
+        return reference(h, w, labels, **options)
+    n_cols = w.shape[1]
+    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+    chunk = chunk_rows or default_chunk_rows(h2.shape[0], n_cols, h.dtype.itemsize)
+    statics = ((ignore_index, float(label_smoothing), float(z_loss), n_cols), int(chunk), backend,
+               ce.default_config(n_cols, backend))
+    if reduction == "none":
+        return _rows(h2, w, y, *statics).reshape(labels.shape)
+    _, weights = ce._row_scale(y, ignore_index, reduction)  # the kernel zeroes ignored rows
+    return _weighted_sum(h2, w, y, weights, *statics)
