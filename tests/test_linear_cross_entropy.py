@@ -116,3 +116,60 @@ def test_bad_input_names_the_argument():
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             linear_cross_entropy(*args, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# Patterns: a projection whose only consumer is a cross-entropy, reduced by mean or sum
+# --------------------------------------------------------------------------------------------------
+
+def _spellings():
+    import flax.linen as nn
+    import optax
+
+    dense = lambda h, w: nn.Dense(w.shape[1], use_bias=False).apply({"params": {"kernel": w}}, h)
+    take = lambda a, y: jnp.take_along_axis(a, y[..., None], axis=-1)[..., 0]
+    return {
+        "mean(optax_integer_labels(jnp_matmul))":
+            lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean(),
+        "sum(optax_integer_labels_upcast(lax_dot_general))":
+            lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(dense(h, w).astype(jnp.float32), y).sum(),
+        "mean(logsumexp_minus_label_upcast(jnp_matmul))": lambda h, w, y: jnp.mean(
+            (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,dv->btv", h, w).astype(jnp.float32))),
+        "sum(minus_log_softmax_at_label(jnp_matmul))":
+            lambda h, w, y: jnp.sum(-take(jax.nn.log_softmax(jnp.dot(h, w), -1), y)),
+    }
+
+
+@pytest.mark.parametrize("spelling", list(_spellings()))
+def test_linear_patterns_match_and_equal_jax_jit(spelling):
+    f = _spellings()[spelling]
+    h, w, labels = make((2, 5), 16, 37, jnp.bfloat16, seed=7)
+    labels = labels.at[0, 0].set(-3)  # negative labels count from the end, as take_along_axis does
+    report = xkern.explain(f)(h, w, labels)
+    assert [m.pattern for m in report.matches] == [f"linear_cross_entropy/{spelling}"]
+    close(xkern.jit(f)(h, w, labels), jax.jit(f)(h, w, labels), jnp.bfloat16)
+    got = jax.jit(jax.grad(xkern.optimize(f), (0, 1)))(h, w, labels)
+    want = jax.jit(jax.grad(f, (0, 1)))(h, w, labels)
+    for g, r in zip(got, want):
+        close(g, r, jnp.bfloat16)
+
+
+def test_linear_near_misses_keep_the_logits():
+    import optax
+
+    h, w, labels = make((6,), 16, 37, jnp.float32, seed=8)
+    ce_rows = optax.softmax_cross_entropy_with_integer_labels
+    near_misses = {
+        # the logits are also returned: they must exist, so only the cross-entropy is fused
+        "logits escape": lambda h, w, y: (lambda z: (ce_rows(z, y).mean(), z))(h @ w),
+        # per-row losses weighted: not a plain mean or sum of the rows
+        "weighted": lambda h, w, y: jnp.sum(ce_rows(h @ w, y) * jnp.arange(6.0)),
+        # tied embeddings, w [V, D]: contracted on its other axis
+        "transposed": lambda h, w, y: ce_rows(jnp.einsum("td,vd->tv", h, w), y).mean(),
+    }
+    for name, f in near_misses.items():
+        args = (h, w.T if name == "transposed" else w, labels)
+        report = xkern.explain(f)(*args)
+        assert not [m for m in report.matches if m.pattern.startswith("linear_cross_entropy")], name
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")], name
+        jax.tree.map(lambda a, b: close(a, b, jnp.float32), xkern.jit(f)(*args), jax.jit(f)(*args))

@@ -2,6 +2,10 @@
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
 program's dtype where the program computed in half precision).
 
+With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
+einsum, or lax.dot_general as flax's Dense spells it), the logits used nowhere else, is replaced by
+xkern.ops.linear_cross_entropy, which never holds all the logits.
+
 Spellings: optax.softmax_cross_entropy_with_integer_labels (traced from the installed optax, when
 there is one); logsumexp minus the label's logit through take_along_axis; minus the label's entry
 of log_softmax (or that entry kept as [..., 1], negated after a mean); each also on half-precision
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 
 from xkern.jaxpr_passes.patterns import Pattern
 from xkern.kernels import cross_entropy as kernels
+from xkern.kernels import linear_cross_entropy as linear_kernels
 
 ALL = (jnp.float32, jnp.bfloat16, jnp.float16)
 HALF = (jnp.bfloat16, jnp.float16)
@@ -91,3 +96,64 @@ if importlib.util.find_spec("optax") is not None:  # optax is optional: a test d
         _pattern("cross_entropy/optax_integer_labels", optax_integer_labels, ALL, True),
         _pattern("cross_entropy/optax_integer_labels+upcast", upcast(optax_integer_labels), HALF, False),
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The projection and the loss together: linear_cross_entropy
+# --------------------------------------------------------------------------------------------------
+
+def jnp_matmul(h, w):
+    return jnp.matmul(h, w)
+
+
+def lax_dot_general(h, w):
+    """flax.linen.Dense's projection (no preferred element type)."""
+    return jax.lax.dot_general(h, w, (((h.ndim - 1,), (0,)), ((), ())))
+
+
+def _linear(loss_fn, project, reduce):
+    def pattern(h, w, labels):
+        return reduce(loss_fn(project(h, w), labels))
+    pattern.__name__ = f"{reduce.__name__}({loss_fn.__name__}({project.__name__}))"
+    return pattern
+
+
+def _check_linear(match, params) -> str | None:
+    h, w, labels = match.input_avals
+    if h.dtype not in ALL or w.dtype != h.dtype:
+        return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
+    if w.ndim != 2 or h.ndim < 1 or w.shape[0] != h.shape[-1] or tuple(labels.shape) != tuple(h.shape[:-1]):
+        return "not h [..., D] @ w [D, V] with one label per row"
+    return None
+
+
+def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool):
+    reduction = reduce.__name__
+
+    def replace(h, w, labels, *, backend):
+        labels = jnp.where(labels < 0, labels + w.shape[1], labels)  # take_along_axis's wrapping
+        loss = linear_kernels.linear_cross_entropy(h, w, labels, reduction=reduction, backend=backend)
+        return loss.astype(h.dtype) if cast_to_input else loss
+    fn = _linear(loss_fn, project, reduce)
+    return Pattern(
+        name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
+        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((8, 16), dtype),
+                               jax.ShapeDtypeStruct((4,), jnp.int32)),
+        params_of=lambda match: {}, check=_check_linear, replace=replace)
+
+
+def mean(loss):
+    return jnp.mean(loss)
+
+
+def sum(loss):  # noqa: A001 (the reduction's name)
+    return jnp.sum(loss)
+
+
+_ROW_LOSSES = [(logsumexp_minus_label, ALL, True), (minus_log_softmax_at_label, ALL, True),
+               (upcast(logsumexp_minus_label), HALF, False), (upcast(minus_log_softmax_at_label), HALF, False)]
+if importlib.util.find_spec("optax") is not None:
+    _ROW_LOSSES += [(optax_integer_labels, ALL, True), (upcast(optax_integer_labels), HALF, False)]
+PATTERNS += [_linear_pattern(loss_fn, project, reduce, dtypes, cast)
+             for loss_fn, dtypes, cast in _ROW_LOSSES for project in (jnp_matmul, lax_dot_general)
+             for reduce in (mean, sum)]

@@ -76,9 +76,17 @@ def _norm(avals, params) -> str | None:
     return _too_small(2 * int(np.prod(avals[0].shape)) * np.dtype(avals[0].dtype).itemsize)
 
 
+def _linear_cross_entropy(avals, params) -> str | None:
+    """The logits never exist whole (chunks of ~256 MiB); the matmuls are XLA's. Taken unless the
+    logits are small enough for the custom calls' fixed cost to matter."""
+    h, w = avals[0], avals[1]
+    logits = int(np.prod(h.shape[:-1])) * w.shape[-1] * np.dtype(h.dtype).itemsize
+    return _too_small(logits)
+
+
 RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused,
          "matmul_epilogue": _matmul_epilogue, "cross_entropy": _cross_entropy,
-         "layer_norm": _norm, "rms_norm": _norm}
+         "layer_norm": _norm, "rms_norm": _norm, "linear_cross_entropy": _linear_cross_entropy}
 # Ops whose result is as large as their input: XLA may never write it (see FUSED_CONSUMERS).
 FULL_SIZE_RESULTS = frozenset({"softmax", "log_softmax"})
 # Consumers that XLA fuses a row-wise result into without ever writing it (cross-entropy's gather,
