@@ -3,6 +3,9 @@ the label's logit, in float32).
 
 Minimum bytes: the forward reads the logits once; forward+backward (value and gradient) reads them
 and writes the gradient (2 tensors), as shared/GPU.md counts XLA's.
+
+linear_cross_entropy (projection + loss, value and h / w gradients) is a matmul program: its rate is
+TFLOP/s over the three matmuls XLA runs, and its temporary memory is recorded beside jax.jit's.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import jax.numpy as jnp
 
 import xkern
 from benchmarks.harness import Case
+from xkern.kernels import linear_cross_entropy as linear
 from xkern.kernels.cross_entropy import reference
 
 
@@ -33,4 +37,23 @@ def cases(on_gpu: bool) -> list[Case]:
                                          ("cross_entropy none, weighted", per_row, 2 * n, "fwd+bwd")):
             out.append(Case(name, (rows, vocab), "bfloat16", mode, wrap(xkern.ops.cross_entropy),
                             wrap(reference), make, nbytes, 2e-2))
-    return out
+    return out + linear_cases(on_gpu)
+
+
+def linear_cases(on_gpu: bool) -> list[Case]:
+    rows, dim, vocab = (8192, 4096, 128256) if on_gpu else (64, 32, 1000)
+
+    def make(key):
+        kh, kw, kl, kc = jax.random.split(key, 4)
+        return (jax.random.normal(kh, (rows, dim), jnp.bfloat16),
+                (jax.random.normal(kw, (dim, vocab), jnp.float32) / dim ** 0.5).astype(jnp.bfloat16),
+                jax.random.randint(kl, (rows,), 0, vocab),
+                jax.random.uniform(kc, (rows,), jnp.float32))
+    mean = lambda f: (lambda h, w, y, c: jax.value_and_grad(f, (0, 1))(h, w, y))
+    per_row = lambda f: (lambda h, w, y, c: jax.value_and_grad(
+        lambda h, w: jnp.sum(f(h, w, y, reduction="none") * c), (0, 1))(h, w))
+    flops = 3 * 2 * rows * dim * vocab
+    return [Case(f"linear_cross_entropy {name}", (rows, dim, vocab), "bfloat16", "fwd+bwd",
+                 wrap(linear.linear_cross_entropy), wrap(linear.reference), make, 0, 3e-2, flops,
+                 memory=True)
+            for name, wrap in (("mean", mean), ("none, weighted", per_row))]

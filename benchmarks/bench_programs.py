@@ -1,9 +1,13 @@
 """Whole programs: xkern.jit / xkern.optimize against jax.jit, as users would write them.
 
-Cases where the pattern passes find softmax / log_softmax in ordinary JAX code (no xkern.ops calls)
-and replace them; forward alone, and forward+backward with xkern.optimize inside jax.vjp.
+Cases where the pattern passes find softmax / log_softmax, norms and the LM head's loss in ordinary
+JAX / Flax / optax code (no xkern.ops calls) and replace them; forward alone, and forward+backward
+with xkern.optimize inside jax.vjp / jax.grad. The Flax and optax programs need those packages (test
+dependencies); without them they are skipped.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +27,51 @@ def lm_loss(logits, labels):
     """Token-level cross-entropy through log_softmax on float32-upcast bf16 logits."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+
+def flax_programs(on_gpu: bool) -> list[Case]:
+    """A pre-norm MLP block (flax LayerNorm, Dense, gelu, residual) and an LM head with optax's loss."""
+    import flax.linen as nn
+    import optax
+
+    tokens, dim, vocab = (8192, 4096, 128256) if on_gpu else (16, 32, 50)
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(4 * dim, dtype=x.dtype)(nn.LayerNorm(dtype=x.dtype)(x))
+            return x + nn.Dense(dim, dtype=x.dtype)(nn.gelu(h))
+
+    block = Block()
+    x0 = jnp.zeros((tokens, dim), jnp.bfloat16)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), block.init(jax.random.key(0), x0))
+
+    def block_args(key):
+        return (jax.random.normal(key, (tokens, dim), jnp.bfloat16),)
+
+    block_loss = lambda x: jnp.mean(block.apply(params, x).astype(jnp.float32) ** 2)
+
+    def lm_head_loss(h, w, labels):
+        logits = nn.Dense(vocab, use_bias=False, dtype=h.dtype).apply({"params": {"kernel": w}}, h)
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+
+    def head_args(key):
+        kh, kw, kl = jax.random.split(key, 3)
+        return (jax.random.normal(kh, (tokens, dim), jnp.bfloat16),
+                (jax.random.normal(kw, (dim, vocab)) / dim ** 0.5).astype(jnp.bfloat16),
+                jax.random.randint(kl, (tokens,), 0, vocab))
+
+    head_grads = lambda f: jax.value_and_grad(f, (0, 1))
+    return [
+        Case("pre-norm MLP block (flax)", (tokens, dim), "bfloat16", "fwd",
+             xkern.jit(lambda x: block.apply(params, x)), lambda x: block.apply(params, x), block_args,
+             0, 3e-2),
+        Case("pre-norm MLP block (flax)", (tokens, dim), "bfloat16", "fwd+bwd",
+             jax.grad(xkern.optimize(block_loss)), jax.grad(block_loss), block_args, 0, 3e-2),
+        Case("LM head + loss (flax Dense, optax)", (tokens, dim, vocab), "bfloat16", "fwd+bwd",
+             head_grads(xkern.optimize(lm_head_loss)), head_grads(lm_head_loss), head_args, 0, 3e-2,
+             memory=True),
+    ]
 
 
 def _vjp(f):
@@ -56,4 +105,5 @@ def cases(on_gpu: bool) -> list[Case]:
              lm_loss, logits_labels, 0, 1e-4),
         Case("lm loss (log_softmax)", (tokens, vocab), "bfloat16", "fwd+bwd",
              grad_logits(xkern.optimize(lm_loss)), grad_logits(lm_loss), logits_labels, 0, 2e-2),
-    ]
+    ] + (flax_programs(on_gpu) if importlib.util.find_spec("flax") and importlib.util.find_spec("optax")
+         else [])

@@ -33,6 +33,7 @@ class Case:
     min_bytes: int  # 0 for whole programs (no single roofline applies)
     tolerance: float  # on max |xkern - xla| / max(|xla|, 1)
     flops: int = 0  # matmuls: floating-point operations per call (rates then in TFLOP/s)
+    memory: bool = False  # also record each program's temporary memory (XLA's memory analysis)
 
 
 @dataclasses.dataclass
@@ -50,6 +51,8 @@ class Row:
     max_error: float
     xkern_tflops: float | None = None
     xla_tflops: float | None = None
+    xkern_temp_gib: float | None = None
+    xla_temp_gib: float | None = None
 
 
 def device_name() -> str:
@@ -79,6 +82,14 @@ def max_error(got, want) -> float:
     return max(errors)
 
 
+def temp_gib(jitted, *args) -> float | None:
+    """Temporary (scratch) memory of the compiled program, as XLA's buffer assignment reports it:
+    what it needs beyond its arguments and results."""
+    analysis = jitted.lower(*args).compile().memory_analysis()
+    size = getattr(analysis, "temp_size_in_bytes", None)
+    return None if size is None else round(size / 2**30, 3)
+
+
 def run_case(case: Case, seed: int = 0) -> Row:
     xkern_fn, xla_fn = jax.jit(case.xkern_fn), jax.jit(case.xla_fn)
     args = case.make_args(jax.random.key(seed))
@@ -93,12 +104,13 @@ def run_case(case: Case, seed: int = 0) -> Row:
                round(t_xkern * 1e3, 4), round(t_xla * 1e3, 4), round(t_xla / t_xkern, 3),
                tbps(t_xkern), tbps(t_xla),
                round(100 * tbps(t_xkern) / roofline, 1) if roofline else None, err,
-               tflops(t_xkern), tflops(t_xla))
+               tflops(t_xkern), tflops(t_xla),
+               *((temp_gib(xkern_fn, *args), temp_gib(xla_fn, *args)) if case.memory else (None, None)))
 
 
 def format_table(rows: list[Row]) -> str:
     head = ("op", "shape", "dtype", "mode", "xkern ms", "jax.jit ms", "speedup", "xkern rate",
-            "jax rate", "% roofline")
+            "jax rate", "% roofline", "temp GiB xkern/jax")
 
     def rate(tbps, tflops):
         return f"{tflops:.0f} TFLOP/s" if tflops else ("-" if tbps is None else f"{tbps:.2f} TB/s")
@@ -106,7 +118,9 @@ def format_table(rows: list[Row]) -> str:
     lines = [head] + [(r.op, r.shape, r.dtype, r.mode, f"{r.xkern_ms:.4f}", f"{r.xla_ms:.4f}",
                        f"{r.speedup:.2f}x", rate(r.xkern_tbps, r.xkern_tflops),
                        rate(r.xla_tbps, r.xla_tflops),
-                       "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}%") for r in rows]
+                       "-" if r.roofline_pct is None else f"{r.roofline_pct:.0f}%",
+                       "-" if r.xkern_temp_gib is None else f"{r.xkern_temp_gib:.2f} / {r.xla_temp_gib:.2f}")
+                      for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) for line in lines)
 
