@@ -1,0 +1,136 @@
+"""xkern.ops.attention against a float32 jax.numpy reference (scores materialized): outputs and the
+q / k / v (and bias) gradients, causal and not, masks, bias, GQA / MQA, padding by kv_lengths, odd
+lengths, head dims 64 and 128, edge values, vmap, and errors; through the interpreter."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import xkern
+from xkern.kernels.attention import attention, reference
+from xkern.kernels.launch import kernel_names
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
+
+
+def make(b, sq, sk, h, hk, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q, do = (jnp.asarray(rng.standard_normal((b, sq, h, d)), dtype) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((b, sk, hk, d)), dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def close(got, want, dtype):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * max(np.abs(want).max(), 1.0))
+
+
+CASES = {  # name: ((b, sq, sk, h, hk, d), options)
+    "plain": ((2, 19, 19, 2, 2, 16), {}),
+    "causal, longer keys": ((1, 17, 33, 2, 2, 16), {"causal": True}),
+    "causal, longer queries": ((1, 33, 17, 2, 2, 16), {"causal": True}),
+    "gqa": ((1, 20, 20, 4, 2, 16), {"causal": True}),
+    "mqa, kv_lengths": ((2, 18, 23, 4, 1, 16), {"kv_lengths": np.array([5, 23])}),
+    "mask over heads": ((2, 18, 18, 2, 2, 16), {"mask": (2, 2, 18, 18)}),
+    "mask shared": ((2, 18, 21, 2, 2, 16), {"mask": (18, 21)}),
+    "bias per head, scale": ((1, 18, 21, 2, 2, 16), {"bias": (1, 2, 18, 21), "scale": 0.3}),
+    "head dim 64": ((1, 20, 20, 2, 1, 64), {"causal": True}),
+    "head dim 128": ((1, 17, 17, 1, 1, 128), {}),
+    "head dim 40 (padded)": ((1, 17, 17, 2, 2, 40), {"causal": True}),
+}
+
+
+def _options(opts, seed=1):
+    rng = np.random.default_rng(seed)
+    out = dict(opts)
+    if "mask" in out:
+        out["mask"] = jnp.asarray(rng.random(out["mask"]) > 0.3)
+    if "bias" in out:
+        out["bias"] = jnp.asarray(rng.standard_normal(out["bias"]), jnp.float32)
+    if "kv_lengths" in out:
+        out["kv_lengths"] = jnp.asarray(out["kv_lengths"], jnp.int32)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_values_and_gradients(case, dtype):
+    shape, opts = CASES[case]
+    q, k, v, do = make(*shape, dtype)
+    kw = _options(opts)
+    bias = kw.pop("bias", None)
+    args = (q, k, v) + (() if bias is None else (bias,))
+    ours = lambda q, k, v, *b: attention(q, k, v, bias=b[0] if b else None, **kw)
+    ref = lambda q, k, v, *b: reference(q, k, v, bias=b[0] if b else None, **kw)
+    f32 = [a.astype(jnp.float32) for a in args]
+    out, vjp = jax.vjp(ours, *args)
+    want, vjp_ref = jax.vjp(ref, *f32)
+    assert out.dtype == dtype
+    close(out, want, dtype)
+    for g, w, a in zip(vjp(do), vjp_ref(do.astype(jnp.float32)), args):
+        assert g.dtype == a.dtype
+        close(g, w, dtype)
+
+
+def test_float16_and_the_kernels_launched():
+    q, k, v, do = make(1, 24, 24, 2, 2, 32, jnp.float16, seed=2)
+    close(attention(q, k, v, causal=True), reference(q, k, v, causal=True), jnp.float16)
+    grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * do), (0, 1, 2))
+    assert kernel_names(jax.make_jaxpr(grad)(q, k, v)) == ["attention_fwd", "attention_bwd_dkdv",
+                                                           "attention_bwd_dq"]
+    want = jax.grad(lambda q, k, v: jnp.sum(reference(q, k, v) * do), (0, 1, 2))(
+        *(a.astype(jnp.float32) for a in (q, k, v)))
+    for g, w in zip(grad(q, k, v), want):
+        close(g, w, jnp.float16)
+
+
+def test_queries_that_see_no_key_get_zeros_and_zero_gradients():
+    q, k, v, do = make(1, 18, 18, 2, 2, 16, jnp.float32, seed=3)
+    mask = jnp.ones((18, 18), bool).at[4].set(False)
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, mask=mask), q, k, v)
+    assert np.all(np.asarray(out[0, 4]) == 0)
+    dq, dk, dv = vjp(do)
+    assert np.all(np.asarray(dq[0, 4]) == 0) and np.isfinite(np.asarray(dk)).all()
+    padded = attention(q, k, v, kv_lengths=jnp.array([0]))
+    assert np.all(np.asarray(padded) == 0)
+
+
+def test_nan_propagates_like_xla_and_empty_inputs():
+    q, k, v, _ = make(1, 18, 18, 1, 1, 16, jnp.float32, seed=4)
+    q = q.at[0, 3, 0, 0].set(jnp.nan)
+    got, want = np.asarray(attention(q, k, v)), np.asarray(reference(q, k, v))
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    close(np.nan_to_num(got), np.nan_to_num(want), jnp.float32)
+    empty = attention(q[:, :0], k, v)
+    assert empty.shape == (1, 0, 1, 16)
+
+
+def test_vmap_folds_into_the_batch():
+    q, k, v, do = make(2, 17, 17, 2, 1, 16, jnp.bfloat16, seed=5)
+    qs = jnp.stack([q, q * 0.5, -q])
+    mask = jnp.asarray(np.random.default_rng(6).random((3, 17, 17)) > 0.2)
+    f = lambda q, m: attention(q, k, v, mask=m, causal=True)
+    r = lambda q, m: reference(q, k, v, mask=m, causal=True)
+    close(jax.vmap(f)(qs, mask), jax.vmap(r)(qs, mask), jnp.bfloat16)
+    g = jax.vmap(jax.grad(lambda q, m: jnp.sum(f(q, m).astype(jnp.float32) * do)))(qs, mask)
+    w = jax.vmap(jax.grad(lambda q, m: jnp.sum(r(q, m).astype(jnp.float32) * do)))(qs, mask)
+    close(g, w, jnp.bfloat16)
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, _ = make(1, 8, 8, 4, 2, 16, jnp.float32)
+    cases = [((q[0], k, v), {}, ValueError, "q must be \\[batch, seq, heads, head_dim\\]"),
+             ((q.astype(jnp.int32), k, v), {}, TypeError, "q must have dtype"),
+             ((q, k.astype(jnp.bfloat16), v), {}, TypeError, "k and v must have q's dtype"),
+             ((q, k[..., :8], v), {}, ValueError, "k and v must both be"),
+             ((q, k[:, :, :1].repeat(3, 2), v[:, :, :1].repeat(3, 2)), {}, ValueError, "must divide q's heads"),
+             ((q, k, v), {"mask": jnp.ones((8, 8))}, TypeError, "mask must be boolean"),
+             ((q, k, v), {"mask": jnp.ones((3, 8, 8), bool)}, ValueError, "mask must broadcast"),
+             ((q, k, v), {"bias": jnp.ones((8, 9))}, ValueError, "bias must broadcast"),
+             ((q, k, v), {"scale": float("nan")}, ValueError, "scale must be"),
+             ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be")]
+    for args, kw, error, message in cases:
+        with pytest.raises(error, match=message):
+            attention(*args, **kw)
+    assert xkern.ops.attention is attention

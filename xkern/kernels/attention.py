@@ -1,0 +1,476 @@
+"""Flash attention: forward and backward Triton kernels (FlashAttention-2 style), custom_vjp, and
+the public `attention`.
+
+Layout [batch, seq, heads, head_dim], as jax.nn.dot_product_attention. Per query row i of one
+head, over the keys j it may see (j < kv_length, j <= i when causal, mask[i, j]):
+
+    s_ij = scale * q_i . k_j + bias_ij          p_ij = exp(s_ij - lse_i)         o_i = sum_j p_ij v_j
+    lse_i = log sum_j exp(s_ij)                 (a row that sees no key: o_i = 0)
+    backward, with delta_i = do_i . o_i:
+    dv_j = sum_i p_ij do_i     ds_ij = p_ij (do_i . v_j - delta_i)
+    dq_i = scale sum_j ds_ij k_j                dk_j = scale sum_i ds_ij q_i      dbias_ij = ds_ij
+
+The forward streams key/value blocks through an online softmax in the log2 domain (exp2 of
+pre-scaled scores) and saves o and lse only. The backward recomputes p block by block: one kernel
+per key block accumulates dk and dv over every query block (and, for grouped-query attention,
+over every query head sharing the key head: no repeated k/v, no atomics), another per query block
+accumulates dq. Nothing of size seq x seq exists unless the caller passes a bias and asks for its
+gradient (then XLA computes dbias, the size of the bias itself).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MAX_HEAD_DIM = 256
+LOG2E = 1.4426950408889634
+
+
+def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None):
+    """The definition (and the `xla` backend), float32 math: scores materialized."""
+    qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    visible = _visible(q.shape[1], k.shape[1], causal, mask, kv_lengths, q.shape[0])
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, -1, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
+
+
+def _visible(sq, sk, causal, mask, kv_lengths, batch):
+    """Which keys each query sees, broadcastable to [batch, heads, sq, sk]."""
+    visible = jnp.ones((1, 1, sq, sk), bool)
+    if causal:
+        visible = visible & (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None])
+    if mask is not None:
+        visible = visible & mask
+    if kv_lengths is not None:
+        visible = visible & (jnp.arange(sk) < kv_lengths.reshape(batch, 1, 1, 1))
+    return visible
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """DOT_F32: multiply in full float32 (not TF32): for float32 inputs, so that float32 attention
+    is float32-exact, and in Triton's interpreter, which multiplies bf16 as raw bits."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
+            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+            MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr):
+    """log2-domain scores of a [BLOCK_M, BLOCK_N] block, -inf where a key is not visible; shared by
+    the forward and both backward kernels, so all three see the same keys."""
+    s = _dot(q, k_t, DOT_F32) * QK_SCALE
+    visible = (cols[None, :] < kv_len) & (rows[:, None] < sq)
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= rows[:, None])
+    offs = rows[:, None].to(tl.int64) * sk + cols[None, :]
+    in_bounds = (rows[:, None] < sq) & (cols[None, :] < sk)
+    if HAS_MASK:
+        base = (b * MASK_B * (HEADS if MASK_H else 1) + h * MASK_H).to(tl.int64) * sq * sk
+        visible = visible & (tl.load(mask_ptr + base + offs, mask=in_bounds, other=0) != 0)
+    if HAS_BIAS:
+        base = (b * BIAS_B * (HEADS if BIAS_H else 1) + h * BIAS_H).to(tl.int64) * sq * sk
+        s += tl.load(bias_ptr + base + offs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
+    return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
+def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
+         sq, sk,
+         o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
+         QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HEADS, bh % HEADS
+    hk = h // (HEADS // KV_HEADS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=(rows[:, None] < sq) & (dims[None, :] < D), other=0.0)
+    kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(end, (pid_m + 1) * BLOCK_M)
+    k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
+        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
+                    CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
+        alpha = tl.exp2(m_i - shift)
+        p = tl.exp2(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        m_i = m_new
+    seen = l_i > 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
+    tl.store(lse_ptr + bh.to(tl.int64) * sq + rows, lse, mask=rows < sq)
+
+
+@triton.jit
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+              sq, sk,
+              dk_ptr, dv_ptr,  # outputs, like k and v
+              QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+              D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+              MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+              HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    pid_n, bhk = tl.program_id(0), tl.program_id(1)
+    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    group = HEADS // KV_HEADS
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
+    kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
+    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # earlier queries see none of these keys
+    last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)  # keys past the length: zero gradients
+    for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
+        for start in range(first, last, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
+            q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+            q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+            do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+            stats = (b.to(tl.int64) * HEADS + h) * sq + rows
+            lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
+            delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
+            s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
+                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+            p = tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
+            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
+            ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
+    tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+            sq, sk,
+            dq_ptr,  # output, like q
+            QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+            D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+            MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+            HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HEADS, bh % HEADS
+    hk = h // (HEADS // KV_HEADS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
+    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
+    do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+    stats = bh.to(tl.int64) * sq + rows
+    lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
+    delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
+    kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
+    end = kv_len
+    if CAUSAL:
+        end = tl.minimum(end, (pid_m + 1) * BLOCK_M)
+    k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
+        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
+                    CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        p = tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
+        ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_F32)
+    tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Configs and launchers
+# --------------------------------------------------------------------------------------------------
+
+def default_configs(head_dim: int, backend: str) -> tuple[L.Config, L.Config, L.Config]:
+    """(forward, dk/dv, dq) block shapes. GPU: 128-query blocks forward (64 for head dim 256, whose
+    tiles would not fit shared memory), 128-key blocks for dk/dv, 128-query blocks for dq."""
+    block_d = max(16, L.next_pow2(head_dim))
+    if backend == "interpret":
+        c = L.Config.of(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
+        return c, c, c
+    wide = block_d > 128
+    fwd = L.Config.of(BLOCK_M=64 if wide else 128, BLOCK_N=32 if wide else 64, BLOCK_D=block_d,
+                      num_warps=8 if not wide else 4, num_stages=2 if wide else 3)
+    dkdv = L.Config.of(BLOCK_M=32 if wide else 64, BLOCK_N=64 if wide else 128, BLOCK_D=block_d,
+                       num_warps=8, num_stages=2)
+    dq = L.Config.of(BLOCK_M=64 if wide else 128, BLOCK_N=32 if wide else 64, BLOCK_D=block_d,
+                     num_warps=8, num_stages=2)
+    return fwd, dkdv, dq
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """Everything about a call that is not an array: the custom_vjp's static argument."""
+    causal: bool
+    scale: float
+    mask_bh: tuple | None  # (varies over batch, varies over heads), or None without a mask
+    bias_bh: tuple | None
+    has_kv_len: bool
+    backend: str
+    configs: tuple
+
+    def constexprs(self, q, k) -> dict:
+        mask_b, mask_h = self.mask_bh or (False, False)
+        bias_b, bias_h = self.bias_bh or (False, False)
+        return {"QK_SCALE": self.scale * LOG2E, "HEADS": q.shape[2], "KV_HEADS": k.shape[2],
+                "D": q.shape[3], "CAUSAL": self.causal, "HAS_MASK": self.mask_bh is not None,
+                "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
+                "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len,
+                "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
+
+
+def _dummies(mask, bias, kv_len):
+    dummy = jnp.zeros((1,), jnp.int32)  # stands for an absent operand (its flag keeps it unread)
+    return (dummy if mask is None else mask, dummy if bias is None else bias,
+            dummy if kv_len is None else kv_len)
+
+
+def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
+    b, sq, heads, _ = q.shape
+    config = st.configs[0]
+    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
+    return L.launch(_fwd, q, k, v, *_dummies(mask, bias, kv_len), sq, k.shape[1],
+                    kernel="attention_fwd", out_shapes=outs,
+                    grid=(L.cdiv(sq, config["BLOCK_M"]), b * heads), config=config, backend=st.backend,
+                    constexprs=st.constexprs(q, k))
+
+
+def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
+    b, sq, heads, _ = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    consts = {**st.constexprs(q, k), "SCALE": st.scale}
+    args = (q, k, v, *_dummies(mask, bias, kv_len), do, lse, delta, sq, sk)
+    dkdv, dq = st.configs[1], st.configs[2]
+    dk, dv = L.launch(_bwd_dkdv, *args, kernel="attention_bwd_dkdv",
+                      out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+                      grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
+                      constexprs=consts)
+    (dq_,) = L.launch(_bwd_dq, *args, kernel="attention_bwd_dq",
+                      out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+                      grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
+                      constexprs=consts)
+    return dq_, dk, dv
+
+
+def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, **_):
+    """vmap folds into the batch axis: each per-example array gets (vmapped size x batch) as its
+    leading axis, a mask or bias shared by the whole batch stays shared, and the grid's second
+    axis (batch x heads) grows by the vmapped size."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    consts = dict(constexprs)
+    batch = out_shapes[0].shape[0]  # every output is per example: [batch, ...]
+    names = ("q", "k", "v", "mask", "bias", "kv_len", "do", "lse", "delta")
+    folded = []
+    for name, a, d in zip(names, args, dims):
+        flag = {"mask": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
+        per_batch = {"mask": "MASK_B", "bias": "BIAS_B"}.get(name)
+        if (flag and not consts[flag]) or (per_batch and d is None and not consts[per_batch]):
+            folded.append(a)  # absent, or the same for every example and batch entry
+            continue
+        a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        if per_batch:
+            a = jnp.broadcast_to(a, (size, batch, *a.shape[2:]))
+            consts[per_batch] = True
+        folded.append(a.reshape(size * batch, *a.shape[2:]))
+    for i, value in scalars:
+        folded.insert(i, value)
+    outs = [jax.ShapeDtypeStruct((size * s.shape[0], *s.shape[1:]), s.dtype) for s in out_shapes]
+    results = L.launch(fn, *folded, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] * size),
+                       config=config, backend=backend, constexprs=consts)
+    return [r.reshape(size, -1, *r.shape[1:]) for r in results], [0] * len(results)
+
+
+for _name in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+    L.def_batching(_name, _batch)
+
+
+# --------------------------------------------------------------------------------------------------
+# Differentiation: residuals are o and lse (per query row), never the probabilities
+# --------------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, mask, bias, kv_len, st: Static):
+    return _launch_fwd(q, k, v, mask, bias, kv_len, st)[0]
+
+
+def _attention_fwd(q, k, v, mask, bias, kv_len, st: Static):
+    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, st)
+    return o, (q, k, v, mask, bias, kv_len, o, lse)
+
+
+def _attention_bwd(st: Static, residuals, do):
+    q, k, v, mask, bias, kv_len, o, lse = residuals
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, do.astype(q.dtype), lse, delta, st)
+    dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st)
+    return dq, dk, dv, None, dbias, None
+
+
+def _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
+    """dbias = ds, by XLA: the size of the bias itself (dead code, removed by XLA, unless used)."""
+    group = q.shape[2] // k.shape[2]
+    kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale + bias.astype(jnp.float32)
+    visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
+                       kv_len, q.shape[0])
+    p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
+    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf) - delta[..., None])
+    summed = tuple(i for i in (0, 1) if bias.shape[i] == 1)
+    return jnp.sum(ds, axis=summed, keepdims=True).astype(bias.dtype)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+# --------------------------------------------------------------------------------------------------
+# Public function
+# --------------------------------------------------------------------------------------------------
+
+def _as_4d(name, a, batch, heads, sq, sk):
+    """`a` as [1 or batch, 1 or heads, sq, sk] (only the two trailing axes broadcast in memory),
+    and whether it varies over batch and over heads."""
+    a = jnp.asarray(a)
+    shape = (1,) * (4 - a.ndim) + tuple(a.shape) if a.ndim <= 4 else None
+    if shape is None or any(n not in (1, size) for n, size in zip(shape, (batch, heads, sq, sk))):
+        raise ValueError(f"attention: {name} must broadcast to [batch, heads, q_seq, kv_seq] = "
+                         f"{[batch, heads, sq, sk]}; got shape {tuple(a.shape)}")
+    varies = (shape[0] == batch > 1, shape[1] == heads > 1)
+    target = (batch if varies[0] else 1, heads if varies[1] else 1, sq, sk)
+    return jnp.broadcast_to(a.reshape(shape), target), varies
+
+
+def _check(q, k, v, scale, kv_lengths):
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(a, "dtype") or not hasattr(a, "shape"):
+            raise TypeError(f"attention: {name} must be a jax or numpy array; got {type(a).__name__}")
+        if a.ndim != 4:
+            raise ValueError(f"attention: {name} must be [batch, seq, heads, head_dim]; got shape "
+                             f"{tuple(a.shape)}")
+        if a.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"attention: {name} must have dtype bfloat16, float16 or float32; got {a.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"attention: k and v must have q's dtype {q.dtype}; got {k.dtype}, {v.dtype}")
+    b, _, h, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"attention: k and v must both be [{b}, kv_seq, kv_heads, {d}]; got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[2] == 0 or h % k.shape[2]:
+        raise ValueError(f"attention: k's heads ({k.shape[2]}) must divide q's heads ({h})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"attention: head_dim must be at most {MAX_HEAD_DIM}; got {d}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"attention: scale must be a finite Python number or None; got {scale!r}")
+    if kv_lengths is not None and (not hasattr(kv_lengths, "dtype") or tuple(kv_lengths.shape) != (b,)
+                                   or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
+        raise ValueError(f"attention: kv_lengths must be an integer array of shape ({b},); got "
+                         f"{getattr(kv_lengths, 'dtype', type(kv_lengths).__name__)}"
+                         f"{list(getattr(kv_lengths, 'shape', []))}")
+
+
+def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
+              kv_lengths=None, backend: str | None = None):
+    """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
+
+    q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
+    dividing heads (grouped-query / multi-query attention; k and v are never repeated).
+    causal: query i sees keys j <= i (top-left aligned, as jax.nn.dot_product_attention).
+    mask: boolean, broadcastable to [batch, heads, q_seq, kv_seq]; True = visible.
+    bias: additive, broadcastable likewise (its gradient, if used, is computed by XLA).
+    scale: default 1 / sqrt(head_dim). kv_lengths [batch]: keys at or past the length are padding.
+    A query that sees no key gets zeros. Float32 math inside; output in q's dtype.
+    """
+    _check(q, k, v, scale, kv_lengths)
+    backend = L.resolve_backend(backend)
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        raise TypeError(f"attention: mask must be boolean; got {jnp.asarray(mask).dtype}")
+    mask4, mask_bh = _as_4d("mask", mask, b, h, sq, sk) if mask is not None else (None, None)
+    bias4, bias_bh = _as_4d("bias", bias, b, h, sq, sk) if bias is not None else (None, None)
+    scale = 1 / math.sqrt(d) if scale is None else float(scale)
+    if backend == "xla" or q.size == 0 or k.size == 0:
+        return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths)
+    st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend,
+                default_configs(d, backend))
+    kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
+    return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                      None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)
+
+
+# --------------------------------------------------------------------------------------------------
+# Ahead-of-time compile cases
+# --------------------------------------------------------------------------------------------------
+
+def aot_cases():
+    """(name, kernel, signature, config) for the three kernels: head dims 64 / 128 / 256, causal
+    with GQA, and with every option (mask, bias, kv_lengths)."""
+    arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
+              "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
+    grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    for d in (64, 128, 256):
+        for options in ({"CAUSAL": True}, {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True,
+                                           "HAS_KV_LEN": True}):
+            st = Static(False, d ** -0.5, None, None, False, "triton", default_configs(d, "triton"))
+            q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
+            k = jax.ShapeDtypeStruct((1, 1, 8, d), jnp.bfloat16)
+            consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
+            tag = f"attention/d{d}/{'causal-gqa' if 'CAUSAL' in options else 'options'}"
+            fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
+            fwd, dkdv, dq = st.configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in st.configs[1:])
+            yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": "*bf16", "lse_ptr": "*fp32"}, fwd)
+            yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": "*bf16", "dv_ptr": "*bf16"}, dkdv)
+            yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": "*bf16"}, dq)
