@@ -31,6 +31,9 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
+from xkern.tuning import autotune
+from xkern.tuning.timing import time_pipelined
+
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -233,23 +236,69 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr
 # Configs and launchers
 # --------------------------------------------------------------------------------------------------
 
-def default_configs(head_dim: int, backend: str) -> tuple[L.Config, L.Config, L.Config]:
-    """(forward, dk/dv, dq) block shapes. GPU: 128-query blocks forward (64 for head dim 256, whose
-    tiles would not fit shared memory), 128-key blocks for dk/dv, 128-query blocks for dq."""
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the heuristic first. Forward and
+# dq: BLOCK_M query rows per program; dk/dv: BLOCK_N keys per program. Head dim 256 takes smaller
+# tiles (its q, k, v tiles would not fit in shared memory at 128).
+TILES = {
+    ("fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
+                        (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4)],
+    ("fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("dkdv", "narrow"): [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
+                         (128, 128, 8, 2), (32, 128, 8, 2)],
+    ("dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
+    ("dq", "narrow"): [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
+                       (128, 64, 8, 3)],
+    ("dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+}
+INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
+
+
+def candidates(kernel: str, head_dim: int, backend: str) -> list[L.Config]:
     block_d = max(16, L.next_pow2(head_dim))
     if backend == "interpret":
-        c = L.Config.of(BLOCK_M=16, BLOCK_N=16, BLOCK_D=block_d)
-        return c, c, c
-    wide = block_d > 128
-    fwd = L.Config.of(BLOCK_M=64 if wide else 128, BLOCK_N=32 if wide else 64, BLOCK_D=block_d,
-                      num_warps=8 if not wide else 4, num_stages=2 if wide else 3)
-    dkdv = L.Config.of(BLOCK_M=32 if wide else 64, BLOCK_N=64 if wide else 128, BLOCK_D=block_d,
-                       num_warps=8, num_stages=2)
-    dq = L.Config.of(BLOCK_M=64 if wide else 128, BLOCK_N=32 if wide else 64, BLOCK_D=block_d,
-                     num_warps=8, num_stages=2)
-    return fwd, dkdv, dq
+        return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d)]
+    width = "wide" if block_d > 128 else "narrow"
+    return [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=w, num_stages=st)
+            for bm, bn, w, st in TILES[(kernel, width)]]
 
 
+def default_configs(head_dim: int, backend: str) -> tuple[L.Config, L.Config, L.Config]:
+    """(forward, dk/dv, dq) heuristic configs: each kernel's first candidate."""
+    return tuple(candidates(kernel, head_dim, backend)[0] for kernel in ("fwd", "dkdv", "dq"))
+
+
+def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
+    """Each kernel's config, autotuned per problem on a GPU (cached on disk; see tuning/autotune)."""
+    b, sq, h, d = q.shape
+    key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
+           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}")
+    configs = list(default_configs(d, st.backend))
+    for i, kernel in enumerate(("fwd", "dkdv", "dq")):
+        def measure(config, i=i):
+            trial = dataclasses.replace(st, configs=tuple(configs[:i] + [config] + configs[i + 1:]))
+            args = _random_problem(q, k, trial)
+            step = jax.jit(lambda *a: (_launch_fwd(*a[:6], trial) if i == 0 else _launch_bwd(*a, trial)))
+            return time_pipelined(step, *(args[:6] if i == 0 else args), min_seconds=0.02)
+        configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend), measure,
+                                    st.backend)
+    return tuple(configs)
+
+
+def _random_problem(q, k, st: "Static") -> tuple:
+    """Random inputs shaped like the problem (all keys visible), for timing candidates."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    b, sq, h, d = q.shape
+    qs, do = (jax.random.normal(kk, q.shape, q.dtype) for kk in keys[:2])
+    ks, vs = (jax.random.normal(kk, k.shape, k.dtype) for kk in keys[2:])
+    mask = None if st.mask_bh is None else jnp.ones(
+        (b if st.mask_bh[0] else 1, h if st.mask_bh[1] else 1, sq, k.shape[1]), jnp.int8)
+    bias = None if st.bias_bh is None else jnp.zeros(
+        (b if st.bias_bh[0] else 1, h if st.bias_bh[1] else 1, sq, k.shape[1]), jnp.float32)
+    kv_len = jnp.full((b,), k.shape[1], jnp.int32) if st.has_kv_len else None
+    o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, dataclasses.replace(
+        st, configs=default_configs(d, st.backend)))
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    return qs, ks, vs, mask, bias, kv_len, do, lse, delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +495,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths)
     st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend,
                 default_configs(d, backend))
+    st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)

@@ -1,0 +1,46 @@
+"""xkern.ops.attention against jax.nn.dot_product_attention: XLA's implementation (what jax.jit
+runs) and, on an NVIDIA GPU, cuDNN's, timed in the same run.
+
+Rates are TFLOP/s by FlashAttention's count: forward 4 * b * h * q_seq * kv_seq * d (half when
+causal), forward+backward 3.5 times that. The forward+backward program computes dq, dk, dv from a
+given output cotangent; its temporary memory is recorded (it must grow linearly with the sequence).
+At 16384 tokens XLA's implementation would hold 32 x 16384^2 scores: there only cuDNN is compared.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import xkern
+from benchmarks.harness import Case
+
+
+def _nn(implementation):
+    def attend(q, k, v, causal):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+    return attend
+
+
+def _ours(q, k, v, causal):
+    return xkern.ops.attention(q, k, v, causal=causal)
+
+
+def cases(on_gpu: bool) -> list[Case]:
+    shapes = [((4, 4096, 32, 128), False), ((4, 4096, 32, 128), True), ((1, 16384, 32, 128), True),
+              ((1, 8192, 32, 128), True)] if on_gpu else [((1, 40, 2, 64), False), ((1, 40, 2, 64), True)]
+    cudnn = on_gpu and jax.devices()[0].platform == "gpu" and "NVIDIA" in jax.devices()[0].device_kind.upper()
+    out = []
+    for (b, s, h, d), causal in shapes:
+        def make(key, shape=(b, s, h, d)):
+            return tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key, 4))
+        fwd_flops = 4 * b * h * s * s * d // (2 if causal else 1)
+        name = f"attention{' causal' if causal else ''}"
+        refs = ([("jax.jit (xla)", _nn("xla"))] if s <= 8192 else []) + ([("cuDNN", _nn("cudnn"))] if cudnn else [])
+        for ref_name, ref in refs:
+            fwd = lambda f, causal=causal: (lambda q, k, v, do: f(q, k, v, causal))
+            bwd = lambda f, causal=causal: (lambda q, k, v, do: jax.vjp(lambda *a: f(*a, causal), q, k, v)[1](do))
+            out.append(Case(f"{name} vs {ref_name}", (b, s, h, d), "bfloat16", "fwd", fwd(_ours), fwd(ref),
+                            make, 0, 2e-2, fwd_flops))
+            out.append(Case(f"{name} vs {ref_name}", (b, s, h, d), "bfloat16", "fwd+bwd", bwd(_ours), bwd(ref),
+                            make, 0, 3e-2, int(3.5 * fwd_flops), memory=True))
+    return out
