@@ -134,3 +134,62 @@ def test_bad_input_names_the_argument():
         with pytest.raises(error, match=message):
             attention(*args, **kw)
     assert xkern.ops.attention is attention
+
+
+# --------------------------------------------------------------------------------------------------
+# Patterns: the ways people write attention, found by xkern.jit / xkern.optimize
+# --------------------------------------------------------------------------------------------------
+
+def _spellings():
+    import flax.linen as nn
+
+    from xkern.jaxpr_passes import attention_rules as R
+
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((1, 4, 20, 20)), jnp.float32)
+    return {  # pattern name: (program, GQA k/v?)
+        "jax.nn.dot_product_attention": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v), True),
+        "jax.nn.dot_product_attention(causal)":
+            (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla"), True),
+        "jax.nn.dot_product_attention+bias": (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias), False),
+        "flax.linen.dot_product_attention": (lambda q, k, v: nn.dot_product_attention(q, k, v), False),
+        "einsum[bshd]+causal+float32 softmax":
+            (lambda q, k, v: R.by_hand("bshd", True, True)(q, k, v, scale=0.2), False),
+        "einsum[bhsd]": (lambda q, k, v: R.by_hand("bhsd", False, False)(q, k, v, scale=0.3), False),
+    }
+
+
+@pytest.mark.parametrize("spelling", list(_spellings()))
+def test_attention_patterns_match_and_equal_jax_jit(spelling):
+    """Rewritten programs against the same program in float32 (the kernels' math: a program that
+    computes its softmax in bf16 is itself further from it than the kernel)."""
+    f, gqa = _spellings()[spelling]
+    q, k, v, do = make(1, 20, 20, 4, 2 if gqa else 4, 16, jnp.bfloat16, seed=8)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    report = xkern.explain(f)(q, k, v)
+    assert [m.pattern for m in report.matches] == [f"attention/{spelling}"]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(loss(f), (0, 1, 2)))(*f32)
+    for g, w in zip(got, want):
+        close(g, w, jnp.bfloat16)
+
+
+def test_attention_near_misses_are_not_rewritten():
+    q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=9)
+    mask = jnp.asarray(np.random.default_rng(10).random((16, 16)) > 0.5)
+    softmax_av = lambda s, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    near_misses = {
+        # a boolean mask through jax.nn: fully masked rows average v there (zeros in the kernel)
+        "jax.nn mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
+        # softmax over the query axis
+        "other axis": lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(
+            jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-2), v),
+        # the causal mask on the wrong side (keys after the query)
+        "anti-causal": lambda q, k, v: softmax_av(jnp.where(jnp.triu(jnp.ones((16, 16), bool)),
+                                                            jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25, -jnp.inf), v),
+    }
+    for name, f in near_misses.items():
+        report = xkern.explain(f)(q, k, v)
+        assert not [m for m in report.matches if m.pattern.startswith("attention/")], name
+        close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)

@@ -84,9 +84,16 @@ def _linear_cross_entropy(avals, params) -> str | None:
     return _too_small(logits)
 
 
+def _attention(avals, params) -> str | None:
+    """Flash attention never writes the scores that XLA's attention materializes (shared/GPU.md: XLA
+    reaches 151 TFLOP/s forward on an H200); taken unless the whole problem is tiny."""
+    return _too_small(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals[:3]) * 2)
+
+
 RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused,
          "matmul_epilogue": _matmul_epilogue, "cross_entropy": _cross_entropy,
-         "layer_norm": _norm, "rms_norm": _norm, "linear_cross_entropy": _linear_cross_entropy}
+         "layer_norm": _norm, "rms_norm": _norm, "linear_cross_entropy": _linear_cross_entropy,
+         "attention": _attention}
 # Ops whose result is as large as their input: XLA may never write it (see FUSED_CONSUMERS).
 FULL_SIZE_RESULTS = frozenset({"softmax", "log_softmax"})
 # Consumers that XLA fuses a row-wise result into without ever writing it (cross-entropy's gather,

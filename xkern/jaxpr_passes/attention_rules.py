@@ -1,0 +1,125 @@
+"""Scaled dot-product attention, in the ways people write it, replaced by xkern.ops.attention (flash
+attention: the scores never exist in memory).
+
+Spellings: jax.nn.dot_product_attention (implementation None or "xla"; causal or not; with an
+additive bias or not; GQA through its k/v head grouping); flax.linen.dot_product_attention; and by
+hand, q.k^T by einsum, times a scale, an optional causal mask from tril / iota applied with a -inf
+`where`, softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
+[batch, seq, heads, dim] layout or the [batch, heads, seq, dim] one (whose replacement transposes
+in and out). The scale is read off the program.
+
+Not matched: boolean masks through jax.nn / flax. Those fill masked scores with the dtype's most
+negative number, so a query whose keys are all masked averages every value; the kernel gives such
+a query zeros instead. Masks are the caller's to pass to xkern.ops.attention explicitly.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from xkern.jaxpr_passes.patterns import Pattern
+from xkern.kernels import attention as kernels
+
+ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
+HALF = (jnp.bfloat16, jnp.float16)
+EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal in the template
+
+
+def nn_attention(causal: bool, bias: bool):
+    def fn(q, k, v, *b, scale):
+        return jax.nn.dot_product_attention(q, k, v, bias=b[0] if bias else None, scale=scale,
+                                            is_causal=causal)
+    fn.__name__ = f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
+    return fn
+
+
+def flax_attention(q, k, v):
+    import flax.linen as nn
+    return nn.dot_product_attention(q, k, v)
+
+
+flax_attention.__name__ = "flax.linen.dot_product_attention"
+
+
+def _causal(scores):
+    sq, sk = scores.shape[-2:]
+    return jnp.where(jnp.tril(jnp.ones((sq, sk), bool)), scores, -jnp.inf)
+
+
+def by_hand(layout: str, causal: bool, upcast: bool):
+    """einsum -> * scale -> (causal -inf where) -> softmax (float32 or not) -> einsum."""
+    qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
+              "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
+
+    def fn(q, k, v, *, scale):
+        scores = jnp.einsum(qk, q, k) * scale
+        if causal:
+            scores = _causal(scores)
+        if upcast:
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        else:
+            probs = jax.nn.softmax(scores, axis=-1)
+        return jnp.einsum(pv, probs, v)
+    fn.__name__ = f"einsum[{layout}]{'+causal' if causal else ''}{'+float32 softmax' if upcast else ''}"
+    return fn
+
+
+def _scale(match) -> dict:
+    """scale: the program's literal where the template has EXAMPLE_SCALE."""
+    for ti, eqn in enumerate(match.template.eqns):
+        for i, v in enumerate(eqn.invars):
+            value = getattr(v, "val", None)
+            if value is not None and np.ndim(value) == 0 and np.isclose(float(value), EXAMPLE_SCALE,
+                                                                        rtol=1e-2):
+                return {"scale": float(match.graph.eqns[match.eqns[ti]].invars[i].val)}
+    raise ValueError("no scale literal in the matched program")
+
+
+def _check(layout):
+    def check(match, params) -> str | None:
+        q, k, v = match.input_avals[:3]
+        if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
+            return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
+        if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+            return "not 4-D q, k, v"
+        d, heads, kv_heads = q.shape[3], q.shape[2 if layout == "bshd" else 1], k.shape[2 if layout == "bshd" else 1]
+        if d > kernels.MAX_HEAD_DIM:
+            return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
+        if kv_heads == 0 or heads % kv_heads:
+            return "k/v heads do not divide q's heads"
+        return None
+    return check
+
+
+def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params=True):
+    def example(dtype):
+        q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
+        kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if layout == "bshd" and fn.__name__.startswith("jax.nn")
+                                  else (2, 8, 4, 16), dtype)
+        bias = (jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.float32),) if with_bias else ()
+        return (q, kv, kv, *bias)
+
+    def replace(q, k, v, *bias, backend, scale=None):
+        if scale is None:  # flax: 1 / sqrt(head dim)
+            scale = 1 / math.sqrt(q.shape[-1])
+        if layout == "bhsd":
+            q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        out = kernels.attention(q, k, v, causal=causal, bias=bias[0] if bias else None, scale=scale,
+                                backend=backend)
+        return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
+
+    return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
+                   example_params={"scale": EXAMPLE_SCALE} if params else {},
+                   params_of=_scale if params else (lambda match: {}), check=_check(layout), replace=replace)
+
+
+PATTERNS = [_pattern(nn_attention(causal, bias), ALL, causal=causal, with_bias=bias)
+            for causal in (False, True) for bias in (False, True)]
+PATTERNS += [_pattern(by_hand(layout, causal, upcast), HALF if upcast else ALL, layout=layout, causal=causal)
+             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)]
+if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
+    PATTERNS += [_pattern(flax_attention, ALL, params=False)]
