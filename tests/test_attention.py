@@ -31,6 +31,7 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
     "causal, longer keys": ((1, 17, 33, 2, 2, 16), {"causal": True}),
     "causal, longer queries": ((1, 33, 17, 2, 2, 16), {"causal": True}),
     "gqa": ((1, 20, 20, 4, 2, 16), {"causal": True}),
+    "gqa, several interior blocks": ((1, 50, 50, 4, 2, 16), {"causal": True}),
     "mqa, kv_lengths": ((2, 18, 23, 4, 1, 16), {"kv_lengths": np.array([5, 23])}),
     "mask over heads": ((2, 18, 18, 2, 2, 16), {"mask": (2, 2, 18, 18)}),
     "mask shared": ((2, 18, 21, 2, 2, 16), {"mask": (18, 21)}),

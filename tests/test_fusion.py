@@ -1,6 +1,5 @@
 """Generated kernels: fusion groups found in plain JAX code, Triton source generated per group, run
 through the interpreter and compared with jax.jit (float32 references), edge values included."""
-import os
 
 import jax
 import jax.numpy as jnp

@@ -91,6 +91,8 @@ def _check(layout):
             return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
         if kv_heads == 0 or heads % kv_heads:
             return "k/v heads do not divide q's heads"
+        if params.get("scale", 1.0) <= 0:
+            return f"scale {params['scale']}: the kernels take a positive scale"
         return None
     return check
 

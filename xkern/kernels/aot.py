@@ -18,7 +18,7 @@ TARGETS = {  # name: (backend, arch, warp size)
     "gfx942": ("hip", "gfx942", 64),
     "gfx90a": ("hip", "gfx90a", 64),
 }
-KERNEL_MODULES = ("softmax", "norms", "cross_entropy", "attention", "generated")  # each defines aot_cases()
+KERNEL_MODULES = ("softmax", "norms", "cross_entropy", "attention", "glu", "rope", "generated")  # each defines aot_cases()
 
 
 def compile_kernel(fn, signature: dict, config, target: str):

@@ -86,8 +86,9 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
             QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
             MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
             BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr):
-    """log2-domain scores of a [BLOCK_M, BLOCK_N] block, -inf where a key is not visible; shared by
-    the forward and both backward kernels, so all three see the same keys."""
+    """log2-domain scores of a [BLOCK_M, BLOCK_N] block with every mask applied (-inf where a key is
+    not visible): for the blocks on an edge (the causal diagonal, the last keys or queries) and for
+    problems with a mask or bias. Interior blocks of a plain problem skip all of it."""
     s = _dot(q, k_t, DOT_F32) * QK_SCALE
     visible = (cols[None, :] < kv_len) & (rows[:, None] < sq)
     if CAUSAL:
@@ -104,6 +105,43 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
 
 
 @triton.jit
+def _load_rows(ptr, offs, rows, n_rows, dims, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """A [rows, BLOCK_D] tile; unmasked (vectorized, pipelined) for interior blocks of full width."""
+    if MASKED:
+        return tl.load(ptr + offs, mask=(rows[:, None] < n_rows) & (dims[None, :] < D), other=0.0)
+    if BLOCK_D == D:
+        return tl.load(ptr + offs)
+    return tl.load(ptr + offs, mask=dims[None, :] < D, other=0.0)
+
+
+@triton.jit
+def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+               mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+               CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
+               DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One key/value block of the online softmax."""
+    cols = start + tl.arange(0, BLOCK_N)
+    kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+    k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
+    if MASKED:
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+                    HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.exp2(s - shift[:, None])
+    else:  # the scale is applied in the exponent (one fused multiply-add per score; scale > 0)
+        s = _dot(q, tl.trans(k), DOT_F32)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * QK_SCALE)
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp2(s * QK_SCALE - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
@@ -117,35 +155,71 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=(rows[:, None] < sq) & (dims[None, :] < D), other=0.0)
+    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
-    end = kv_len
-    if CAUSAL:
-        end = tl.minimum(end, (pid_m + 1) * BLOCK_M)
+    end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
+    # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
+    interior = 0
+    if not HAS_MASK and not HAS_BIAS:
+        interior = (kv_len // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
-        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
-                    CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
-        alpha = tl.exp2(m_i - shift)
-        p = tl.exp2(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-        m_i = m_new
+    for start in range(0, interior, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                   kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                   MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+    for start in range(interior, end, BLOCK_N):
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                   kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                   MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
     tl.store(lse_ptr + bh.to(tl.int64) * sq + rows, lse, mask=rows < sq)
+
+
+@triton.jit
+def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
+                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                   MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                   BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+    """p of a block recomputed from the forward's lse (both backward kernels)."""
+    if MASKED:
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+                    HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
+    return tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
+
+
+@triton.jit
+def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr,
+                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DOT_F32: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One query block's contribution to a key block's dk and dv."""
+    rows = start + tl.arange(0, BLOCK_M)
+    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, MASKED)
+    do = _load_rows(do_ptr, q_offs, rows, sq, dims, D, BLOCK_D, MASKED)
+    stats = (b.to(tl.int64) * HEADS + h) * sq + rows
+    if MASKED:
+        lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
+        delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
+    else:
+        lse = tl.load(lse_ptr + stats)
+        delta = tl.load(delta_ptr + stats)
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+                       HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
+    ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+    dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
+    return dk, dv
 
 
 @triton.jit
@@ -162,33 +236,56 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_p
     group = HEADS // KV_HEADS
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
-    k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
+    k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
+    v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0  # earlier queries see none of these keys
-    last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)  # keys past the length: zero gradients
+    # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
+    # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
+    first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)
+    lo = first
+    hi = first
+    if not HAS_MASK and not HAS_BIAS:
+        whole = (pid_n + 1) * BLOCK_N <= kv_len  # every key of the block inside the length
+        below = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M if CAUSAL else first
+        lo = tl.where(whole, tl.minimum(below, last), first)
+        hi = tl.where(whole, tl.maximum(lo, tl.minimum((sq // BLOCK_M) * BLOCK_M, last)), first)
     for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
-        for start in range(first, last, BLOCK_M):
-            rows = start + tl.arange(0, BLOCK_M)
-            q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
-            q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
-            q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
-            stats = (b.to(tl.int64) * HEADS + h) * sq + rows
-            lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
-            delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
-            s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
-                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
-            p = tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
-            dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
-            ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
+        for start in range(first, lo, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
+        for start in range(lo, hi, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
+        for start in range(hi, last, BLOCK_M):
+            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
+    kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+              mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
+              DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One key block's contribution to a query block's dq."""
+    cols = start + tl.arange(0, BLOCK_N)
+    kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+    k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
+    v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+                       HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, DOT_F32)
 
 
 @triton.jit
@@ -205,30 +302,30 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr
     hk = h // (HEADS // KV_HEADS)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
-    q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
-    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0)
-    do = tl.load(do_ptr + q_offs, mask=q_mask, other=0.0)
+    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
+    do = _load_rows(do_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     stats = bh.to(tl.int64) * sq + rows
     lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
     delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
-    end = kv_len
-    if CAUSAL:
-        end = tl.minimum(end, (pid_m + 1) * BLOCK_M)
+    end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
+    interior = 0  # as the forward's: key blocks every query of the block sees
+    if not HAS_MASK and not HAS_BIAS:
+        interior = (kv_len // BLOCK_N) * BLOCK_N
+        if CAUSAL:
+            interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
-        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
-        k = tl.load(k_ptr + kv_offs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + kv_offs, mask=kv_mask, other=0.0)
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE,
-                    CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
-        p = tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
-        ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, DOT_F32)
+    for start in range(0, interior, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                       mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                       BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+    for start in range(interior, end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                       mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                       BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+    q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
 
@@ -461,8 +558,8 @@ def _check(q, k, v, scale, kv_lengths):
         raise ValueError(f"attention: k's heads ({k.shape[2]}) must divide q's heads ({h})")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"attention: head_dim must be at most {MAX_HEAD_DIM}; got {d}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise ValueError(f"attention: scale must be a finite Python number or None; got {scale!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"attention: scale must be a positive finite Python number or None; got {scale!r}")
     if kv_lengths is not None and (not hasattr(kv_lengths, "dtype") or tuple(kv_lengths.shape) != (b,)
                                    or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
         raise ValueError(f"attention: kv_lengths must be an integer array of shape ({b},); got "

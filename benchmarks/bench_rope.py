@@ -1,0 +1,43 @@
+"""xkern rope against the same math under jax.jit, both layouts, half-width float32 tables.
+
+Minimum bytes: the forward reads x and writes y (2 tensors); forward+backward returns y and dx, so
+it also reads dy and writes dx (4 tensors). The tables (cos and sin, [seq, head_dim / 2] float32)
+are counted once per kernel: 1.6% of the forward's bytes at Llama's shape.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.harness import Case
+from xkern.kernels.rope import reference, rope
+
+
+def cases(on_gpu: bool) -> list[Case]:
+    batch, seq, heads, head_dim = (4, 4096, 32, 128) if on_gpu else (2, 64, 4, 64)
+    shape = (batch, seq, heads, head_dim)
+    n = batch * seq * heads * head_dim * 2  # one bf16 tensor
+    tables = 2 * seq * (head_dim // 2) * 4
+
+    def make(key):
+        kx, ka, kd = jax.random.split(key, 3)
+        angles = jax.random.uniform(ka, (seq, head_dim // 2), jnp.float32, -3.14, 3.14)
+        return (jax.random.normal(kx, shape, jnp.bfloat16), jnp.cos(angles), jnp.sin(angles),
+                jax.random.normal(kd, shape, jnp.bfloat16))
+
+    out = []
+    for name, interleaved in (("rope", False), ("rope interleaved", True)):
+        ours = lambda x, c, s, interleaved=interleaved: rope(x, c, s, interleaved=interleaved)
+        ref = lambda x, c, s, interleaved=interleaved: reference(x, c, s, interleaved)
+        fwd = lambda f: (lambda x, c, s, dy: f(x, c, s))
+
+        def both(f):  # value and x-gradient, as in a training step
+            def run(x, c, s, dy):
+                y, pullback = jax.vjp(lambda x: f(x, c, s), x)
+                return y, pullback(dy)[0]
+            return run
+
+        out.append(Case(name, shape, "bfloat16", "fwd", fwd(ours), fwd(ref), make, 2 * n + tables, 2e-2))
+        out.append(Case(name, shape, "bfloat16", "fwd+bwd", both(ours), both(ref), make,
+                        4 * n + 2 * tables, 2e-2))
+    return out

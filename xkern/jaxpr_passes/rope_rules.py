@@ -1,0 +1,178 @@
+"""Rotary position embeddings, in the ways people write them in JAX, replaced by xkern's rope kernel
+(float32 math, one rounding to the program's result dtype).
+
+Forms (x [..., seq, heads, d]; cos and sin broadcast against x, or against its halves):
+  x*cos+rotate_half(x)*sin     HF (Flax Llama / GPT-NeoX): rotate_half = concatenate([-x2, x1]),
+                               x1, x2 the halves of d; full-width tables
+  concatenate(split)           MaxText: x1, x2 = jnp.split(x, 2, -1);
+                               concatenate([x1*cos - x2*sin, x2*cos + x1*sin]); half-width tables
+  interleaved/stack(pairs)     x as [..., d/2, 2] pairs, x1, x2 = pairs[..., 0], pairs[..., 1];
+                               stack([x1*cos - x2*sin, x2*cos + x1*sin], -1) back to [..., d]
+  interleaved/rotate_every_two HF Flax GPT-J: x*cos + rotate_every_two(x)*sin, rotate_every_two =
+                               stack([-x[..., 1::2], x[..., ::2]], -1) back to [..., d]
+Precisions, each form: plain (x and tables of one dtype; or half-precision x with float32 tables,
+which jnp promotes to a float32 result); the promoted result cast back to x's dtype (HF Flax
+Llama); x upcast to float32 first, with or without the cast back. Each is what the kernel computes:
+negation, slicing and concatenation are exact in any dtype, so every promoted form is float32 math
+with one rounding. The plain form in half precision rounds after every operation where the kernel
+rounds once (within the dtype's tolerance).
+
+Tables of any broadcasting shape are read off the match: [seq, 1, w] and [1, seq, 1, w] (one table
+for every batch entry), [batch, seq, 1, w] (one per batch entry, from per-example position ids: the
+kernel runs under vmap), or heads-before-seq layouts ([batch, heads, seq, d] with [seq, w] tables):
+the table's innermost axis of more than one row (before the last) is the kernel's seq axis, the
+axes of x between it and the last are its heads.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from xkern.jaxpr_passes.patterns import Pattern
+from xkern.kernels import rope as kernels
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+# --------------------------------------------------------------------------------------------------
+# Forms
+# --------------------------------------------------------------------------------------------------
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def rotate_every_two(x):
+    return jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
+
+
+def rotate_half_form(x, cos, sin):
+    return x * cos + rotate_half(x) * sin
+
+
+def split_form(x, cos, sin):
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def pairs_form(x, cos, sin):
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    return jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+
+
+def every_two_form(x, cos, sin):
+    return x * cos + rotate_every_two(x) * sin
+
+
+FORMS = {  # name: (function, interleaved, tables cover the whole head dim)
+    "x*cos+rotate_half(x)*sin": (rotate_half_form, False, True),
+    "concatenate(split)": (split_form, False, False),
+    "interleaved/stack(pairs)": (pairs_form, True, False),
+    "interleaved/x*cos+rotate_every_two(x)*sin": (every_two_form, True, True),
+}
+
+
+def precision(fn, kind: str):
+    """fn as written: "plain", "cast back" (the promoted result cast to x's dtype), "upcast" (x to
+    float32 first, the result cast back) or "float32" (x to float32 first, a float32 result)."""
+    if kind == "plain":
+        return fn
+    if kind == "cast back":
+        pattern = lambda x, cos, sin: fn(x, cos, sin).astype(x.dtype)
+    elif kind == "upcast":
+        pattern = lambda x, cos, sin: fn(x.astype(F32), cos, sin).astype(x.dtype)
+    else:
+        pattern = lambda x, cos, sin: fn(x.astype(F32), cos, sin)
+    pattern.__name__ = f"{fn.__name__}_{kind.replace(' ', '_')}"
+    return pattern
+
+
+# Example (x dtype, table dtype, table rank below x's): the structure is the same for every float
+# dtype (the exact re-trace checks the real ones), but promotion adds converts, and tables of lower
+# rank than x are broadcast once per use (the split and pairs forms use each twice).
+EXAMPLES = {
+    "plain": [(BF16, BF16, 0), (BF16, F32, 0), (BF16, BF16, 1), (BF16, F32, 1)],
+    "cast back": [(BF16, F32, 0), (BF16, F32, 1)],
+    "upcast": [(BF16, F32, 0), (BF16, BF16, 0), (BF16, F32, 1), (BF16, BF16, 1)],
+    "float32": [(BF16, F32, 0), (BF16, BF16, 0), (BF16, F32, 1), (BF16, BF16, 1)],
+}
+SUFFIX = {"plain": "", "cast back": "+cast back", "upcast": "+upcast", "float32": "(float32)"}
+
+
+# --------------------------------------------------------------------------------------------------
+# Replacement: the tables' broadcast shapes, read off the match
+# --------------------------------------------------------------------------------------------------
+
+def _table_layout(x_shape, table_shape):
+    """(seq axis of x or None, table shape padded to x's rank): the seq axis is the innermost axis
+    before the last where the table has more than one row."""
+    padded = (1,) * (len(x_shape) - len(table_shape)) + tuple(table_shape)
+    seq_axes = [i for i in range(len(x_shape) - 1) if padded[i] != 1]
+    return (seq_axes[-1] if seq_axes else None), padded
+
+
+def apply_rope(x, cos, sin, *, interleaved, full_width, out_dtype, backend):
+    """rope(x, cos, sin) for tables that broadcast against x (or x's halves) as in the program."""
+    width = x.shape[-1] if full_width else x.shape[-1] // 2
+    shape = jnp.broadcast_shapes(cos.shape, sin.shape)
+    tables = [jnp.broadcast_to(t, shape) for t in (cos, sin)]
+    tables = [t if t.dtype in (F32, x.dtype) else t.astype(F32) for t in tables]  # exactly
+    rope = lambda x, c, s: kernels.rope(x, c, s, interleaved=interleaved, out_dtype=out_dtype,
+                                        backend=backend)
+    axis, padded = _table_layout(x.shape, shape)
+    if axis is None:  # one table row for every position: sequences of one
+        x4 = x.reshape(-1, 1, 1, x.shape[-1])
+        return rope(x4, *(t.reshape(1, width) for t in tables)).reshape(x.shape)
+    lead, seq = x.shape[:axis], x.shape[axis]
+    x4 = x.reshape(math.prod(lead), seq, math.prod(x.shape[axis + 1:-1]), x.shape[-1])
+    tables = [t.reshape(*padded[:axis], seq, width) for t in tables]  # without the heads axes
+    if all(n == 1 for n in padded[:axis]):
+        y = rope(x4, *(t.reshape(seq, width) for t in tables))
+    else:  # a table per batch entry (per-example positions): the kernel under vmap
+        per_entry = [jnp.broadcast_to(t, (*lead, seq, width)).reshape(-1, seq, width) for t in tables]
+        y = jax.vmap(rope)(x4, *per_entry)
+    return y.reshape(x.shape)
+
+
+def _check(full_width):
+    def check(match, params) -> str | None:
+        x, cos, sin = match.input_avals
+        if x.dtype not in kernels.SUPPORTED_DTYPES:
+            return f"dtype {x.dtype}: the rope kernel takes float32, bfloat16 and float16"
+        if x.ndim < 1 or x.shape[-1] % 2:
+            return "no even last axis to rotate"
+        width = x.shape[-1] if full_width else x.shape[-1] // 2
+        if cos.shape[-1:] != (width,) or sin.shape[-1:] != (width,):
+            return f"cos / sin do not have one value per rotated element ({width}) on the last axis"
+        if cos.ndim > x.ndim or sin.ndim > x.ndim:
+            return "cos / sin have more axes than x"
+        return None
+    return check
+
+
+def _pattern(form: str, kind: str) -> Pattern:
+    fn, interleaved, full_width = FORMS[form]
+    fn = precision(fn, kind)
+
+    def example(key):
+        x_dtype, table_dtype, fewer = key
+        width = 8 if full_width else 4
+        table = (4, 1, width) if fewer else (1, 4, 1, width)
+        return (jax.ShapeDtypeStruct((2, 4, 3, 8), x_dtype),
+                *[jax.ShapeDtypeStruct(table, table_dtype)] * 2)
+
+    def replace(x, cos, sin, *, backend):
+        out_dtype = jax.eval_shape(fn, x, cos, sin).dtype
+        return apply_rope(x, cos, sin, interleaved=interleaved, full_width=full_width,
+                          out_dtype=out_dtype, backend=backend)
+
+    return Pattern(name=f"rope/{form}{SUFFIX[kind]}", op="rope", fn=fn, dtypes=tuple(EXAMPLES[kind]),
+                   example=example, params_of=lambda match: {}, check=_check(full_width),
+                   replace=replace)
+
+
+PATTERNS = [_pattern(form, kind) for form in FORMS for kind in EXAMPLES]
