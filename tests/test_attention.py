@@ -156,6 +156,10 @@ def _spellings():
         "einsum[bshd]+causal+float32 softmax":
             (lambda q, k, v: R.by_hand("bshd", True, True)(q, k, v, scale=0.2), False),
         "einsum[bhsd]": (lambda q, k, v: R.by_hand("bhsd", False, False)(q, k, v, scale=0.3), False),
+        "einsum[bshd]/divisor+causal": (lambda q, k, v: R.by_hand("bshd", True, False, "/divisor")(q, k, v, scale=3.0),
+                                        False),
+        "einsum[bhsd]/sqrt(d)+float32 softmax": (lambda q, k, v: R.by_hand("bhsd", False, True, "/sqrt(d)")(q, k, v),
+                                                 False),
     }
 
 

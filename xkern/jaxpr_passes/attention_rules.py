@@ -3,7 +3,8 @@ attention: the scores never exist in memory).
 
 Spellings: jax.nn.dot_product_attention (implementation None or "xla"; causal or not; with an
 additive bias or not; GQA through its k/v head grouping); flax.linen.dot_product_attention; and by
-hand, q.k^T by einsum, times a scale, an optional causal mask from tril / iota applied with a -inf
+hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype),
+an optional causal mask from tril / iota applied with a -inf
 `where`, softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
 [batch, seq, heads, dim] layout or the [batch, heads, seq, dim] one (whose replacement transposes
 in and out). The scale is read off the program.
@@ -50,13 +51,21 @@ def _causal(scores):
     return jnp.where(jnp.tril(jnp.ones((sq, sk), bool)), scores, -jnp.inf)
 
 
-def by_hand(layout: str, causal: bool, upcast: bool):
-    """einsum -> * scale -> (causal -inf where) -> softmax (float32 or not) -> einsum."""
+def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale"):
+    """einsum -> scaling -> (causal -inf where) -> softmax (float32 or not) -> einsum. scaling:
+    "*scale", "/divisor" (a number; the param `scale` holds it), "/sqrt(d)" (in q's dtype)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
               "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
 
-    def fn(q, k, v, *, scale):
-        scores = jnp.einsum(qk, q, k) * scale
+    def scaled(scores, q, scale):
+        if scaling == "*scale":
+            return scores * scale
+        if scaling == "/divisor":
+            return scores / scale
+        return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+
+    def fn(q, k, v, **params):
+        scores = scaled(jnp.einsum(qk, q, k), q, params.get("scale"))
         if causal:
             scores = _causal(scores)
         if upcast:
@@ -64,7 +73,8 @@ def by_hand(layout: str, causal: bool, upcast: bool):
         else:
             probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum(pv, probs, v)
-    fn.__name__ = f"einsum[{layout}]{'+causal' if causal else ''}{'+float32 softmax' if upcast else ''}"
+    fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}{'+causal' if causal else ''}"
+                   f"{'+float32 softmax' if upcast else ''}")
     return fn
 
 
@@ -97,7 +107,7 @@ def _check(layout):
     return check
 
 
-def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params=True):
+def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params=True, scaling="*scale"):
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
         kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if layout == "bshd" and fn.__name__.startswith("jax.nn")
@@ -106,8 +116,12 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params
         return (q, kv, kv, *bias)
 
     def replace(q, k, v, *bias, backend, scale=None):
-        if scale is None:  # flax: 1 / sqrt(head dim)
+        if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
+            scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
+        elif scale is None:  # flax: 1 / sqrt(head dim)
             scale = 1 / math.sqrt(q.shape[-1])
+        elif scaling == "/divisor":
+            scale = 1 / scale
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         out = kernels.attention(q, k, v, causal=causal, bias=bias[0] if bias else None, scale=scale,
@@ -121,7 +135,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params
 
 PATTERNS = [_pattern(nn_attention(causal, bias), ALL, causal=causal, with_bias=bias)
             for causal in (False, True) for bias in (False, True)]
-PATTERNS += [_pattern(by_hand(layout, causal, upcast), HALF if upcast else ALL, layout=layout, causal=causal)
-             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)]
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
+                      causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
+             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
+             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [_pattern(flax_attention, ALL, params=False)]
