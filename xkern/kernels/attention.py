@@ -115,6 +115,15 @@ def _load_rows(ptr, offs, rows, n_rows, dims, D: tl.constexpr, BLOCK_D: tl.const
 
 
 @triton.jit
+def _query_block(CAUSAL: tl.constexpr):
+    """This program's query block. Causal: the last (most keys to see) first, so the long programs
+    start early and the short ones fill the tail (as launched, program ids run in order)."""
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
@@ -149,7 +158,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
          CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
          HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h = bh // HEADS, bh % HEADS
     hk = h // (HEADS // KV_HEADS)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -297,7 +306,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr
             MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
             HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr):
-    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h = bh // HEADS, bh % HEADS
     hk = h // (HEADS // KV_HEADS)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
