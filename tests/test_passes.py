@@ -275,6 +275,13 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     assert "XLA fuses" in cost.decline_reason("softmax", big, {"axis": (1,)}, "triton", ["gather"])
     assert cost.decline_reason("softmax", big, {"axis": (1,)}, "triton", ["gather", "mul"]) is None
     assert "log_softmax" in cost.decline_reason("log_softmax", big, {"axis": (1,)}, "triton")
+    # attention by FLOPs (XLA's attention is slow per FLOP), in either layout; tiny problems stay
+    bhsd, bshd = [ShapedArray((4, 16, 2048, 64), jnp.bfloat16)] * 3, [ShapedArray((4, 2048, 16, 64), jnp.bfloat16)] * 3
+    assert cost.decline_reason("attention", bhsd, {"scale": 0.125}, "triton") is None
+    assert cost.decline_reason("attention", bshd, {"scale": 0.125}, "triton") is None
+    assert "too small" in cost.decline_reason("attention", [ShapedArray((1, 16, 2, 64), jnp.bfloat16)] * 3,
+                                              {"scale": 0.125}, "triton")
+    assert "XLA fuses" in cost.decline_reason("swiglu", big * 2, {}, "triton")
     loss = lambda x, y: -jnp.take_along_axis(jax.nn.softmax(x), y[:, None], axis=-1).sum()
     closed = jax.make_jaxpr(loss)(jnp.ones((16384, 8192), jnp.bfloat16), jnp.ones(16384, jnp.int32))
     assert "XLA fuses" in pipeline.plan(closed, "triton").declined[0].reason

@@ -13,6 +13,7 @@ CUSTOM_CALL_US = 6.7
 XLA_FUSION_US = 0.8
 # Streaming bandwidth (TB/s, effective) of one pass, xkern kernel vs XLA, large shapes.
 STREAM_TBPS = {"xkern": 4.0, "xla": 3.3}
+ATTENTION_TFLOPS = {"xkern": 430, "xla": 150}  # forward, the slower (causal / non-causal) of each
 SOFTMAX_MAX_ROW = 32768  # longer rows take the two-pass kernels, which lose fwd+bwd (0.84x)
 
 
@@ -85,9 +86,20 @@ def _linear_cross_entropy(avals, params) -> str | None:
 
 
 def _attention(avals, params) -> str | None:
-    """Flash attention never writes the scores that XLA's attention materializes (shared/GPU.md: XLA
-    reaches 151 TFLOP/s forward on an H200); taken unless the whole problem is tiny."""
-    return _too_small(sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in avals[:3]) * 2)
+    """Flash attention against XLA's attention, by their measured rates (H200, h200-attention.json):
+    the kernels run at 430-500 TFLOP/s forward, XLA at 47-150 (it writes and re-reads the scores).
+    So only a problem small enough for the custom call's fixed cost to dominate is left to XLA. The
+    key length is the larger of k's axes 1 and 2 (sequence and heads, in either layout the patterns
+    accept): sequences are longer than head counts wherever the estimate matters."""
+    q, k = avals[0], avals[1]
+    d = q.shape[-1]
+    flops = 4 * (int(np.prod(q.shape)) // d) * max(k.shape[1], k.shape[2]) * d
+    ours, xla = CUSTOM_CALL_US + flops / ATTENTION_TFLOPS["xkern"] / 1e6, \
+        XLA_FUSION_US + flops / ATTENTION_TFLOPS["xla"] / 1e6
+    if ours < xla:
+        return None
+    return (f"too small: {flops / 1e9:.2f} GFLOP; estimated {ours:.1f} us as a kernel vs {xla:.1f} us "
+            f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
 
 
 def _glu(avals, params) -> str | None:
