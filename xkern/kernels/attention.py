@@ -342,35 +342,48 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr
 # Configs and launchers
 # --------------------------------------------------------------------------------------------------
 
-# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel, the heuristic first. Forward and
-# dq: BLOCK_M query rows per program; dk/dv: BLOCK_N keys per program. Head dim 256 takes smaller
-# tiles (its q, k, v tiles would not fit in shared memory at 128).
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per vendor and kernel, the heuristic first.
+# Forward and dq: BLOCK_M query rows per program; dk/dv: BLOCK_N keys per program. Head dim 256
+# ("wide") takes smaller tiles (its q, k, v tiles would not fit in shared memory at 128). CUDA's
+# heuristics are the H200 tuner's winners (h200-attention-tuned-configs.json); ROCm's (64-wide
+# wavefronts, 1-2 stages for AMD's stream pipeliner) are starting points after AMD's Triton flash
+# attention configs, not yet measured on an MI300.
 TILES = {
-    ("fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4), (64, 64, 4, 3),
-                        (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4)],
-    ("fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
-    ("dkdv", "narrow"): [(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3),
-                         (128, 128, 8, 2), (32, 128, 8, 2)],
-    ("dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
-    ("dq", "narrow"): [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2),
-                       (128, 64, 8, 3)],
-    ("dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("cuda", "fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
+                                (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4)],
+    ("cuda", "fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("cuda", "dkdv", "narrow"): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3),
+                                 (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2)],
+    ("cuda", "dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
+    ("cuda", "dq", "narrow"): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+                               (128, 128, 8, 2), (64, 128, 4, 2)],
+    ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+    ("rocm", "fwd", "narrow"): [(128, 64, 4, 1), (128, 128, 8, 1), (64, 64, 4, 1), (128, 32, 4, 1), (128, 64, 8, 2)],
+    ("rocm", "fwd", "wide"): [(64, 32, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1)],
+    ("rocm", "dkdv", "narrow"): [(64, 64, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1), (32, 64, 4, 1)],
+    ("rocm", "dkdv", "wide"): [(32, 64, 4, 1), (32, 32, 4, 1), (16, 64, 4, 1)],
+    ("rocm", "dq", "narrow"): [(128, 64, 8, 1), (64, 64, 4, 1), (128, 32, 4, 1), (64, 128, 4, 1)],
+    ("rocm", "dq", "wide"): [(64, 32, 4, 1), (32, 32, 4, 1), (32, 64, 4, 1)],
 }
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 
 
-def candidates(kernel: str, head_dim: int, backend: str) -> list[L.Config]:
+def vendor() -> str:
+    return "rocm" if jax.devices()[0].platform == "rocm" else "cuda"
+
+
+def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None) -> list[L.Config]:
     block_d = max(16, L.next_pow2(head_dim))
     if backend == "interpret":
         return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d)]
     width = "wide" if block_d > 128 else "narrow"
     return [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=w, num_stages=st)
-            for bm, bn, w, st in TILES[(kernel, width)]]
+            for bm, bn, w, st in TILES[(gpu or vendor(), kernel, width)]]
 
 
-def default_configs(head_dim: int, backend: str) -> tuple[L.Config, L.Config, L.Config]:
+def default_configs(head_dim: int, backend: str, gpu: str | None = None) -> tuple[L.Config, L.Config, L.Config]:
     """(forward, dk/dv, dq) heuristic configs: each kernel's first candidate."""
-    return tuple(candidates(kernel, head_dim, backend)[0] for kernel in ("fwd", "dkdv", "dq"))
+    return tuple(candidates(kernel, head_dim, backend, gpu)[0] for kernel in ("fwd", "dkdv", "dq"))
 
 
 def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
@@ -612,21 +625,22 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 # --------------------------------------------------------------------------------------------------
 
 def aot_cases():
-    """(name, kernel, signature, config) for the three kernels: head dims 64 / 128 / 256, causal
-    with GQA, and with every option (mask, bias, kv_lengths)."""
+    """(name, kernel, signature, config) for the three kernels: head dims 64 / 128 / 256 with each
+    vendor's heuristic tiles, causal with GQA, and with every option (mask, bias, kv_lengths)."""
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
               "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
-    for d in (64, 128, 256):
-        for options in ({"CAUSAL": True}, {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True,
-                                           "HAS_KV_LEN": True}):
-            st = Static(False, d ** -0.5, None, None, False, "triton", default_configs(d, "triton"))
-            q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
-            k = jax.ShapeDtypeStruct((1, 1, 8, d), jnp.bfloat16)
-            consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-            tag = f"attention/d{d}/{'causal-gqa' if 'CAUSAL' in options else 'options'}"
-            fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
-            fwd, dkdv, dq = st.configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in st.configs[1:])
-            yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": "*bf16", "lse_ptr": "*fp32"}, fwd)
-            yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": "*bf16", "dv_ptr": "*bf16"}, dkdv)
-            yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": "*bf16"}, dq)
+    for gpu in ("cuda", "rocm"):
+        for d in (64, 128, 256):
+            for options in ({"CAUSAL": True}, {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True,
+                                               "HAS_KV_LEN": True}):
+                st = Static(False, d ** -0.5, None, None, False, "triton", default_configs(d, "triton", gpu))
+                q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
+                k = jax.ShapeDtypeStruct((1, 1, 8, d), jnp.bfloat16)
+                consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
+                tag = f"attention/{gpu}-tiles/d{d}/{'causal-gqa' if 'CAUSAL' in options else 'options'}"
+                fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
+                fwd, dkdv, dq = st.configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in st.configs[1:])
+                yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": "*bf16", "lse_ptr": "*fp32"}, fwd)
+                yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": "*bf16", "dv_ptr": "*bf16"}, dkdv)
+                yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": "*bf16"}, dq)
