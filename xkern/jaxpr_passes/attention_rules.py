@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern
+from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import attention as kernels
 
 ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -79,14 +79,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale"):
 
 
 def _scale(match) -> dict:
-    """scale: the program's literal where the template has EXAMPLE_SCALE."""
-    for ti, eqn in enumerate(match.template.eqns):
-        for i, v in enumerate(eqn.invars):
-            value = getattr(v, "val", None)
-            if value is not None and np.ndim(value) == 0 and np.isclose(float(value), EXAMPLE_SCALE,
-                                                                        rtol=1e-2):
-                return {"scale": float(match.graph.eqns[match.eqns[ti]].invars[i].val)}
-    raise ValueError("no scale literal in the matched program")
+    return {"scale": literal_at(match, EXAMPLE_SCALE)}
 
 
 def _check(layout):

@@ -21,9 +21,8 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern
+from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import norms as kernels
 
 F32 = jnp.float32
@@ -112,14 +111,7 @@ def standardize(x, *, eps):
 # --------------------------------------------------------------------------------------------------
 
 def _eps(match) -> dict:
-    """eps: the program's literal where the template has EXAMPLE_EPS (in whatever dtype)."""
-    for ti, eqn in enumerate(match.template.eqns):
-        for k, v in enumerate(eqn.invars):
-            value = getattr(v, "val", None)
-            if value is not None and np.ndim(value) == 0 and np.isclose(float(value), EXAMPLE_EPS,
-                                                                        rtol=1e-2):
-                return {"eps": float(match.graph.eqns[match.eqns[ti]].invars[k].val)}
-    raise ValueError("no eps literal in the matched program")
+    return {"eps": literal_at(match, EXAMPLE_EPS)}
 
 
 def _check(match, params) -> str | None:

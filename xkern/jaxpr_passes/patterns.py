@@ -23,6 +23,7 @@ import pkgutil
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
@@ -161,6 +162,19 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
     if len(eqn_map) != len(t_graph.eqns) or any(v not in binding for v in t_inputs):
         return None
     return Match(None, graph, anchor, eqn_map, [binding[v] for v in t_inputs], template)
+
+
+def literal_at(match: Match, example_value: float) -> float:
+    """The program's literal where the template has the scalar `example_value` (a param the pattern
+    was traced with, e.g. an eps or a scale: pick a distinctive example, matched within 1%, as the
+    template may hold it rounded to a half-precision dtype)."""
+    for ti, eqn in enumerate(match.template.eqns):
+        for i, v in enumerate(eqn.invars):
+            value = getattr(v, "val", None)
+            if value is not None and np.ndim(value) == 0 and np.isclose(float(value), example_value,
+                                                                        rtol=1e-2):
+                return float(match.graph.eqns[match.eqns[ti]].invars[i].val)
+    raise ValueError(f"no literal like {example_value} in the matched program")
 
 
 def same_jaxpr(a, b) -> bool:
