@@ -180,13 +180,55 @@ def test_attention_patterns_match_and_equal_jax_jit(spelling):
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("spelling", ["jax.nn.dot_product_attention(causal)+mask[b,1,q,k]",
+                                      "jax.nn.dot_product_attention+bias+mask[b,h,q,k]",
+                                      "flax.linen.dot_product_attention+mask[1,1,q,k]"])
+def test_masked_spellings_average_rows_that_see_no_key(spelling):
+    """jax.nn and flax fill hidden scores with a large negative number: a query whose keys are all
+    masked gets the mean of the values, and so does its replacement (masked_rows="average")."""
+    import flax.linen as nn
+
+    rng = np.random.default_rng(11)
+    gqa = spelling.startswith("jax.nn")
+    q, k, v, do = make(2, 20, 20, 4, 2 if gqa else 4, 16, jnp.bfloat16, seed=12)
+    shape = {"[b,1,q,k]": (2, 1, 20, 20), "[b,h,q,k]": (2, 4, 20, 20), "[1,1,q,k]": (1, 1, 20, 20)}[spelling[-9:]]
+    mask = jnp.asarray(rng.random(shape) > 0.3).at[0, 0, 5].set(False)  # query 5 sees no key
+    bias = jnp.asarray(rng.standard_normal((1, 4, 20, 20)), jnp.float32)
+    f = {"jax.nn.dot_product_attention(causal)+mask[b,1,q,k]":
+         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True),
+         "jax.nn.dot_product_attention+bias+mask[b,h,q,k]":
+         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask),
+         "flax.linen.dot_product_attention+mask[1,1,q,k]":
+         lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)}[spelling]
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    # (a mask broadcast from [1, 1] and from [b, 1] trace alike: either template may take it)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith(f"attention/{spelling.split('[')[0]}")
+    got = xkern.jit(f)(q, k, v)
+    assert np.abs(np.asarray(got[0, 5], np.float32)).max() > 0  # averaged, not zeros
+    close(got, jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
+def test_masked_rows_average_against_the_reference_with_gqa_and_lengths():
+    q, k, v, do = make(2, 18, 21, 4, 2, 16, jnp.float32, seed=13)
+    mask = jnp.asarray(np.random.default_rng(14).random((2, 1, 18, 21)) > 0.4).at[1, 0, 2].set(False)
+    kw = dict(mask=mask, causal=True, kv_lengths=jnp.array([21, 9]), masked_rows="average")
+    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
+    want, vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw), q, k, v)
+    close(out, want, jnp.float32)
+    for g, w in zip(vjp(do), vjp_ref(do)):
+        close(g, w, jnp.float32)
+    with pytest.raises(ValueError, match="masked_rows must be one of"):
+        attention(q, k, v, masked_rows="mean")
+
+
 def test_attention_near_misses_are_not_rewritten():
     q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=9)
-    mask = jnp.asarray(np.random.default_rng(10).random((16, 16)) > 0.5)
     softmax_av = lambda s, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
     near_misses = {
-        # a boolean mask through jax.nn: fully masked rows average v there (zeros in the kernel)
-        "jax.nn mask": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
         # softmax over the query axis
         "other axis": lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(
             jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25, axis=-2), v),

@@ -2,16 +2,16 @@
 attention: the scores never exist in memory).
 
 Spellings: jax.nn.dot_product_attention (implementation None or "xla"; causal or not; with an
-additive bias or not; GQA through its k/v head grouping); flax.linen.dot_product_attention; and by
+additive bias, a boolean mask, both or neither; GQA through its k/v head grouping);
+flax.linen.dot_product_attention (with a mask or not); and by
 hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype),
 an optional causal mask from tril / iota applied with a -inf
 `where`, softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
 [batch, seq, heads, dim] layout or the [batch, heads, seq, dim] one (whose replacement transposes
 in and out). The scale is read off the program.
 
-Not matched: boolean masks through jax.nn / flax. Those fill masked scores with the dtype's most
-negative number, so a query whose keys are all masked averages every value; the kernel gives such
-a query zeros instead. Masks are the caller's to pass to xkern.ops.attention explicitly.
+jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
+masked averages every value: their replacements ask for that (masked_rows="average").
 """
 from __future__ import annotations
 
@@ -30,20 +30,26 @@ HALF = (jnp.bfloat16, jnp.float16)
 EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal in the template
 
 
-def nn_attention(causal: bool, bias: bool):
-    def fn(q, k, v, *b, scale):
-        return jax.nn.dot_product_attention(q, k, v, bias=b[0] if bias else None, scale=scale,
-                                            is_causal=causal)
-    fn.__name__ = f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
+# A mask's broadcast shape changes the program jax.nn traces (its broadcasts), so each common shape
+# has its own template: per batch and head, per batch, shared.
+MASK_SHAPES = {"[b,h,q,k]": (2, 4, 8, 8), "[b,1,q,k]": (2, 1, 8, 8), "[1,1,q,k]": (1, 1, 8, 8)}
+
+
+def nn_attention(causal: bool, bias: bool, mask: str | None):
+    def fn(q, k, v, *extras, scale):
+        return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
+                                            mask=extras[-1] if mask else None, scale=scale, is_causal=causal)
+    fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
+                   f"{'+mask' + mask if mask else ''}")
     return fn
 
 
-def flax_attention(q, k, v):
-    import flax.linen as nn
-    return nn.dot_product_attention(q, k, v)
-
-
-flax_attention.__name__ = "flax.linen.dot_product_attention"
+def flax_attention(mask: str | None):
+    def fn(q, k, v, *extras):
+        import flax.linen as nn
+        return nn.dot_product_attention(q, k, v, mask=extras[0] if mask else None)
+    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}"
+    return fn
 
 
 def _causal(scores):
@@ -100,15 +106,18 @@ def _check(layout):
     return check
 
 
-def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params=True, scaling="*scale"):
+def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
+             scaling="*scale"):
+    """Inputs q, k, v, then the bias and the mask where the spelling has them."""
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
         kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if layout == "bshd" and fn.__name__.startswith("jax.nn")
                                   else (2, 8, 4, 16), dtype)
         bias = (jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.float32),) if with_bias else ()
-        return (q, kv, kv, *bias)
+        mask = (jax.ShapeDtypeStruct(MASK_SHAPES[with_mask], jnp.bool_),) if with_mask else ()
+        return (q, kv, kv, *bias, *mask)
 
-    def replace(q, k, v, *bias, backend, scale=None):
+    def replace(q, k, v, *extras, backend, scale=None):
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -117,8 +126,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params
             scale = 1 / scale
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        out = kernels.attention(q, k, v, causal=causal, bias=bias[0] if bias else None, scale=scale,
-                                backend=backend)
+        out = kernels.attention(q, k, v, causal=causal, bias=extras[0] if with_bias else None,
+                                mask=extras[-1] if with_mask else None, scale=scale, backend=backend,
+                                masked_rows="average" if with_mask else "zeros")
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
@@ -126,11 +136,11 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, params
                    params_of=_scale if params else (lambda match: {}), check=_check(layout), replace=replace)
 
 
-PATTERNS = [_pattern(nn_attention(causal, bias), ALL, causal=causal, with_bias=bias)
-            for causal in (False, True) for bias in (False, True)]
+PATTERNS = [_pattern(nn_attention(causal, bias, mask), ALL, causal=causal, with_bias=bias, with_mask=mask)
+            for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)]
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
-    PATTERNS += [_pattern(flax_attention, ALL, params=False)]
+    PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask) for mask in (None, *MASK_SHAPES)]

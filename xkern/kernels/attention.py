@@ -39,7 +39,8 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
 
-def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None):
+def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
+              masked_rows="zeros"):
     """The definition (and the `xla` backend), float32 math: scores materialized."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -48,8 +49,9 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    visible = _visible(q.shape[1], k.shape[1], causal, mask, kv_lengths, q.shape[0])
-    s = jnp.where(visible, s, -jnp.inf)
+    visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0])
+    s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
+    s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
     m = jnp.max(s, -1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
@@ -430,6 +432,7 @@ class Static:
     has_kv_len: bool
     backend: str
     configs: tuple
+    average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -512,11 +515,13 @@ for _name in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q, k, v, mask, bias, kv_len, st: Static):
-    return _launch_fwd(q, k, v, mask, bias, kv_len, st)[0]
+    return _attention_fwd(q, k, v, mask, bias, kv_len, st)[0]
 
 
 def _attention_fwd(q, k, v, mask, bias, kv_len, st: Static):
     o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, st)
+    if st.average_empty:
+        o = jnp.where(_empty(lse)[..., None], _mean_values(v, kv_len, q.shape[2]), o)
     return o, (q, k, v, mask, bias, kv_len, o, lse)
 
 
@@ -524,8 +529,42 @@ def _attention_bwd(st: Static, residuals, do):
     q, k, v, mask, bias, kv_len, o, lse = residuals
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, do.astype(q.dtype), lse, delta, st)
+    if st.average_empty:  # the kernels saw nothing of the rows that average every value
+        dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
     dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st)
     return dq, dk, dv, None, dbias, None
+
+
+# masked_rows="average": a query whose keys are all hidden gets the mean of the (real) values, as
+# jax.nn.dot_product_attention and flax give it. Such rows are rare and cheap (linear in the
+# sequence), so XLA handles them around the kernels, which give them lse = -inf and no gradient.
+
+def _empty(lse):
+    """[batch, q_seq, heads]: the queries that saw no key."""
+    return jnp.transpose(lse == -jnp.inf, (0, 2, 1))
+
+
+def _mean_values(v, kv_len, heads):
+    """[batch, 1, heads, d]: each q head's mean value over the keys inside the length."""
+    values, _ = _mean_values_parts(v, kv_len)
+    return jnp.repeat(values, heads // v.shape[2], axis=1)[:, None].astype(v.dtype)
+
+
+def _mean_values_parts(v, kv_len):
+    sk = v.shape[1]
+    real = jnp.ones((v.shape[0], sk), bool) if kv_len is None else jnp.arange(sk) < kv_len[:, None]
+    count = jnp.maximum(jnp.sum(real, 1), 1).astype(jnp.float32)  # no real key: zeros
+    weights = real / count[:, None]  # [batch, kv_seq]
+    return jnp.einsum("bk,bkhd->bhd", weights, v.astype(jnp.float32)), weights
+
+
+def _mean_values_vjp(do_empty, v, kv_len):
+    """dv from the empty rows' cotangents: each key inside the length gets their sum / count."""
+    _, weights = _mean_values_parts(v, kv_len)
+    group = do_empty.shape[2] // v.shape[2]
+    summed = jnp.sum(do_empty.astype(jnp.float32), 1)  # [batch, heads, d]
+    summed = summed.reshape(summed.shape[0], v.shape[2], group, -1).sum(2)  # [batch, kv_heads, d]
+    return jnp.einsum("bk,bhd->bkhd", weights, summed)
 
 
 def _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
@@ -589,8 +628,11 @@ def _check(q, k, v, scale, kv_lengths):
                          f"{list(getattr(kv_lengths, 'shape', []))}")
 
 
+MASKED_ROWS = ("zeros", "average")
+
+
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
-              kv_lengths=None, backend: str | None = None):
+              kv_lengths=None, masked_rows: str = "zeros", backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -599,9 +641,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     mask: boolean, broadcastable to [batch, heads, q_seq, kv_seq]; True = visible.
     bias: additive, broadcastable likewise (its gradient, if used, is computed by XLA).
     scale: default 1 / sqrt(head_dim). kv_lengths [batch]: keys at or past the length are padding.
-    A query that sees no key gets zeros. Float32 math inside; output in q's dtype.
+    masked_rows: what a query gets whose keys are all hidden by `mask` / `causal`: "zeros", or
+        "average", the mean of every value (jax.nn.dot_product_attention's and flax's result: they
+        fill hidden scores with a large negative number). Keys past kv_lengths never count.
+    Float32 math inside; output in q's dtype.
     """
     _check(q, k, v, scale, kv_lengths)
+    if masked_rows not in MASKED_ROWS:
+        raise ValueError(f"attention: masked_rows must be one of {', '.join(MASKED_ROWS)}; got {masked_rows!r}")
     backend = L.resolve_backend(backend)
     b, sq, h, d = q.shape
     sk = k.shape[1]
@@ -611,9 +658,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     bias4, bias_bh = _as_4d("bias", bias, b, h, sq, sk) if bias is not None else (None, None)
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     if backend == "xla" or q.size == 0 or k.size == 0:
-        return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths)
+        return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
+                         masked_rows=masked_rows)
     st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend,
-                default_configs(d, backend))
+                default_configs(d, backend), masked_rows == "average")
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
