@@ -23,6 +23,7 @@ import pkgutil
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
@@ -103,11 +104,47 @@ def _same_param(a, b) -> bool:
         return a is b
 
 
+_TEMPLATE_GRAPHS: dict[int, tuple] = {}
+
+
+def _template_graph(template: Jaxpr) -> Graph:
+    """The graph of a template, built once: the matcher tries every template at every anchor."""
+    entry = _TEMPLATE_GRAPHS.get(id(template))
+    if entry is None or entry[0] is not template:
+        if len(_TEMPLATE_GRAPHS) > 4096:  # exact re-traces and sub-jaxprs pass through here too
+            _TEMPLATE_GRAPHS.clear()
+        entry = _TEMPLATE_GRAPHS[id(template)] = (template, Graph(template))  # keeps it alive
+    return entry[1]
+
+
+def _operand_kind(graph: Graph, v, inputs) -> str:
+    if isinstance(v, Literal):
+        return "literal"
+    if v in inputs or v not in graph.producer:
+        return "input"
+    return graph.eqns[graph.producer[v][0]].primitive.name
+
+
+def _operands_agree(t_graph: Graph, t_eqn: int, graph: Graph, eqn: int) -> bool:
+    """A cheap first look before unifying: the anchors' operands come from the same primitives
+    (a template input takes any non-literal). Most anchors of a large program fail here."""
+    te, pe = t_graph.eqns[t_eqn], graph.eqns[eqn]
+    if te.primitive is not pe.primitive or len(te.invars) != len(pe.invars):
+        return False
+    t_inputs = set(t_graph.jaxpr.invars)
+    want = [_operand_kind(t_graph, v, t_inputs) for v in te.invars]
+    have = [_operand_kind(graph, v, ()) for v in pe.invars]
+    fits = lambda w, h: w == h or (w == "input" and h != "literal")
+    orders = (have, have[::-1]) if te.primitive.name in COMMUTATIVE else (have,)
+    return any(all(fits(w, h) for w, h in zip(want, order)) for order in orders)
+
+
 def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | None:
     """Match `template` (one output) against the program, its output at equation `anchor`."""
     t_out = template.outvars[0]
-    t_graph = Graph(template)
-    if t_out not in t_graph.producer:
+    t_graph = _template_graph(template)
+    if t_out not in t_graph.producer or not _operands_agree(t_graph, t_graph.producer[t_out][0], graph,
+                                                             anchor):
         return None
     t_inputs = list(template.invars)
     binding: dict = {}
@@ -218,6 +255,23 @@ class Registry:
     rejected: list  # (pattern name, name of the pattern it duplicates)
 
 
+def _representatives(dtypes) -> list:
+    """The dtypes (or dtype tuples) worth tracing: float16 traces as bfloat16 does but for dtypes,
+    which structural matching ignores (the exact re-trace then checks the real one), so only
+    bfloat16 is traced: half the tracing, a faster first xkern.jit."""
+    def half(d):
+        try:
+            return jnp.bfloat16 if np.dtype(d) == np.float16 else d
+        except TypeError:  # a pattern's own example selector, not a dtype
+            return d
+    out = []
+    for d in dtypes:
+        rep = tuple(map(half, d)) if isinstance(d, tuple) else half(d)
+        if rep not in out:
+            out.append(rep)
+    return out
+
+
 def build_registry(patterns: list[Pattern]) -> Registry:
     """Trace every pattern's templates; reject duplicates (a template another pattern already has)."""
     names = [p.name for p in patterns]
@@ -226,7 +280,7 @@ def build_registry(patterns: list[Pattern]) -> Registry:
     kept, rejected, by_anchor = [], [], {}
     for pattern in patterns:
         templates = []
-        for dtype in pattern.dtypes:
+        for dtype in _representatives(pattern.dtypes):
             t = trace(pattern, pattern.example(dtype), pattern.example_params)
             if not any(same_jaxpr(t, other) for other in templates):
                 templates.append(t)
