@@ -65,8 +65,8 @@ def _matmul_epilogue(avals, params) -> str | None:
 
 
 def _cross_entropy(avals, params) -> str | None:
-    """Measured on an H200 (8192x128256 bf16): forward 1.79x, value and gradient 2.5x jax.jit; the
-    kernel reads the logits once forward and once backward, like XLA's best case, but at 4 TB/s."""
+    """Measured on an H200 (8192x128256 bf16, h200-cross-entropy.json): forward 2.02x, value and
+    gradient 2.60x jax.jit; the kernel streams the logits at up to 3.9 TB/s where XLA manages 1-2."""
     return _too_small(int(np.prod(avals[0].shape)) * np.dtype(avals[0].dtype).itemsize)
 
 
@@ -104,15 +104,15 @@ def _attention(avals, params) -> str | None:
 
 def _glu(avals, params) -> str | None:
     return ("swiglu/geglu: XLA fuses act(a) * b and its gradient at ~4.2 TB/s; the kernels tie it "
-            "(H200, 16384x8192 bf16: swiglu 0.98x fwd / 0.98x fwd+bwd, geglu 1.08x / 0.97x, split form "
-            "1.01x / 0.97x) and, as custom calls, would keep XLA from fusing neighbouring elementwise "
+            "(H200, 16384x8192 bf16, h200-glu.json: swiglu 0.97x fwd / 0.99x fwd+bwd, geglu 1.10x / 0.95x, "
+            "split form 1.01x / 0.99x) and, as custom calls, would keep XLA from fusing neighbouring elementwise "
             "ops; xkern.ops.swiglu / geglu stay available for explicit use")
 
 
 def _rope(avals, params) -> str | None:
-    """Measured on an H200 (4x4096x32x128 bf16): half rotation 0.93x forward (XLA fuses the
-    concatenate form at 3.7 TB/s) but 1.36x forward+backward; interleaved 2.28x / 1.70x (XLA's
-    stride-2 slices and stack run at 1.6-2.2 TB/s). A near tie at worst, a win when trained."""
+    """Measured on an H200 (4x4096x32x128 bf16, h200-rope.json): half rotation 0.98x forward (XLA
+    fuses the concatenate form at 3.7 TB/s) but 1.38x forward+backward; interleaved 2.29x / 1.75x
+    (XLA's stride-2 slices and stack run at 1.6-2.2 TB/s). A near tie at worst, a win when trained."""
     x = avals[0]
     return _too_small(2 * int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize)
 
