@@ -240,8 +240,14 @@ def test_matmul_with_generated_epilogue(dtype):
     assert "tl.dot" in report.matches[0].source and report.matches[0].pattern.startswith("generated/")
     tol = {jnp.float32: 1e-5, jnp.float16: 5e-3, jnp.bfloat16: 2e-2}[dtype]
     assert_matches_xla(f, x, w, b, r, rtol=tol, atol=tol * 4)
-    got = jax.grad(lambda *a: xkern.optimize(f)(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, b, r)
-    want = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(x, w, b, r)
+    grad = jax.grad(lambda *a: xkern.optimize(f)(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
+    # The epilogue's derivative is a generated kernel too (the bias gradient's row sum is XLA's).
+    derivative = [m for m in report.matches if "epilogue derivative" in m.pattern]
+    assert len(derivative) == 1 and "tl.dot" not in derivative[0].source
+    launched = kernel_names(jax.make_jaxpr(grad)(x, w, b, r))  # forward (also writing the product)
+    assert len(launched) == 2 and launched[1] == derivative[0].kernels[0]
+    got = grad(x, w, b, r)
+    want = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))(x, w, b, r)
     for g, v in zip(got, want):  # the backward starts from the kernel's own (rounded) product
         v = np.asarray(v, np.float32)
         np.testing.assert_allclose(np.asarray(g, np.float32), v, rtol=tol, atol=2 * tol * np.abs(v).max())
@@ -253,6 +259,12 @@ def test_matmul_epilogue_backward_reuses_the_product():
     grad = jax.jit(jax.grad(lambda x, w: xkern.optimize(f)(x, w).sum(), argnums=(0, 1)))
     hlo = grad.lower(x, w).compile().as_text()
     assert hlo.count(" dot(") == 2  # the two gradient matmuls; the forward's product is saved
+    # A boolean input of the epilogue has no gradient; its derivative kernel still takes it.
+    m = jnp.arange(8 * 12).reshape(8, 12) % 3 == 0
+    masked = lambda x, w, m: jnp.where(m, jnp.tanh(x @ w), 0.0) * 3.0
+    grads = [jax.grad(lambda x, w: g(x, w, m).sum(), argnums=(0, 1))(x * 0.1, w) for g in (xkern.optimize(masked), masked)]
+    np.testing.assert_allclose(grads[0][0], grads[1][0], rtol=1e-5)
+    np.testing.assert_allclose(grads[0][1], grads[1][1], rtol=1e-5)
     np.testing.assert_allclose(grad(x, w)[1], jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))(x, w)[1],
                                rtol=1e-5)
 

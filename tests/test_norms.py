@@ -203,3 +203,43 @@ def test_norm_near_misses_are_not_rewritten():
     f = lambda x: norm_rules.rms_square(x, 1e-5) * scale[:1]
     assert [m.pattern for m in xkern.explain(f)(x).matches] == ["rms_norm/rms_square/plain"]
     close(xkern.jit(f)(x), jax.jit(f)(x), jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["layer_norm/flax.linen.LayerNorm", "rms_norm/rms_square*scale/cast back first"])
+def test_a_norm_after_a_residual_add_takes_the_add(name):
+    # A pre-norm transformer block: h = x + a is normalized, then used again by the second residual
+    # add. The norm kernel reads x and a and also writes h; no separate add runs.
+    pattern = next(p for p in norm_rules.PATTERNS if p.name == name)
+    _, *params = _pattern_args(pattern, seed=11)
+    x, a = (make((3, 5, 37), jnp.bfloat16, seed)[0] for seed in (11, 12))
+
+    def block(x, a, *params):
+        h = x + a
+        return h + jnp.tanh(pattern.fn(h, *params, eps=1e-5)).astype(h.dtype)
+    report = xkern.explain(block)(x, a, *params)
+    assert [m.pattern for m in report.matches if "norm" in m.pattern] == [name + " + residual add"]
+    jaxpr = jax.make_jaxpr(xkern.optimize(block))(x, a, *params)
+    adds = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "add" and e.invars[0].aval.shape == x.shape]
+    assert len(adds) <= 1  # only the block's second residual add is left (when no fusion takes it)
+    close(xkern.jit(block)(x, a, *params), jax.jit(block)(x, a, *params), jnp.bfloat16)
+    dy = make(x.shape, jnp.float32, seed=13)[-1]
+    loss = lambda *z: jnp.sum(block(*z).astype(jnp.float32) * dy)
+    argnums = tuple(range(2 + len(params)))
+    for g, w in zip(jax.grad(xkern.optimize(loss), argnums)(x, a, *params), jax.grad(loss, argnums)(x, a, *params)):
+        close(g, w, jnp.bfloat16)
+
+
+def test_a_residual_add_used_before_the_norm_or_broadcast_is_not_taken():
+    x, a, scale, _, _ = make((4, 24), jnp.float32, seed=14)
+    norm = lambda h: norm_rules.rms_square(h, 1e-5) * scale
+
+    def used_before(x, a):
+        h = x + a
+        early = jnp.cumsum(h, -1)  # h is read before the norm runs: the add must run first
+        return norm(h) + early
+
+    broadcast = lambda x, a: norm(x + a[0])  # a row broadcast over x: not a residual stream
+    for f in (used_before, broadcast):
+        names = [m.pattern for m in xkern.explain(f)(x, a).matches if "norm" in m.pattern]
+        assert names == ["rms_norm/rms_square*scale/plain"], names
+        close(xkern.jit(f)(x, a), jax.jit(f)(x, a), jnp.float32)

@@ -167,12 +167,16 @@ def explain(fun: Callable, *, backend: str | None = None):
         for p in plan.walk():
             declined += p.declined
             for r in p.rewrites.values():
-                replaced = jax.make_jaxpr(functools.partial(r.match.pattern.replace, backend=chosen,
-                                                            **r.params))(*specs(r.match.input_avals))
+                inputs, residual = r.inputs()
+                replace = functools.partial(r.match.pattern.replace, backend=chosen, **r.params)
+                if residual is not None:
+                    inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
+                replaced = jax.make_jaxpr(replace)(*specs(v.aval for v in inputs))
                 matches.append(Replaced(r.pattern, r.match.pattern.op, r.location,
                                         kernel_names(replaced), r.params))
+            role = f" ({p.role}, in the backward pass)" if p.role else ""
             for f in p.fusions.values():
-                matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops", "fused", f.location,
+                matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
                                         [f.fused.name], {}, f.fused.source))
         before, after = traffic(plan)
         return Report(chosen, launched, matches, declined, before, after)

@@ -10,6 +10,8 @@ A spelling is three choices, combined:
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
 and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
 jax.nn.standardize. eps is read off the program (any value; the exact re-trace checks it).
+A norm of h = x + r (a residual connection) also takes the add: the kernel reads x and r and writes
+the normalized rows and h, one pass fewer than an add and a norm (xkern/jaxpr_passes/rewrite.py).
 
 Where the program rounds twice (cast back, then multiply by scale) the kernel rounds once: results
 agree within one rounding of the output dtype. flax's LayerNorm computes the variance as
@@ -133,18 +135,20 @@ def _pattern(name, op, fn, n_params, dtypes, affine=""):
         return (jax.ShapeDtypeStruct((4, 8), x_dtype),
                 *[jax.ShapeDtypeStruct((8,), param_dtype)] * n_params)
 
-    def replace(x, *params, backend, eps):
+    def replace(x, *params, backend, eps, residual=None):
         out_dtype = jax.eval_shape(lambda *a: fn(*a, eps=eps), x, *params).dtype
         scale = params[0] if params else None
         if affine == "*(1+scale)":
             scale = 1 + scale  # as the program computes it, in scale's dtype
         if op == "rms_norm":
-            return kernels.rms_norm(x, scale, eps, out_dtype=out_dtype, backend=backend)
+            return kernels.rms_norm(x, scale, eps, residual=residual, out_dtype=out_dtype, backend=backend)
         bias = params[1] if len(params) > 1 else None
-        return kernels.layer_norm(x, scale, bias, eps, out_dtype=out_dtype, backend=backend)
+        return kernels.layer_norm(x, scale, bias, eps, residual=residual, out_dtype=out_dtype,
+                                  backend=backend)
 
     return Pattern(name=name, op=op, fn=fn, dtypes=dtypes, example=example,
-                   example_params={"eps": EXAMPLE_EPS}, params_of=_eps, check=_check, replace=replace)
+                   example_params={"eps": EXAMPLE_EPS}, params_of=_eps, check=_check, replace=replace,
+                   folds_residual_add=True)
 
 
 def _param_dtypes(x_dtypes):

@@ -39,6 +39,7 @@ class Pattern:
     example(dtype): example input avals to trace the template at, for each dtype in `dtypes`.
     params_of(match): the params at a match, read off the matched equations (e.g. the axis).
     replace(*inputs, backend, **params): the replacement; must equal fn(*inputs, **params).
+    (With folds_residual_add, replace(x, *rest, residual=r, ...) returns (fn(x + r, *rest), x + r).)
     check(match, params): a reason to decline this match (dtype, shape), or None.
     """
     name: str
@@ -50,6 +51,9 @@ class Pattern:
     replace: Callable
     check: Callable[["Match", dict], str | None] = lambda match, params: None
     example_params: dict = dataclasses.field(default_factory=dict)
+    # The first input may be a sum x + r made just before: then replace(x, ..., residual=r) also
+    # returns x + r, and the add is folded into the kernel (a norm after a residual connection).
+    folds_residual_add: bool = False
 
 
 @dataclasses.dataclass

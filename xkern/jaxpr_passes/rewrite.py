@@ -7,6 +7,7 @@ builds the rewritten program, with each equation's source info carried over.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -29,10 +30,18 @@ class Rewrite:
     match: Match
     params: dict
     location: str
+    residual_add: int | None = None  # the folded add h = x + r making the first input (see below)
 
     @property
     def pattern(self) -> str:
-        return self.match.pattern.name
+        return self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
+
+    def inputs(self) -> tuple[list, Any]:
+        """The program values the replacement reads, and the residual r (None: no folded add)."""
+        if self.residual_add is None:
+            return list(self.match.inputs), None
+        x, r = self.match.graph.eqns[self.residual_add].invars
+        return [x, *self.match.inputs[1:]], r
 
 
 @dataclasses.dataclass
@@ -48,6 +57,7 @@ class Fusion:
     """A generated kernel for a fusion group, run where the group's last equation was."""
     fused: Any  # xkern.kernels.generated.Fused
     location: str
+    backward: "Plan | None" = None  # a matmul group's epilogue derivative, planned like a program
 
     @property
     def inputs(self) -> list:
@@ -67,14 +77,18 @@ class Plan:
     subplans: dict[int, dict[str, list["Plan"]]]  # equation -> param -> plans of its sub-jaxprs
     declined: list[Declined]
     fusions: dict[int, Fusion] = dataclasses.field(default_factory=dict)  # last equation -> fusion
+    role: str = ""  # what a plan that is not the user's program plans ("epilogue derivative")
 
     def walk(self):
-        """This plan and every sub-plan, depth first."""
+        """This plan and every sub-plan (sub-jaxprs, epilogue derivatives), depth first."""
         yield self
         for by_param in self.subplans.values():
             for plans in by_param.values():
                 for plan in plans:
                     yield from plan.walk()
+        for fusion in self.fusions.values():
+            if fusion.backward is not None:
+                yield from fusion.backward.walk()
 
     @property
     def changes(self) -> bool:
@@ -150,6 +164,7 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
             claimed |= match.program_eqns
             plan.skip |= match.program_eqns - {i}
             break
+    _fold_residual_adds(plan, graph, claimed)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
     # several spellings declined at one place, the largest (tried first) speaks for it.
     seen: set[int] = set()
@@ -166,6 +181,29 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
                 if any(p.changes or any(q.declined for q in p.walk()) for p in plans):
                     plan.subplans.setdefault(i, {})[name] = plans
     return plan
+
+
+def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
+    """Let each rewrite whose pattern can (a norm) take the add h = x + r that makes its first input:
+    the kernel then reads x and r and writes h beside its output. The replacement runs at the
+    pattern's anchor, so h's other users must all come after it (as in a pre-norm transformer block,
+    where h is next used by the block's second residual add)."""
+    for anchor, rewrite in plan.rewrites.items():
+        h = rewrite.match.inputs[0]
+        if not rewrite.match.pattern.folds_residual_add or h not in graph.producer:
+            continue
+        add = graph.producer[h][0]
+        eqn = graph.eqns[add]
+        if (eqn.primitive.name != "add" or add in claimed or add not in plan.live
+                or any(isinstance(v, Literal) or (v.aval.shape, v.aval.dtype) != (h.aval.shape, h.aval.dtype)
+                       for v in eqn.invars)):
+            continue
+        if any(c in plan.live and c < anchor and c not in rewrite.match.program_eqns
+               for c in graph.consumers.get(h, ())):
+            continue
+        rewrite.residual_add = add
+        claimed.add(add)
+        plan.skip.add(add)
 
 
 def _sub_jaxprs(value) -> list[ClosedJaxpr]:
@@ -195,15 +233,23 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             continue
         if i in plan.fusions:
             fusion = plan.fusions[i]
+            derivative = None if fusion.backward is None else (
+                lambda *a, plan=fusion.backward: evaluate(plan, a, backend))
             with _compat.user_context(eqn.source_info):
-                outs = generated.op(fusion.fused, backend)(*map(read, fusion.inputs))
+                outs = generated.op(fusion.fused, backend, derivative)(*map(read, fusion.inputs))
             env.update(zip(fusion.outputs, outs))
             continue
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
+            inputs, residual = rewrite.inputs()
+            replace = functools.partial(rewrite.match.pattern.replace, *map(read, inputs),
+                                        backend=backend, **rewrite.params)
             with _compat.user_context(eqn.source_info):
-                outs = [rewrite.match.pattern.replace(*map(read, rewrite.match.inputs),
-                                                      backend=backend, **rewrite.params)]
+                if residual is None:
+                    outs = [replace()]
+                else:
+                    out, env[rewrite.match.inputs[0]] = replace(residual=read(residual))
+                    outs = [out]
         elif i in plan.subplans:
             params = dict(eqn.params)
             for name, plans in plan.subplans[i].items():
@@ -290,6 +336,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
     claimed = plan.skip | set(plan.rewrites)
+    role = f" ({plan.role})" if plan.role else ""
     for dot, g in grouping.matmul_epilogues(graph, plan.live, claimed):
         last = graph.eqns[g.eqns[-1]]
         reason = cost("matmul_epilogue", [v.aval for v in graph.eqns[dot].invars], {}, backend)
@@ -300,7 +347,8 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
             # (cuBLASLt), which a separate kernel reading the product back would undo.
             claimed |= set(g.eqns)
             continue
-        plan.fusions[g.eqns[-1]] = Fusion(generated.build(g, graph.eqns, dot), location(last))
+        fused = generated.build(g, graph.eqns, dot)
+        plan.fusions[g.eqns[-1]] = Fusion(fused, location(last), _epilogue_derivative(fused, backend, cost))
         plan.skip |= (set(g.eqns) | {dot}) - {g.eqns[-1]}
         claimed |= set(g.eqns) | {dot}
     groups, _ = grouping.find_groups(graph, plan.live, claimed)
@@ -311,12 +359,30 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
                       {"bytes": moved, "n_cols": g.n_cols,
                        "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)}, backend)
         if reason:
-            plan.declined.append(Declined(f"generated/{len(g.eqns)} ops", location(last), reason,
+            plan.declined.append(Declined(f"generated/{len(g.eqns)} ops{role}", location(last), reason,
                                           g.eqns[-1]))
             continue
         plan.fusions[g.eqns[-1]] = Fusion(generated.build(g, graph.eqns), location(last))
         plan.skip |= set(g.eqns) - {g.eqns[-1]}
     return plan
+
+
+def _epilogue_derivative(fused, backend: str, cost) -> Plan:
+    """The backward pass of a matmul group's epilogue, (product, other inputs, output cotangents) ->
+    (d_product, d_others), traced and planned as a program of its own: its elementwise part (the
+    activation's derivative times the cotangent) becomes one generated kernel where the cost model
+    agrees, and what is not elementwise (a bias gradient's sum over rows) stays with XLA."""
+    n_others = len(fused.input_vars) - 2
+
+    def derivative(product, *rest):
+        others, cotangents = rest[:n_others], rest[n_others:]
+        return jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
+
+    avals = [fused.eqns[0].outvars[0].aval, *(v.aval for v in fused.input_vars[2:]), *fused.output_avals]
+    closed = jax.make_jaxpr(derivative)(*specs(avals))
+    plan = empty_plan(closed)
+    plan.role = "epilogue derivative"
+    return fuse_groups(plan, backend, cost)
 
 
 def traffic(plan: Plan) -> tuple[int, int]:
@@ -326,13 +392,15 @@ def traffic(plan: Plan) -> tuple[int, int]:
         graph = Graph(p.closed.jaxpr)
         for rewrite in p.rewrites.values():
             seen = set()
-            for i in rewrite.match.program_eqns:
+            folded = {rewrite.residual_add} - {None}
+            for i in rewrite.match.program_eqns | folded:
                 for v in (*graph.eqns[i].invars, *graph.eqns[i].outvars):
                     if not isinstance(v, Literal) and v not in seen:
                         seen.add(v)
                         before += aval_bytes(v.aval)
-            out = graph.eqns[rewrite.match.anchor].outvars[0]
-            after += sum(aval_bytes(v.aval) for v in rewrite.match.inputs) + aval_bytes(out.aval)
+            inputs, residual = rewrite.inputs()
+            outs = [graph.eqns[rewrite.match.anchor].outvars[0]] + [rewrite.match.inputs[0]] * bool(folded)
+            after += sum(aval_bytes(v.aval) for v in (*inputs, *outs)) + (aval_bytes(residual.aval) if folded else 0)
         for fusion in p.fusions.values():
             seen = set()
             for eqn in fusion.fused.eqns:

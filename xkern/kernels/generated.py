@@ -187,10 +187,11 @@ def run(fused: Fused, inputs, backend: str) -> list:
     return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
 
 
-def op(fused: Fused, backend: str):
+def op(fused: Fused, backend: str, epilogue_vjp=None):
     """The group as a differentiable function of its inputs. The backward pass is XLA's: the vjp of
-    the group's equations from its inputs; for a matmul group, of the epilogue from the saved
-    product, then the two gradient matmuls (no matmul is recomputed)."""
+    the group's equations from its inputs. For a matmul group: the epilogue's derivative from the
+    saved product (`epilogue_vjp(product, *others, *cotangents)`, the rewriter's generated kernel for
+    it, or else XLA's vjp), then the two gradient matmuls (no matmul is recomputed)."""
     @jax.custom_vjp
     def fused_op(*inputs):
         return run(fused, inputs, backend)
@@ -205,7 +206,10 @@ def op(fused: Fused, backend: str):
         if not fused.k:
             return tuple(jax.vjp(fused.reference, *residuals)[1](list(cotangents)))
         (a, b, *others), product = residuals
-        d_product, *d_others = jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
+        if epilogue_vjp is not None:
+            d_product, *d_others = epilogue_vjp(product, *others, *cotangents)
+        else:
+            d_product, *d_others = jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
         dot = fused.eqns[0]
         d_a, d_b = jax.vjp(lambda a, b: _compat.bind_equation(dot, [a, b])[0], a, b)[1](d_product)
         return (d_a, d_b, *d_others)
@@ -302,8 +306,7 @@ def aot_cases():
 
     for program, specs in _sample_programs():
         plan = pipeline.plan(jax.make_jaxpr(program)(*specs), "interpret")  # every group, no costing
-        for fusion in plan.fusions.values():
-            fused = fusion.fused
+        for fused in (f.fused for p in plan.walk() for f in p.fusions.values()):
             n_rows = int(np.prod(fused.group.rows))
             signature = {f"in{k}_ptr": _PTR[np.dtype(v.aval.dtype).name]
                          for k, (v, _) in enumerate(fused.group.inputs)}
