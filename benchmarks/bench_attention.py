@@ -43,4 +43,26 @@ def cases(on_gpu: bool) -> list[Case]:
                             make, 0, 2e-2, fwd_flops))
             out.append(Case(f"{name} vs {ref_name}", (b, s, h, d), "bfloat16", "fwd+bwd", bwd(_ours), bwd(ref),
                             make, 0, 3e-2, int(3.5 * fwd_flops), memory=True))
-    return out
+    return out + _padded_cases(on_gpu)
+
+
+def _padded_cases(on_gpu: bool) -> list[Case]:
+    """A padding mask (the last 1/16 of the queries and keys are padding, so those query rows are
+    fully masked) with masked_rows="average", which reproduces jax.nn's result for such rows, against
+    jax.nn.dot_product_attention's XLA implementation. FLOPs counted as if unmasked."""
+    b, s, h, d = (4, 4096, 32, 128) if on_gpu else (1, 40, 2, 64)
+    real = s - s // 16
+    mask = (jnp.arange(s) < real)[:, None] & (jnp.arange(s) < real)[None, :]
+    mask = mask[None, None]
+
+    def make(key):
+        return tuple(jax.random.normal(k, (b, s, h, d), jnp.bfloat16) for k in jax.random.split(key, 4))
+
+    ours = lambda q, k, v: xkern.ops.attention(q, k, v, mask=mask, masked_rows="average")
+    ref = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+    flops = 4 * b * h * s * s * d
+    fwd = lambda f: (lambda q, k, v, do: f(q, k, v))
+    bwd = lambda f: (lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+    name = "attention, padding mask, masked_rows=average vs jax.jit (xla)"
+    return [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 0, 2e-2, flops),
+            Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(ours), bwd(ref), make, 0, 3e-2, int(3.5 * flops))]

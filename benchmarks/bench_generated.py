@@ -14,11 +14,15 @@ from xkern import pipeline
 from xkern.jaxpr_passes.rewrite import evaluate
 
 
-def forced(f, backend: str):
-    """f with every fusion group compiled to a generated kernel, cost model bypassed."""
+def forced(f, backend: str, derivative_kernels: bool = True):
+    """f with every fusion group compiled to a generated kernel, cost model bypassed; without
+    `derivative_kernels`, a matmul epilogue's backward is XLA's vjp instead of a generated kernel."""
     def run(*args):
         closed = jax.make_jaxpr(f)(*args)
         plan = pipeline.plan(closed, "interpret")  # plans every group; launches on `backend`
+        if not derivative_kernels:
+            for fusion in [f for p in plan.walk() for f in p.fusions.values()]:
+                fusion.backward = None
         return evaluate(plan, args, backend)[0]
     return run
 

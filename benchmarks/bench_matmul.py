@@ -1,6 +1,7 @@
 """Matmul with a generated epilogue (bias + gelu) against jax.jit (cuBLASLt with its own epilogue).
 
-"generated" forces the matmul-epilogue kernel (tiles autotuned on first use, cached on disk);
+"generated" forces the matmul-epilogue kernel (tiles autotuned on first use, cached on disk), and
+in the backward the generated kernel of the epilogue's derivative (or, in the row that says so, XLA's);
 "xkern.jit" is what users get, with the cost model deciding. Rates in TFLOP/s: 2*M*N*K forward,
 three times that forward+backward (the two gradient matmuls).
 """
@@ -38,4 +39,7 @@ def cases(on_gpu: bool) -> list[Case]:
         out.append(Case("matmul+bias+gelu generated", (m, k, n), "bfloat16", "fwd+bwd",
                         grads(forced(linear_gelu, backend)), grads(linear_gelu), make, 0, 3e-2,
                         flops=3 * flops))
+        out.append(Case("matmul+bias+gelu generated, XLA's epilogue derivative", (m, k, n), "bfloat16",
+                        "fwd+bwd", grads(forced(linear_gelu, backend, derivative_kernels=False)),
+                        grads(linear_gelu), make, 0, 3e-2, flops=3 * flops))
     return out

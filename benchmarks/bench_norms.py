@@ -36,4 +36,29 @@ def cases(on_gpu: bool) -> list[Case]:
         out.append(Case(name, (rows, cols), "bfloat16", "fwd+bwd", dx(ours), dx(ref), make, 3 * n, 3e-2))
         out.append(Case(f"{name} + scale/bias grads", (rows, cols), "bfloat16", "fwd+bwd", every(ours),
                         every(ref), make, 3 * n, 3e-2))
+        out += _residual_cases(name, rms, rows, cols)
     return out
+
+
+def _residual_cases(name: str, rms: bool, rows: int, cols: int) -> list[Case]:
+    """The norm of h = x + r that also returns h (a pre-norm block's residual stream), against the
+    add and the norm under jax.jit (which fuses them). Forward: reads x, r, writes y, h (4 tensors);
+    forward+backward: the input gradient from cotangents of y and h (reads x, r, dy, dh, writes dx)."""
+    n = rows * cols * 2
+
+    def make(key):
+        kx, kr, ks, kb, kd = jax.random.split(key, 5)
+        return (jax.random.normal(kx, (rows, cols), jnp.bfloat16), jax.random.normal(kr, (rows, cols), jnp.bfloat16),
+                1 + 0.1 * jax.random.normal(ks, (cols,), jnp.float32), 0.1 * jax.random.normal(kb, (cols,), jnp.float32),
+                jax.random.normal(kd, (rows, cols), jnp.bfloat16))
+
+    def ours(x, r, s, b):
+        if rms:
+            return xkern.ops.rms_norm(x, s, residual=r)
+        return xkern.ops.layer_norm(x, s, b, residual=r)
+
+    ref = lambda x, r, s, b: reference(x, s, None if rms else b, 1e-6, r, rms)
+    fwd = lambda f: (lambda x, r, s, b, dy: f(x, r, s, b))
+    dx = lambda f: (lambda x, r, s, b, dy: jax.vjp(lambda x, r: f(x, r, s, b), x, r)[1]((dy, dy))[0])
+    return [Case(f"{name} + residual add", (rows, cols), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 4 * n, 2e-2),
+            Case(f"{name} + residual add", (rows, cols), "bfloat16", "fwd+bwd", dx(ours), dx(ref), make, 5 * n, 3e-2)]

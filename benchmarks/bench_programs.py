@@ -62,7 +62,17 @@ def flax_programs(on_gpu: bool) -> list[Case]:
                 jax.random.randint(kl, (tokens,), 0, vocab))
 
     head_grads = lambda f: jax.value_and_grad(f, (0, 1))
+    # Two blocks: the second LayerNorm normalizes the first block's residual sum, which it then
+    # also passes on (xkern folds that add into the norm kernel).
+    two = nn.Sequential([Block(), Block()])
+    two_params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), two.init(jax.random.key(1), x0))
+    two_loss = lambda x: jnp.mean(two.apply(two_params, x).astype(jnp.float32) ** 2)
     return [
+        Case("two pre-norm MLP blocks (flax)", (tokens, dim), "bfloat16", "fwd",
+             xkern.jit(lambda x: two.apply(two_params, x)), lambda x: two.apply(two_params, x), block_args,
+             0, 3e-2),
+        Case("two pre-norm MLP blocks (flax)", (tokens, dim), "bfloat16", "fwd+bwd",
+             jax.grad(xkern.optimize(two_loss)), jax.grad(two_loss), block_args, 0, 3e-2),
         Case("pre-norm MLP block (flax)", (tokens, dim), "bfloat16", "fwd",
              xkern.jit(lambda x: block.apply(params, x)), lambda x: block.apply(params, x), block_args,
              0, 3e-2),
