@@ -60,5 +60,16 @@ def _residual_cases(name: str, rms: bool, rows: int, cols: int) -> list[Case]:
     ref = lambda x, r, s, b: reference(x, s, None if rms else b, 1e-6, r, rms)
     fwd = lambda f: (lambda x, r, s, b, dy: f(x, r, s, b))
     dx = lambda f: (lambda x, r, s, b, dy: jax.vjp(lambda x, r: f(x, r, s, b), x, r)[1]((dy, dy))[0])
+
+    def kept(f):  # as in training: the forward's y and h are used (by the next layers) too
+        def step(x, r, s, b, dy):
+            outs, vjp = jax.vjp(lambda x, r: f(x, r, s, b), x, r)
+            return outs, vjp((dy, dy))[0]
+        return step
+    # Alone, "fwd+bwd" lets XLA skip computing y and writing h (nothing reads them), which no real
+    # program does; "outputs kept" returns them (8 tensors: x, r, dy, dh read; y, h, dx written, and
+    # h read back or x, r re-read).
     return [Case(f"{name} + residual add", (rows, cols), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 4 * n, 2e-2),
-            Case(f"{name} + residual add", (rows, cols), "bfloat16", "fwd+bwd", dx(ours), dx(ref), make, 5 * n, 3e-2)]
+            Case(f"{name} + residual add", (rows, cols), "bfloat16", "fwd+bwd", dx(ours), dx(ref), make, 5 * n, 3e-2),
+            Case(f"{name} + residual add, outputs kept", (rows, cols), "bfloat16", "fwd+bwd", kept(ours), kept(ref),
+                 make, 7 * n, 3e-2)]

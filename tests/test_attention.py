@@ -74,6 +74,32 @@ def test_values_and_gradients(case, dtype):
         close(g, w, dtype)
 
 
+
+@pytest.mark.parametrize("causal, with_bias", [(False, False), (True, False), (False, True)],
+                         ids=["mask", "mask, causal", "mask, bias"])
+def test_structured_masks_skip_hidden_tiles_and_equal_the_reference(causal, with_bias):
+    # Documents [0, 32), [32, 40), [40, 50) and padded queries from 46 on: on the interpreter's
+    # 16 x 16 tiles some are wholly hidden (skipped), some wholly visible (the unmasked path) and
+    # some mixed (the mask is read), in every kernel.
+    from xkern.kernels.attention import _mask_tiles
+    from xkern.kernels.launch import Config
+    doc = np.searchsorted([32, 40], np.arange(50), side="right")
+    mask = jnp.asarray((doc[:, None] == doc[None, :]) & (np.arange(50) < 46)[:, None])
+    kinds = _mask_tiles(mask[None, None].astype(jnp.int8), Config.of(BLOCK_M=16, BLOCK_N=16))
+    assert kinds.shape == (1, 1, 4, 4) and set(np.unique(kinds).tolist()) == {0, 1, 2}
+    assert kinds[0, 0, 0, 0] == 2 and kinds[0, 0, 0, 3] == 0 and kinds[0, 0, 2, 2] == 1
+    q, k, v, do = make(2, 50, 50, 4, 2, 16, jnp.bfloat16, seed=5)
+    bias = jnp.asarray(np.random.default_rng(6).standard_normal((1, 4, 50, 50)), jnp.float32) if with_bias else None
+    args = (q, k, v) + (() if bias is None else (bias,))
+    ours = lambda q, k, v, *b: attention(q, k, v, mask=mask, causal=causal, bias=b[0] if b else None)
+    ref = lambda q, k, v, *b: reference(q, k, v, mask=mask, causal=causal, bias=b[0] if b else None)
+    out, vjp = jax.vjp(ours, *args)
+    want, vjp_ref = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+    close(out, want, jnp.bfloat16)
+    assert np.all(np.asarray(out[:, 46:]) == 0)  # padded queries see no key
+    for g, w in zip(vjp(do), vjp_ref(do.astype(jnp.float32))):
+        close(g, w, jnp.bfloat16)
+
 def test_float16_and_the_kernels_launched():
     q, k, v, do = make(1, 24, 24, 2, 2, 32, jnp.float16, seed=2)
     close(attention(q, k, v, causal=True), reference(q, k, v, causal=True), jnp.float16)

@@ -83,6 +83,22 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
+# What a mask leaves of one [BLOCK_M, BLOCK_N] tile of the scores (summarized per tile by XLA,
+# _mask_tiles): nothing (the tile is skipped), all of it (the unmasked fast path), or some of it.
+# Without a mask a tile's kind is one of these constants, so its branches resolve when compiled.
+HIDDEN = tl.constexpr(0)
+PARTIAL = tl.constexpr(1)
+VISIBLE = tl.constexpr(2)
+
+
+@triton.jit
+def _kinds_at(kinds_ptr, b, h, q_block, k_block, n_k_blocks, sq, BLOCK_M: tl.constexpr, MASK_B: tl.constexpr,
+              MASK_H: tl.constexpr, HEADS: tl.constexpr):
+    """Pointer to tile (q_block, k_block)'s kind for (b, h), in the [mb, mh, q blocks, k blocks] summary."""
+    head = (b * MASK_B * (HEADS if MASK_H else 1) + h * MASK_H).to(tl.int64)
+    return kinds_ptr + (head * tl.cdiv(sq, BLOCK_M) + q_block) * n_k_blocks + k_block
+
+
 @triton.jit
 def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
             QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -153,7 +169,7 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
 
 
 @triton.jit
-def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
+def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
@@ -169,24 +185,38 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
     end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
-    # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
+    # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking;
+    # with a mask, only those its tile summary says are all visible, and all-hidden ones are skipped.
     interior = 0
-    if not HAS_MASK and not HAS_BIAS:
+    if not HAS_BIAS:
         interior = (kv_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    kinds = _kinds_at(kinds_ptr, b, h, pid_m, 0, tl.cdiv(sk, BLOCK_N), sq, BLOCK_M, MASK_B, MASK_H, HEADS)
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(0, interior, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                   kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                   MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+        kind = VISIBLE
+        if HAS_MASK:
+            kind = tl.load(kinds + start // BLOCK_N)
+        if kind == VISIBLE:
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+        elif kind == PARTIAL:
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     for start in range(interior, end, BLOCK_N):
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                   kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                   MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+        kind = PARTIAL
+        if HAS_MASK:
+            kind = tl.load(kinds + start // BLOCK_N)
+        if kind != HIDDEN:
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
+                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
@@ -234,7 +264,7 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
 
 
 @triton.jit
-def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
               QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
@@ -259,24 +289,42 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_p
     last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)
     lo = first
     hi = first
-    if not HAS_MASK and not HAS_BIAS:
+    if not HAS_BIAS:
         whole = (pid_n + 1) * BLOCK_N <= kv_len  # every key of the block inside the length
         below = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M if CAUSAL else first
         lo = tl.where(whole, tl.minimum(below, last), first)
         hi = tl.where(whole, tl.maximum(lo, tl.minimum((sq // BLOCK_M) * BLOCK_M, last)), first)
+    n_k_blocks = tl.cdiv(sk, BLOCK_N)
     for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
+        kinds = _kinds_at(kinds_ptr, b, h, 0, pid_n, n_k_blocks, sq, BLOCK_M, MASK_B, MASK_H, HEADS)
         for start in range(first, lo, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
+            kind = PARTIAL
+            if HAS_MASK:
+                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
+            if kind != HIDDEN:
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
         for start in range(lo, hi, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
+            kind = VISIBLE
+            if HAS_MASK:
+                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
+            if kind == VISIBLE:
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
+            elif kind == PARTIAL:
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
         for start in range(hi, last, BLOCK_M):
-            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
+            kind = PARTIAL
+            if HAS_MASK:
+                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
+            if kind != HIDDEN:
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -300,7 +348,7 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
 
 
 @triton.jit
-def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
             sq, sk,
             dq_ptr,  # output, like q
             QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
@@ -322,20 +370,33 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
     end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
     interior = 0  # as the forward's: key blocks every query of the block sees
-    if not HAS_MASK and not HAS_BIAS:
+    if not HAS_BIAS:
         interior = (kv_len // BLOCK_N) * BLOCK_N
         if CAUSAL:
             interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    kinds = _kinds_at(kinds_ptr, b, h, pid_m, 0, tl.cdiv(sk, BLOCK_N), sq, BLOCK_M, MASK_B, MASK_H, HEADS)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(0, interior, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                       mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                       BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+        kind = VISIBLE
+        if HAS_MASK:
+            kind = tl.load(kinds + start // BLOCK_N)
+        if kind == VISIBLE:
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+        elif kind == PARTIAL:
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     for start in range(interior, end, BLOCK_N):
-        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                       mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                       BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+        kind = PARTIAL
+        if HAS_MASK:
+            kind = tl.load(kinds + start // BLOCK_N)
+        if kind != HIDDEN:
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
@@ -444,17 +505,34 @@ class Static:
                 "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
 
 
-def _dummies(mask, bias, kv_len):
+def _mask_tiles(mask, config: L.Config):
+    """[mb, mh, q blocks, k blocks] int8 summary of the mask per [BLOCK_M, BLOCK_N] tile of the
+    scores: HIDDEN, PARTIAL or VISIBLE (the kernel constants). One pass over the mask, so a kernel
+    skips hidden tiles, takes the unmasked path on visible ones (a padding or block-sparse mask
+    costs little more than none) and loads the mask itself only for partial tiles. Positions past
+    the sequence count as neither: the tiles that hold them take the masked path anyway."""
+    if mask is None:
+        return None
+    bm, bn = config["BLOCK_M"], config["BLOCK_N"]
+    mb, mh, sq, sk = mask.shape
+    nq, nk = L.cdiv(sq, bm), L.cdiv(sk, bn)
+    pad = ((0, 0), (0, 0), (0, nq * bm - sq), (0, nk * bn - sk))
+    tiles = lambda fill: jnp.pad(mask != 0, pad, constant_values=fill).reshape(mb, mh, nq, bm, nk, bn)
+    some, every = tiles(False).any((3, 5)), tiles(True).all((3, 5))
+    return jnp.where(every, 2, jnp.where(some, 1, 0)).astype(jnp.int8)
+
+
+def _dummies(mask, kinds, bias, kv_len):
     dummy = jnp.zeros((1,), jnp.int32)  # stands for an absent operand (its flag keeps it unread)
-    return (dummy if mask is None else mask, dummy if bias is None else bias,
-            dummy if kv_len is None else kv_len)
+    return (dummy if mask is None else mask, dummy if kinds is None else kinds,
+            dummy if bias is None else bias, dummy if kv_len is None else kv_len)
 
 
 def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
     b, sq, heads, _ = q.shape
     config = st.configs[0]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
-    return L.launch(_fwd, q, k, v, *_dummies(mask, bias, kv_len), sq, k.shape[1],
+    return L.launch(_fwd, q, k, v, *_dummies(mask, _mask_tiles(mask, config), bias, kv_len), sq, k.shape[1],
                     kernel="attention_fwd", out_shapes=outs,
                     grid=(L.cdiv(sq, config["BLOCK_M"]), b * heads), config=config, backend=st.backend,
                     constexprs=st.constexprs(q, k))
@@ -464,13 +542,14 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     b, sq, heads, _ = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     consts = {**st.constexprs(q, k), "SCALE": st.scale}
-    args = (q, k, v, *_dummies(mask, bias, kv_len), do, lse, delta, sq, sk)
     dkdv, dq = st.configs[1], st.configs[2]
-    dk, dv = L.launch(_bwd_dkdv, *args, kernel="attention_bwd_dkdv",
+    args = lambda config: (q, k, v, *_dummies(mask, _mask_tiles(mask, config), bias, kv_len), do, lse, delta,
+                           sq, sk)
+    dk, dv = L.launch(_bwd_dkdv, *args(dkdv), kernel="attention_bwd_dkdv",
                       out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                       grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
                       constexprs=consts)
-    (dq_,) = L.launch(_bwd_dq, *args, kernel="attention_bwd_dq",
+    (dq_,) = L.launch(_bwd_dq, *args(dq), kernel="attention_bwd_dq",
                       out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
                       grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
                       constexprs=consts)
@@ -484,11 +563,11 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     consts = dict(constexprs)
     batch = out_shapes[0].shape[0]  # every output is per example: [batch, ...]
-    names = ("q", "k", "v", "mask", "bias", "kv_len", "do", "lse", "delta")
+    names = ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta")
     folded = []
     for name, a, d in zip(names, args, dims):
-        flag = {"mask": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
-        per_batch = {"mask": "MASK_B", "bias": "BIAS_B"}.get(name)
+        flag = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
+        per_batch = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B"}.get(name)
         if (flag and not consts[flag]) or (per_batch and d is None and not consts[per_batch]):
             folded.append(a)  # absent, or the same for every example and batch entry
             continue
@@ -677,7 +756,7 @@ def aot_cases():
     heuristic tiles, compiled for that vendor's targets: causal with GQA at head dims 64 / 128 /
     256, and every option (mask, bias, kv_lengths) at 128."""
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
-              "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
+              "kinds_ptr": "*i8", "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
