@@ -238,6 +238,66 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
         close(g, w, jnp.bfloat16)
 
 
+
+def _by_hand_masked(layout, fill, mask=None, bias=None, upcast=True):
+    """A hand-written attention with a boolean mask applied by `where` (fill) or an additive bias."""
+    qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
+
+    def f(q, k, v):
+        scores = jnp.einsum(qk, q, k) * 0.25
+        if bias is not None:
+            scores = scores + bias
+        if mask is not None:
+            scores = jnp.where(mask, scores, fill)
+        probs = jax.nn.softmax(scores.astype(jnp.float32) if upcast else scores, axis=-1).astype(q.dtype)
+        return jnp.einsum(pv, probs, v)
+    return f
+
+
+@pytest.mark.parametrize("layout, form", [("bshd", "key padding, -1e9"), ("bhsd", "per head, finfo.min"),
+                                          ("bshd", "key padding, -inf"), ("bhsd", "additive padding bias"),
+                                          ("bshd", "bias per head")])
+def test_hand_written_masks_and_biases_are_found(layout, form):
+    rng = np.random.default_rng(15)
+    lengths = np.array([20, 13])
+    padding = jnp.asarray(np.arange(20)[None, :] < lengths[:, None])[:, None, None, :]  # [b, 1, 1, k]
+    per_head = jnp.asarray(rng.random((2, 4, 20, 20)) > 0.3).at[1, 2, 7].set(False)  # a query sees no key
+    kind, fill, mask, bias = {
+        "key padding, -1e9": ("mask", -1e9, padding, None),
+        "per head, finfo.min": ("mask", float(jnp.finfo(jnp.bfloat16).min), per_head, None),
+        "key padding, -inf": ("mask", -jnp.inf, padding, None),
+        "additive padding bias": ("bias", None, None, jnp.where(padding, 0.0, -1e9).astype(jnp.bfloat16)),
+        "bias per head": ("float32 bias", None, None, jnp.asarray(rng.standard_normal((2, 4, 20, 20)), jnp.float32)),
+    }[form]
+    f = _by_hand_masked(layout, fill, mask, bias)
+    shape = (2, 20, 20, 4, 4, 16)
+    q, k, v, do = make(*shape, jnp.bfloat16, seed=16)
+    if layout == "bhsd":
+        q, k, v, do = (a.transpose(0, 2, 1, 3) for a in (q, k, v, do))
+    [match] = xkern.explain(f)(q, k, v).matches
+    # (a same-shape bias or mask may also be taken by the broadcast form's template: the exact
+    # re-trace at the program's shapes makes either correct)
+    assert match.pattern.startswith(f"attention/einsum[{layout}]+{kind}")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    got, want = xkern.jit(f)(q, k, v), jax.jit(f)(*f32)
+    if form == "per head, finfo.min":  # the query that sees no key averages every value, as XLA's
+        assert np.abs(np.asarray(got[1, 2, 7] if layout == "bhsd" else got[1, 7, 2], np.float32)).max() > 0
+    close(got, want, jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
+def test_a_small_mask_fill_is_not_taken():
+    # -50 does not hide a key exactly (exp(-50 - max) is not 0 for every score): left to XLA.
+    q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=17)
+    mask = jnp.asarray(np.random.default_rng(18).random((1, 2, 16, 16)) > 0.3)
+    f = _by_hand_masked("bshd", -50.0, mask, upcast=False)
+    report = xkern.explain(f)(q, k, v)
+    assert not [m for m in report.matches if m.pattern.startswith("attention/")]
+    assert any("fill" in d.reason for d in report.declined)
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
+
 def test_masked_rows_average_against_the_reference_with_gqa_and_lengths():
     q, k, v, do = make(2, 18, 21, 4, 2, 16, jnp.float32, seed=13)
     mask = jnp.asarray(np.random.default_rng(14).random((2, 1, 18, 21)) > 0.4).at[1, 0, 2].set(False)

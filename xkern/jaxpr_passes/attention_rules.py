@@ -6,12 +6,15 @@ additive bias, a boolean mask, both or neither; GQA through its k/v head groupin
 flax.linen.dot_product_attention (with a mask or not); and by
 hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype),
 an optional causal mask from tril / iota applied with a -inf
-`where`, softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
+`where`, or a boolean mask of the scores' shape [b,h,q,k], [b,1,q,k] or [b,1,1,k] (key padding)
+applied with `where` and a large negative fill, or an additive bias (float mask) of those shapes,
+softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
 [batch, seq, heads, dim] layout or the [batch, heads, seq, dim] one (whose replacement transposes
-in and out). The scale is read off the program.
+in and out). The scale and the fill are read off the program.
 
 jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
-masked averages every value: their replacements ask for that (masked_rows="average").
+masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
+masks with a finite fill. With a -inf fill such a query is NaN under XLA; the kernels give it zeros.
 """
 from __future__ import annotations
 
@@ -28,6 +31,10 @@ from xkern.kernels import attention as kernels
 ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
 HALF = (jnp.bfloat16, jnp.float16)
 EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal in the template
+EXAMPLE_FILL = -98765.0  # likewise for a mask's fill value
+# A fill that hides a key exactly: exp(fill - max) is 0 in float32 for any score the kernels see,
+# and a query whose keys are all hidden averages every value (masked_rows="average").
+MAX_FILL = -1e4
 
 
 # A mask's broadcast shape changes the program jax.nn traces (its broadcasts), so each common shape
@@ -52,14 +59,25 @@ def flax_attention(mask: str | None):
     return fn
 
 
+# Masks and biases of the scores [b, h, q, k] in a by-hand spelling: of the scores' own shape, or
+# broadcast to it (a key padding mask [b,1,1,k], a mask per batch [b,1,q,k], ...: the program is the
+# same broadcast whatever the size-1 axes, and the exact re-trace checks the shape).
+# The broadcast form first: the same-shape template would also match it, taking the broadcast
+# (a full [b, h, q, k] array) as its input.
+SCORE_SHAPES = {"(broadcast)": lambda b, h, q, k: (b, 1, 1, k), "[b,h,q,k]": lambda b, h, q, k: (b, h, q, k)}
+
+
 def _causal(scores):
     sq, sk = scores.shape[-2:]
     return jnp.where(jnp.tril(jnp.ones((sq, sk), bool)), scores, -jnp.inf)
 
 
-def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale"):
-    """einsum -> scaling -> (causal -inf where) -> softmax (float32 or not) -> einsum. scaling:
-    "*scale", "/divisor" (a number; the param `scale` holds it), "/sqrt(d)" (in q's dtype)."""
+def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
+            bias: str | None = None, float32_bias: bool = False):
+    """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
+    softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
+    holds it), "/sqrt(d)" (in q's dtype). mask / bias: a key of SCORE_SHAPES, their inputs in that
+    order after v."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
               "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
 
@@ -70,8 +88,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale"):
             return scores / scale
         return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
-    def fn(q, k, v, **params):
+    def fn(q, k, v, *extras, **params):
         scores = scaled(jnp.einsum(qk, q, k), q, params.get("scale"))
+        if bias:
+            scores = scores + extras[0]
+        if mask:
+            scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
             scores = _causal(scores)
         if upcast:
@@ -80,12 +102,17 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale"):
             probs = jax.nn.softmax(scores, axis=-1)
         return jnp.einsum(pv, probs, v)
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}{'+causal' if causal else ''}"
+                   f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
+                   f"{'+mask' + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast else ''}")
     return fn
 
 
-def _scale(match) -> dict:
-    return {"scale": literal_at(match, EXAMPLE_SCALE)}
+def _params_of(scale: bool, fill: bool):
+    def params_of(match) -> dict:
+        params = {"scale": literal_at(match, EXAMPLE_SCALE)} if scale else {}
+        return {**params, "fill": literal_at(match, EXAMPLE_FILL)} if fill else params
+    return params_of
 
 
 def _check(layout):
@@ -102,22 +129,32 @@ def _check(layout):
             return "k/v heads do not divide q's heads"
         if params.get("scale", 1.0) <= 0:
             return f"scale {params['scale']}: the kernels take a positive scale"
+        if params.get("fill", MAX_FILL) > MAX_FILL:
+            return (f"masked scores filled with {params['fill']}: only a fill <= {MAX_FILL:g} hides a "
+                    "key exactly, as the kernels do")
         return None
     return check
 
 
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
-             scaling="*scale"):
-    """Inputs q, k, v, then the bias and the mask where the spelling has them."""
+             scaling="*scale", fill=False, shapes=None, float32_bias=True):
+    """Inputs q, k, v, then the bias and the mask where the spelling has them (with_bias / with_mask:
+    True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
+    bias is float32, or else in q's dtype."""
+    shapes = shapes or MASK_SHAPES
+
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
         kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if layout == "bshd" and fn.__name__.startswith("jax.nn")
                                   else (2, 8, 4, 16), dtype)
-        bias = (jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.float32),) if with_bias else ()
-        mask = (jax.ShapeDtypeStruct(MASK_SHAPES[with_mask], jnp.bool_),) if with_mask else ()
+        b, s, h = (2, 8, 4) if layout == "bshd" else (2, 4, 8)
+        shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
+        bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
+                                     jnp.float32 if float32_bias else dtype),) if with_bias else ()
+        mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
         return (q, kv, kv, *bias, *mask)
 
-    def replace(q, k, v, *extras, backend, scale=None):
+    def replace(q, k, v, *extras, backend, scale=None, fill=None):
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -128,12 +165,14 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         out = kernels.attention(q, k, v, causal=causal, bias=extras[0] if with_bias else None,
                                 mask=extras[-1] if with_mask else None, scale=scale, backend=backend,
-                                masked_rows="average" if with_mask else "zeros")
+                                masked_rows="average" if with_mask and (fill is None or np.isfinite(fill))
+                                else "zeros")
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
+    example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {})}
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
-                   example_params={"scale": EXAMPLE_SCALE} if params else {},
-                   params_of=_scale if params else (lambda match: {}), check=_check(layout), replace=replace)
+                   example_params=example_params, params_of=_params_of(params, fill), check=_check(layout),
+                   replace=replace)
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -142,5 +181,15 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast e
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
+# By hand with a boolean mask (a where with a large negative fill) or an additive bias, scaled by a
+# number (the common spellings; each combination is a template, so not every one is listed).
+PATTERNS += [_pattern(by_hand(layout, False, upcast, mask=mask), HALF if upcast else ALL, layout=layout,
+                      with_mask=mask, fill=True, shapes=SCORE_SHAPES)
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES]
+PATTERNS += [_pattern(by_hand(layout, False, upcast, bias=bias, float32_bias=f32),  # (float32 q: one form)
+                      HALF if upcast or not f32 else ALL, layout=layout, with_bias=bias, shapes=SCORE_SHAPES,
+                      float32_bias=f32)
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
+             for f32 in (True, False)]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask) for mask in (None, *MASK_SHAPES)]
