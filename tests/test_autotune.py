@@ -15,6 +15,11 @@ B = L.Config.of(BLOCK_M=128, num_warps=8, num_stages=3)
 C = L.Config.of(BLOCK_M=256, num_warps=8)
 
 
+@pytest.fixture(autouse=True)
+def tuning_enabled(monkeypatch):
+    monkeypatch.setenv(autotune.ENV_VAR, "1")  # conftest turns it off for GPU test runs
+
+
 def test_best_picks_the_fastest_and_skips_failures():
     times = {A: 3.0, B: 1.0}
 
