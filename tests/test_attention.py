@@ -324,5 +324,9 @@ def test_attention_near_misses_are_not_rewritten():
     }
     for name, f in near_misses.items():
         report = xkern.explain(f)(q, k, v)
-        assert not [m for m in report.matches if m.pattern.startswith("attention/")], name
+        found = [m.pattern for m in report.matches if m.pattern.startswith("attention/")]
+        if name == "anti-causal":  # not causal; a constant boolean mask applied by `where`, and so taken
+            assert found == ["attention/einsum[bshd]+mask(broadcast)"], found
+        else:
+            assert not found, name
         close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)

@@ -12,6 +12,7 @@ from xkern import pipeline
 from xkern.jaxpr_passes.patterns import registry
 from xkern.jaxpr_passes.rewrite import Declined, evaluate, specs, traffic
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
+from xkern.memory.liveness import peak_live_bytes
 
 # Array leaves are traced; everything else (Python numbers included: under jax.jit they arrive as
 # Python values only when they are static) is baked into the trace and keys its cache entry.
@@ -125,6 +126,9 @@ class Report:
     declined: list[Declined]
     bytes_before: int  # estimated, the matched regions as unfused equations
     bytes_after: int  # estimated, the kernels that replace them (each input read, output written)
+    peak_before: int = 0  # estimated peak live bytes, equation by equation (xkern/memory)
+    peak_after: int = 0  # the same for the rewritten program (in-place kernels reuse their inputs)
+    in_place: int = 0  # kernels writing an output over an input that dies there
 
     def __str__(self) -> str:
         lines = [f"xkern on backend {self.backend!r}: {len(self.matches)} rewrite(s), "
@@ -145,6 +149,8 @@ class Report:
         if self.matches:
             lines.append(f"  estimated bytes moved by the rewritten regions: "
                          f"{_mib(self.bytes_before)} unfused -> {_mib(self.bytes_after)} as kernels")
+            lines.append(f"  estimated peak live memory, equation by equation: {_mib(self.peak_before)} -> "
+                         f"{_mib(self.peak_after)} ({self.in_place} kernel(s) writing over an input that dies there)")
         if self.backend == "xla":
             lines.append("  (backend 'xla': nothing is rewritten)")
         return "\n".join(lines)
@@ -162,7 +168,8 @@ def explain(fun: Callable, *, backend: str | None = None):
         chosen = resolve_backend(backend)
         traced = _trace(fun, args, kwargs)
         plan = pipeline.plan(traced.closed, chosen)
-        launched = kernel_names(jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic))
+        rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
+        launched = kernel_names(rewritten)
         matches, declined = [], []
         for p in plan.walk():
             declined += p.declined
@@ -179,7 +186,9 @@ def explain(fun: Callable, *, backend: str | None = None):
                 matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
                                         [f.fused.name], {}, f.fused.source))
         before, after = traffic(plan)
-        return Report(chosen, launched, matches, declined, before, after)
+        in_place = sum(bool(f.aliases) for p in plan.walk() for f in p.fusions.values())
+        return Report(chosen, launched, matches, declined, before, after, peak_live_bytes(traced.closed),
+                      peak_live_bytes(rewritten), in_place)
     return report
 
 

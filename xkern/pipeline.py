@@ -5,7 +5,8 @@
                       cost model (a rewrite that loses to XLA is declined, with its reason)
     3. fusion         groups of the remaining elementwise / last-axis-reduction equations -> generated
                       Triton kernels, where the cost model says they beat XLA's own fusions
-    (4. memory planning: to come)
+    4. memory         live ranges over the planned program: generated kernels write their outputs
+                      over inputs that die at them (xkern/memory)
 
 Sub-jaxprs (cond branches, scan and while bodies, remat, custom_jvp) go through the same steps.
 """
@@ -15,6 +16,7 @@ from jax.extend.core import ClosedJaxpr
 
 from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.jaxpr_passes.rewrite import Plan, empty_plan, fuse_groups, match_patterns
+from xkern.memory.liveness import plan_in_place
 from xkern.tuning.cost import decline_reason
 
 
@@ -25,4 +27,6 @@ def plan(closed: ClosedJaxpr, backend: str) -> Plan:
     closed = canonicalize(closed)
     planned = match_patterns(closed, backend, cost=decline_reason,
                              plan_sub=lambda sub: plan(sub, backend))
-    return fuse_groups(planned, backend, cost=decline_reason)
+    planned = fuse_groups(planned, backend, cost=decline_reason)
+    plan_in_place(planned)
+    return planned

@@ -58,6 +58,7 @@ class Fusion:
     fused: Any  # xkern.kernels.generated.Fused
     location: str
     backward: "Plan | None" = None  # a matmul group's epilogue derivative, planned like a program
+    aliases: dict = dataclasses.field(default_factory=dict)  # input -> output written over it (memory plan)
 
     @property
     def inputs(self) -> list:
@@ -236,7 +237,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             derivative = None if fusion.backward is None else (
                 lambda *a, plan=fusion.backward: evaluate(plan, a, backend))
             with _compat.user_context(eqn.source_info):
-                outs = generated.op(fusion.fused, backend, derivative)(*map(read, fusion.inputs))
+                outs = generated.op(fusion.fused, backend, derivative, fusion.aliases)(*map(read, fusion.inputs))
             env.update(zip(fusion.outputs, outs))
             continue
         if i in plan.rewrites:

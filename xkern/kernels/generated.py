@@ -169,7 +169,8 @@ def _views(fused: Fused, inputs) -> tuple[list, int]:
     return [x.reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
 
 
-def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config) -> list:
+def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config,
+                  aliases: dict | None = None) -> list:
     outs = [jax.ShapeDtypeStruct((n_rows, fused.n_cols) if k == "full" else (n_rows,), a.dtype)
             for k, a in zip(fused.output_kinds, fused.output_avals)]
     fn = codegen.load(fused.name, fused.source)
@@ -178,23 +179,27 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
         constexprs.update(K=fused.k, DOT_F32=backend == "interpret")
         grid *= L.cdiv(fused.n_cols, config["BLOCK_N"])
     return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs, grid=(grid,),
-                    config=config, backend=backend, constexprs=constexprs, info=fused)
+                    config=config, backend=backend, constexprs=constexprs, info=fused, aliases=aliases)
 
 
-def run(fused: Fused, inputs, backend: str) -> list:
+def run(fused: Fused, inputs, backend: str, aliases: dict | None = None) -> list:
+    """Each program reads its own tile of every full-size input before writing that tile of its
+    outputs, so an output may be written over a full-size input (`aliases`)."""
     views, n_rows = _views(fused, inputs)
-    outs = _launch_views(views, n_rows, fused, backend, _config(fused, views, n_rows, backend))
+    outs = _launch_views(views, n_rows, fused, backend, _config(fused, views, n_rows, backend), aliases)
     return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
 
 
-def op(fused: Fused, backend: str, epilogue_vjp=None):
+def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = None):
     """The group as a differentiable function of its inputs. The backward pass is XLA's: the vjp of
     the group's equations from its inputs. For a matmul group: the epilogue's derivative from the
     saved product (`epilogue_vjp(product, *others, *cotangents)`, the rewriter's generated kernel for
-    it, or else XLA's vjp), then the two gradient matmuls (no matmul is recomputed)."""
+    it, or else XLA's vjp), then the two gradient matmuls (no matmul is recomputed).
+    aliases {input: output}: outputs written over inputs that die here (the memory plan's), when
+    not differentiated (the backward pass would keep those inputs)."""
     @jax.custom_vjp
     def fused_op(*inputs):
-        return run(fused, inputs, backend)
+        return run(fused, inputs, backend, aliases)
 
     def fwd(*inputs):
         if not fused.k:

@@ -1,0 +1,1 @@
+"""Memory planning: live ranges, in-place kernels, peak estimates (liveness.py)."""
