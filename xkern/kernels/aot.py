@@ -56,18 +56,23 @@ def main(argv: list[str]) -> int:
         print("aot: kernels are interpreted in this process; run with XKERN_BACKEND=triton",
               file=sys.stderr)
         return 2
+    shard, shards = 0, 1  # --shard i/n: every n-th compile from the i-th (processes share the work)
+    for arg in argv:
+        if arg.startswith("--shard="):
+            shard, shards = map(int, arg.split("=", 1)[1].split("/"))
+    jobs = [(case, target) for case in all_cases()  # a case may name its targets
+            for target in (case[4] if len(case) > 4 else TARGETS)]
     results = []
-    for name, fn, signature, config, *only in all_cases():  # a case may name its targets
-        for target in (only[0] if only else TARGETS):
-            start = time.perf_counter()
-            try:
-                compiled = compile_kernel(fn, signature, config, target)
-                binary = "cubin" if TARGETS[target][0] == "cuda" else "hsaco"
-                ok, detail = bool(compiled.asm.get(binary)), f"{len(compiled.asm[binary])} B {binary}"
-            except Exception as e:  # report every failure, not only the first
-                ok, detail = False, f"{type(e).__name__}: {e}"
-            results.append({"case": name, "target": target, "ok": ok, "detail": detail,
-                            "seconds": round(time.perf_counter() - start, 3)})
+    for (name, fn, signature, config, *_), target in jobs[shard::shards]:
+        start = time.perf_counter()
+        try:
+            compiled = compile_kernel(fn, signature, config, target)
+            binary = "cubin" if TARGETS[target][0] == "cuda" else "hsaco"
+            ok, detail = bool(compiled.asm.get(binary)), f"{len(compiled.asm[binary])} B {binary}"
+        except Exception as e:  # report every failure, not only the first
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        results.append({"case": name, "target": target, "ok": ok, "detail": detail,
+                        "seconds": round(time.perf_counter() - start, 3)})
     if "--json" in argv:
         print(json.dumps(results))
     else:
