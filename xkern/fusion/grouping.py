@@ -228,9 +228,10 @@ def matmul_epilogues(graph, live: set[int], claimed: set[int]) -> list[tuple[int
         group.kinds[out] = "full"
         for i in range(d + 1, len(graph.eqns)):
             eqn = graph.eqns[i]
-            if (i not in live or i in taken or lowering.supported(eqn) or len(eqn.outvars) != 1
-                    or eqn.primitive.name in lowering.REDUCTIONS
-                    or not any(v in group.kinds for v in eqn.invars if not isinstance(v, Literal))):
+            if (i not in live or i in taken  # cheap tests first: most equations do not read the group
+                    or not any(v in group.kinds for v in eqn.invars if not isinstance(v, Literal))
+                    or len(eqn.outvars) != 1 or eqn.primitive.name in lowering.REDUCTIONS
+                    or lowering.supported(eqn)):
                 continue
             fits = eqn_kinds(eqn, group)
             if not fits or fits[1] != "full":

@@ -50,6 +50,8 @@ def plan_in_place(plan) -> None:
     """Give each generated kernel of `plan` (and of its sub-plans) the outputs it may write over
     inputs that die at it: a full-size output over a full-size input of the same shape and dtype."""
     for p in plan.walk():
+        if not p.fusions:
+            continue
         graph = Graph(p.closed.jaxpr)
         for position, fusion in p.fusions.items():
             fused = fusion.fused
