@@ -83,20 +83,19 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
-# What a mask leaves of one [BLOCK_M, BLOCK_N] tile of the scores (summarized per tile by XLA,
-# _mask_tiles): nothing (the tile is skipped), all of it (the unmasked fast path), or some of it.
-# Without a mask a tile's kind is one of these constants, so its branches resolve when compiled.
-HIDDEN = tl.constexpr(0)
-PARTIAL = tl.constexpr(1)
-VISIBLE = tl.constexpr(2)
+# With a mask, each kernel walks lists of the score tiles its program needs, made by XLA from the mask
+# (_mask_tiles): per row of tiles (a query block; for dk/dv a key block), how many tiles are wholly
+# visible and how many partly, then their indices, the visible first. Visible tiles run the unmasked
+# path, partial ones read the mask, hidden ones are never visited; each loop is free of branches, so
+# Triton pipelines its loads as in the unmasked kernels.
 
 
 @triton.jit
-def _kinds_at(kinds_ptr, b, h, q_block, k_block, n_k_blocks, sq, BLOCK_M: tl.constexpr, MASK_B: tl.constexpr,
-              MASK_H: tl.constexpr, HEADS: tl.constexpr):
-    """Pointer to tile (q_block, k_block)'s kind for (b, h), in the [mb, mh, q blocks, k blocks] summary."""
+def _tile_list(tiles_ptr, b, h, row, n_rows, n_cols, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+               HEADS: tl.constexpr):
+    """Pointer to row `row`'s list for (b, h) in the [mb, mh, n_rows, 2 + n_cols] int32 lists."""
     head = (b * MASK_B * (HEADS if MASK_H else 1) + h * MASK_H).to(tl.int64)
-    return kinds_ptr + (head * tl.cdiv(sq, BLOCK_M) + q_block) * n_k_blocks + k_block
+    return tiles_ptr + (head * n_rows + row) * (2 + n_cols)
 
 
 @triton.jit
@@ -184,36 +183,37 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
-    end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
-    # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking;
-    # with a mask, only those its tile summary says are all visible, and all-hidden ones are skipped.
-    interior = 0
-    if not HAS_BIAS:
-        interior = (kv_len // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
-    kinds = _kinds_at(kinds_ptr, b, h, pid_m, 0, tl.cdiv(sk, BLOCK_N), sq, BLOCK_M, MASK_B, MASK_H, HEADS)
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, interior, BLOCK_N):
-        kind = VISIBLE
-        if HAS_MASK:
-            kind = tl.load(kinds + start // BLOCK_N)
-        if kind == VISIBLE:
+    if HAS_MASK:  # the tiles the mask summary lists: wholly visible ones unmasked (unless biased)
+        n_k_blocks = tl.cdiv(sk, BLOCK_N)
+        tiles = _tile_list(kinds_ptr, b, h, pid_m, tl.cdiv(sq, BLOCK_M), n_k_blocks, MASK_B, MASK_H, HEADS)
+        n_visible, n_partial = tl.load(tiles), tl.load(tiles + 1)
+        for i in range(0, n_visible):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(tiles + 2 + i) * BLOCK_N,
+                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                       HAS_BIAS, BLOCK_N, BLOCK_D)
+        for i in range(n_visible, n_visible + n_partial):
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(tiles + 2 + i) * BLOCK_N,
+                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                       True, BLOCK_N, BLOCK_D)
+    else:
+        end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
+        # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
+        interior = 0
+        if not HAS_BIAS:
+            interior = (kv_len // BLOCK_N) * BLOCK_N
+            if CAUSAL:
+                interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+        for start in range(0, interior, BLOCK_N):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
                                        kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
                                        MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
-        elif kind == PARTIAL:
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
-    for start in range(interior, end, BLOCK_N):
-        kind = PARTIAL
-        if HAS_MASK:
-            kind = tl.load(kinds + start // BLOCK_N)
-        if kind != HIDDEN:
+        for start in range(interior, end, BLOCK_N):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
                                        kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
                                        MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
@@ -283,46 +283,40 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
-    # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
-    first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)
-    lo = first
-    hi = first
-    if not HAS_BIAS:
-        whole = (pid_n + 1) * BLOCK_N <= kv_len  # every key of the block inside the length
-        below = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M if CAUSAL else first
-        lo = tl.where(whole, tl.minimum(below, last), first)
-        hi = tl.where(whole, tl.maximum(lo, tl.minimum((sq // BLOCK_M) * BLOCK_M, last)), first)
-    n_k_blocks = tl.cdiv(sk, BLOCK_N)
-    for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
-        kinds = _kinds_at(kinds_ptr, b, h, 0, pid_n, n_k_blocks, sq, BLOCK_M, MASK_B, MASK_H, HEADS)
-        for start in range(first, lo, BLOCK_M):
-            kind = PARTIAL
-            if HAS_MASK:
-                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
-            if kind != HIDDEN:
-                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
-                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
-        for start in range(lo, hi, BLOCK_M):
-            kind = VISIBLE
-            if HAS_MASK:
-                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
-            if kind == VISIBLE:
+    if HAS_MASK:  # per query head, the query blocks the mask summary lists for this key block
+        n_q_blocks = tl.cdiv(sq, BLOCK_M)
+        for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
+            tiles = _tile_list(kinds_ptr, b, h, pid_n, tl.cdiv(sk, BLOCK_N), n_q_blocks, MASK_B, MASK_H, HEADS)
+            n_visible, n_partial = tl.load(tiles), tl.load(tiles + 1)
+            for i in range(0, n_visible):
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(tiles + 2 + i) * BLOCK_M, h, b, cols, dims, sq, sk,
+                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
+                                     D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                     HAS_BIAS, BLOCK_M, BLOCK_D)
+            for i in range(n_visible, n_visible + n_partial):
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(tiles + 2 + i) * BLOCK_M, h, b, cols, dims, sq, sk,
+                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
+                                     D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                     True, BLOCK_M, BLOCK_D)
+    else:
+        # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
+        # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
+        first = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)
+        lo = first
+        hi = first
+        if not HAS_BIAS:
+            whole = (pid_n + 1) * BLOCK_N <= kv_len  # every key of the block inside the length
+            below = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M if CAUSAL else first
+            lo = tl.where(whole, tl.minimum(below, last), first)
+            hi = tl.where(whole, tl.maximum(lo, tl.minimum((sq // BLOCK_M) * BLOCK_M, last)), first)
+        for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
+            for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
                                      lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
-            elif kind == PARTIAL:
-                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
-                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
-        for start in range(hi, last, BLOCK_M):
-            kind = PARTIAL
-            if HAS_MASK:
-                kind = tl.load(kinds + (start // BLOCK_M) * n_k_blocks)
-            if kind != HIDDEN:
-                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+            for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
                                      lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
@@ -368,32 +362,31 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
     lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
     delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
-    end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
-    interior = 0  # as the forward's: key blocks every query of the block sees
-    if not HAS_BIAS:
-        interior = (kv_len // BLOCK_N) * BLOCK_N
-        if CAUSAL:
-            interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
-    kinds = _kinds_at(kinds_ptr, b, h, pid_m, 0, tl.cdiv(sk, BLOCK_N), sq, BLOCK_M, MASK_B, MASK_H, HEADS)
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for start in range(0, interior, BLOCK_N):
-        kind = VISIBLE
-        if HAS_MASK:
-            kind = tl.load(kinds + start // BLOCK_N)
-        if kind == VISIBLE:
+    if HAS_MASK:  # as the forward's: the listed tiles, wholly visible ones unmasked (unless biased)
+        tiles = _tile_list(kinds_ptr, b, h, pid_m, tl.cdiv(sq, BLOCK_M), tl.cdiv(sk, BLOCK_N), MASK_B, MASK_H, HEADS)
+        n_visible, n_partial = tl.load(tiles), tl.load(tiles + 1)
+        for i in range(0, n_visible):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(tiles + 2 + i) * BLOCK_N, rows,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+        for i in range(n_visible, n_visible + n_partial):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(tiles + 2 + i) * BLOCK_N, rows,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+    else:
+        end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
+        interior = 0  # as the forward's: key blocks every query of the block sees
+        if not HAS_BIAS:
+            interior = (kv_len // BLOCK_N) * BLOCK_N
+            if CAUSAL:
+                interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
+        for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                            mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                            BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
-        elif kind == PARTIAL:
-            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
-    for start in range(interior, end, BLOCK_N):
-        kind = PARTIAL
-        if HAS_MASK:
-            kind = tl.load(kinds + start // BLOCK_N)
-        if kind != HIDDEN:
+        for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                            mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                            BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
@@ -505,21 +498,29 @@ class Static:
                 "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
 
 
-def _mask_tiles(mask, config: L.Config):
-    """[mb, mh, q blocks, k blocks] int8 summary of the mask per [BLOCK_M, BLOCK_N] tile of the
-    scores: HIDDEN, PARTIAL or VISIBLE (the kernel constants). One pass over the mask, so a kernel
-    skips hidden tiles, takes the unmasked path on visible ones (a padding or block-sparse mask
-    costs little more than none) and loads the mask itself only for partial tiles. Positions past
-    the sequence count as neither: the tiles that hold them take the masked path anyway."""
+def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
+    """The score tiles a kernel visits under `mask` ([mb, mh, sq, sk], kv_lengths folded in): for
+    each row of [BLOCK_M, BLOCK_N] tiles (a query block; `by_keys`, a key block, as the dk/dv kernel
+    walks them), the number wholly visible, the number partly visible, then the tiles' column
+    indices, visible first: [mb, mh, rows, 2 + columns] int32, from one pass over the mask.
+    A tile that reaches past the sequences is never wholly visible (its loads need bounds), so a
+    padding or block-sparse mask costs about what its visible tiles cost unmasked."""
     if mask is None:
         return None
     bm, bn = config["BLOCK_M"], config["BLOCK_N"]
     mb, mh, sq, sk = mask.shape
     nq, nk = L.cdiv(sq, bm), L.cdiv(sk, bn)
+    visible = mask != 0
+    if causal:
+        visible = visible & (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None])
     pad = ((0, 0), (0, 0), (0, nq * bm - sq), (0, nk * bn - sk))
-    tiles = lambda fill: jnp.pad(mask != 0, pad, constant_values=fill).reshape(mb, mh, nq, bm, nk, bn)
-    some, every = tiles(False).any((3, 5)), tiles(True).all((3, 5))
-    return jnp.where(every, 2, jnp.where(some, 1, 0)).astype(jnp.int8)
+    tiles = jnp.pad(visible, pad).reshape(mb, mh, nq, bm, nk, bn)
+    kind = jnp.where(tiles.all((3, 5)), 2, jnp.where(tiles.any((3, 5)), 1, 0))  # [mb, mh, nq, nk]
+    if by_keys:
+        kind = jnp.swapaxes(kind, 2, 3)
+    counts = [jnp.sum(kind == n, -1, keepdims=True) for n in (2, 1)]
+    order = jnp.argsort(-kind, axis=-1, stable=True)
+    return jnp.concatenate(counts + [order], -1).astype(jnp.int32)
 
 
 def _dummies(mask, kinds, bias, kv_len):
@@ -532,7 +533,8 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
     b, sq, heads, _ = q.shape
     config = st.configs[0]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
-    return L.launch(_fwd, q, k, v, *_dummies(mask, _mask_tiles(mask, config), bias, kv_len), sq, k.shape[1],
+    tiles = _mask_tiles(mask, config, st.causal)
+    return L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len), sq, k.shape[1],
                     kernel="attention_fwd", out_shapes=outs,
                     grid=(L.cdiv(sq, config["BLOCK_M"]), b * heads), config=config, backend=st.backend,
                     constexprs=st.constexprs(q, k))
@@ -543,13 +545,13 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     sk, kv_heads = k.shape[1], k.shape[2]
     consts = {**st.constexprs(q, k), "SCALE": st.scale}
     dkdv, dq = st.configs[1], st.configs[2]
-    args = lambda config: (q, k, v, *_dummies(mask, _mask_tiles(mask, config), bias, kv_len), do, lse, delta,
-                           sq, sk)
-    dk, dv = L.launch(_bwd_dkdv, *args(dkdv), kernel="attention_bwd_dkdv",
+    args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
+                                                       kv_len), do, lse, delta, sq, sk)
+    dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv",
                       out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                       grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
                       constexprs=consts)
-    (dq_,) = L.launch(_bwd_dq, *args(dq), kernel="attention_bwd_dq",
+    (dq_,) = L.launch(_bwd_dq, *args(dq, False), kernel="attention_bwd_dq",
                       out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
                       grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
                       constexprs=consts)
@@ -739,10 +741,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
                          masked_rows=masked_rows)
+    kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
+    if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
+        mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
+        mask_bh = (b > 1, mask_bh[1])
     st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend,
                 default_configs(d, backend), masked_rows == "average")
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
-    kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)
 
@@ -756,7 +761,7 @@ def aot_cases():
     heuristic tiles, compiled for that vendor's targets: causal with GQA at head dims 64 / 128 /
     256, and every option (mask, bias, kv_lengths) at 128."""
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
-              "kinds_ptr": "*i8", "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
+              "kinds_ptr": "*i32", "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
