@@ -50,6 +50,22 @@ def test_tuned_measures_once_then_reads_the_file(tmp_path):
     assert autotune.lookup("mm|8x8", path) == B  # from the file, as a new process would
 
 
+def test_a_config_tuned_for_other_kernel_code_is_not_reused(tmp_path):
+    path = str(tmp_path / "dev.json")
+    times = {"v1": {A: 1e-3, B: 2e-3, C: 3e-3}, "v2": {A: 3e-3, B: 2e-3, C: 1e-3}}
+    calls = []
+
+    def measure_with(version):
+        return lambda config: calls.append(config) or times[version][config]
+
+    v1, v2 = autotune.version_of("template one"), autotune.version_of("template two")
+    assert v1 != v2 and v1 == autotune.version_of("template one")
+    assert autotune.tuned("mm", "8x8", [A, B, C], measure_with("v1"), "triton", path, version=v1) == A
+    assert autotune.tuned("mm", "8x8", [A, B, C], measure_with("v2"), "triton", path, version=v2) == C
+    assert len(calls) == 6  # the second version was measured, not read back
+    assert set(json.load(open(path))) == {f"mm@{v1}|8x8", f"mm@{v2}|8x8"}
+
+
 def test_other_process_reads_the_cache_and_merges_its_own(tmp_path):
     path = str(tmp_path / "dev.json")
     autotune.store("mm|1", B, 1e-4, path)

@@ -455,7 +455,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
             step = jax.jit(lambda *a: (_launch_fwd(*a[:6], trial) if i == 0 else _launch_bwd(*a, trial)))
             return time_pipelined(step, *(args[:6] if i == 0 else args), min_seconds=0.02)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend), measure,
-                                    st.backend)
+                                    st.backend, version=autotune.version_of(_fwd, _bwd_dkdv, _bwd_dq))
     return tuple(configs)
 
 

@@ -156,7 +156,8 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
         step = jax.jit(lambda *v: _launch_views(v, n_rows, fused, backend, config))
         return time_pipelined(step, *samples, min_seconds=0.02)
 
-    return autotune.tuned("matmul_epilogue", key, candidates, measure, backend)
+    return autotune.tuned("matmul_epilogue", key, candidates, measure, backend,
+                          version=autotune.version_of(*codegen.MATMUL_PROLOGUE))
 
 
 def _views(fused: Fused, inputs) -> tuple[list, int]:

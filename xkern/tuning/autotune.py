@@ -4,7 +4,8 @@ A kernel family with a config space (the matmul template's tiles, for one) asks 
 config of one problem key. The answer comes from, in order: this process's memory, the cache file
 of this device, or a measurement of every candidate with the pipelined timer (tuning/timing.py) on
 random inputs of the problem's shapes, whose winner is written back to the file. So a process pays
-for tuning once per key and device, and every later process starts with the tuned config.
+for tuning once per key and device, and every later process starts with the tuned config. Keys
+carry a hash of the kernel code measured (version_of), so changed kernels are tuned afresh.
 
 The file is JSON, one per device kind and Triton version
 ($XKERN_CACHE_DIR or ~/.cache/xkern, then configs/<device>--triton-<version>.json), written by
@@ -15,6 +16,7 @@ heuristic config (the first candidate) is used.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -107,13 +109,22 @@ def best(candidates: Sequence[L.Config], measure: Callable[[L.Config], float]) -
     return config, seconds
 
 
+def version_of(*parts) -> str:
+    """A short hash naming the code a config was tuned for: Triton kernels (their cache_key covers
+    their source and every helper they call) or template text. A winner measured on older code is
+    not reused once the code changes."""
+    text = "|".join(getattr(p, "cache_key", None) or str(p) for p in parts)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def tuned(family: str, key: str, candidates: Sequence[L.Config], measure: Callable[[L.Config], float],
-          backend: str, path: str | None = None) -> L.Config:
-    """The config for `family` at `key`; candidates[0] is the heuristic, used when not tuning."""
+          backend: str, path: str | None = None, version: str = "") -> L.Config:
+    """The config for `family` at `key`; candidates[0] is the heuristic, used when not tuning.
+    version (version_of the kernels measured) is part of the cache key."""
     if backend != "triton" or not enabled() or len(candidates) == 1:
         return candidates[0]
     path = path or cache_path()
-    full_key = f"{family}|{key}"
+    full_key = f"{family}@{version}|{key}" if version else f"{family}|{key}"
     config = lookup(full_key, path)
     if config is None:
         config, seconds = best(candidates, measure)
