@@ -217,6 +217,7 @@ def test_attention_patterns_match_and_equal_jax_jit(spelling):
 
 
 @pytest.mark.parametrize("spelling", ["jax.nn.dot_product_attention(causal)+mask[b,1,q,k]",
+                                      "jax.nn.dot_product_attention+mask[b,1,q,k], one k/v head per q head",
                                       "jax.nn.dot_product_attention+bias+mask[b,h,q,k]",
                                       "flax.linen.dot_product_attention+mask[1,1,q,k]"])
 def test_masked_spellings_average_rows_that_see_no_key(spelling):
@@ -225,13 +226,16 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
     import flax.linen as nn
 
     rng = np.random.default_rng(11)
-    gqa = spelling.startswith("jax.nn")
+    gqa = spelling.startswith("jax.nn") and "one k/v head" not in spelling
     q, k, v, do = make(2, 20, 20, 4, 2 if gqa else 4, 16, jnp.bfloat16, seed=12)
-    shape = {"[b,1,q,k]": (2, 1, 20, 20), "[b,h,q,k]": (2, 4, 20, 20), "[1,1,q,k]": (1, 1, 20, 20)}[spelling[-9:]]
+    shape = {"[b,1,q,k]": (2, 1, 20, 20), "[b,h,q,k]": (2, 4, 20, 20), "[1,1,q,k]": (1, 1, 20, 20)}[
+        spelling[spelling.index("["):spelling.index("]") + 1]]
     mask = jnp.asarray(rng.random(shape) > 0.3).at[0, 0, 5].set(False)  # query 5 sees no key
     bias = jnp.asarray(rng.standard_normal((1, 4, 20, 20)), jnp.float32)
     f = {"jax.nn.dot_product_attention(causal)+mask[b,1,q,k]":
          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True),
+         "jax.nn.dot_product_attention+mask[b,1,q,k], one k/v head per q head":
+         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask),
          "jax.nn.dot_product_attention+bias+mask[b,h,q,k]":
          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask),
          "flax.linen.dot_product_attention+mask[1,1,q,k]":

@@ -42,12 +42,16 @@ MAX_FILL = -1e4
 MASK_SHAPES = {"[b,h,q,k]": (2, 4, 8, 8), "[b,1,q,k]": (2, 1, 8, 8), "[1,1,q,k]": (1, 1, 8, 8)}
 
 
-def nn_attention(causal: bool, bias: bool, mask: str | None):
+def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = True):
+    """jax.nn's attention, traced with grouped k/v heads (grouped) or as many k/v heads as q heads:
+    a mask broadcast over heads traces one broadcast more when k/v heads are grouped, so those masks
+    take a template of each kind."""
     def fn(q, k, v, *extras, scale):
         return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
                                             mask=extras[-1] if mask else None, scale=scale, is_causal=causal)
     fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
-                   f"{'+mask' + mask if mask else ''}")
+                   f"{'+mask' + mask if mask else ''}{'' if grouped else ', one k/v head per q head'}")
+    fn.grouped = grouped
     return fn
 
 
@@ -145,8 +149,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
-        kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if layout == "bshd" and fn.__name__.startswith("jax.nn")
-                                  else (2, 8, 4, 16), dtype)
+        kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if getattr(fn, "grouped", False) else (2, 8, 4, 16), dtype)
         b, s, h = (2, 8, 4) if layout == "bshd" else (2, 4, 8)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
         bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
@@ -175,8 +178,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    replace=replace)
 
 
-PATTERNS = [_pattern(nn_attention(causal, bias, mask), ALL, causal=causal, with_bias=bias, with_mask=mask)
-            for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)]
+PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
+            for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)
+            for grouped in ((True, False) if mask and mask != "[b,h,q,k]" else (True,))]
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
