@@ -772,19 +772,21 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with each vendor's
     heuristic tiles, compiled for that vendor's targets: causal with GQA at head dims 64 / 128 /
-    256, and every option (mask, bias, kv_lengths) at 128."""
+    256, every option (mask, bias, kv_lengths) at 128, and a causal mask alone (its visible runs
+    take the unmasked path) for the first target."""
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
               "kinds_ptr": "*i32", "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
         for d, options in ((64, {"CAUSAL": True}), (128, {"CAUSAL": True}), (256, {"CAUSAL": True}),
-                           (128, every_option)):
+                           (128, every_option), (128, {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True})):
             st = Static(False, d ** -0.5, None, None, False, "triton", default_configs(d, "triton", gpu))
             q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
             k = jax.ShapeDtypeStruct((1, 1, 8, d), jnp.bfloat16)
             consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-            tag = f"attention/{gpu}-tiles/d{d}/{'causal-gqa' if 'CAUSAL' in options else 'options'}"
+            tag = f"attention/{gpu}-tiles/d{d}/" + {1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
+            targets = targets[:1] if "MASK_B" in options else targets
             fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
             fwd, dkdv, dq = st.configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in st.configs[1:])
             yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": "*bf16", "lse_ptr": "*fp32"}, fwd, targets)
