@@ -255,6 +255,22 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
+def test_jax_nn_key_padding_mask_without_grouped_heads():
+    # [b,1,1,k], the usual padding mask, with as many k/v heads as q heads (jax.nn then traces one
+    # broadcast fewer than with grouped heads): found, and equal to jax.jit's, gradients included.
+    q, k, v, do = make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=15)
+    mask = jnp.asarray(np.arange(20)[None, None, None, :] < np.array([13, 20])[:, None, None, None])
+    f = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m)
+    [match] = xkern.explain(f)(q, k, v, mask).matches
+    assert match.pattern.startswith("attention/jax.nn.dot_product_attention+mask")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, mask), jax.jit(f)(*f32, mask), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v, m: jnp.sum(f(q, k, v, m).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v, mask)
+    for g, w in zip(got, jax.jit(jax.grad(loss(f), (0, 1, 2)))(*f32, mask)):
+        close(g, w, jnp.bfloat16)
+
+
 def _by_hand_masked(layout, fill, mask=None, bias=None, upcast=True):
     """A hand-written attention with a boolean mask applied by `where` (fill) or an additive bias."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
