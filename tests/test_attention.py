@@ -135,7 +135,8 @@ def test_random_masks_equal_the_reference(sq, sk, kv_heads, group, causal, kind,
         mask = (np.arange(sq) < rng.integers(16, sq + 1))[:, None] & (np.arange(sk) < rng.integers(16, sk + 1))[None, :]
     mask = jnp.asarray(np.broadcast_to(mask, shape))
     q, k, v, do = make(2, sq, sk, heads, kv_heads, 16, jnp.float32, seed=seed)
-    kw = dict(causal=causal, mask=mask, kv_lengths=jnp.asarray(rng.integers(0, sk + 1, 2), jnp.int32) if lengths else None)
+    lengths = jnp.asarray(rng.integers(0, sk + 1, 2), jnp.int32) if lengths else None
+    kw = dict(causal=causal, mask=mask, kv_lengths=lengths)
     out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
     want, vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw), q, k, v)
     close(out, want, jnp.float32)

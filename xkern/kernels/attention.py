@@ -321,7 +321,8 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
                                      lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
-                dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
+                start = tl.where(i < lo, i, i - lo + hi)
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
                                      lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
