@@ -170,6 +170,7 @@ def test_what_cannot_be_fused_stays_with_xla():
         assert fused_kernels(lambda x: jnp.exp(x) * 2 + 1, x64) == []
 
 
+@pytest.mark.cost_model
 def test_cost_model_follows_the_h200_measurements():
     # Measured: x*a+b*c 1.22x, gelu chain 1.36x, layer norm 1.17x, rms norm 1.13x; tiny groups lose
     # to the custom call's fixed cost.
@@ -269,6 +270,7 @@ def test_matmul_epilogue_backward_reuses_the_product():
                                rtol=1e-5)
 
 
+@pytest.mark.cost_model
 def test_matmul_epilogue_batching_and_what_it_leaves_alone():
     rng = np.random.default_rng(7)
     x, w = jnp.asarray(rng.standard_normal((2, 9, 20)), jnp.float32), jnp.asarray(rng.standard_normal((20, 17)), jnp.float32)

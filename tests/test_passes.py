@@ -264,6 +264,7 @@ def test_explain_reports_kernels_matches_and_traffic():
     assert "fused" in str(report) and "softmax_fwd" in str(report)
 
 
+@pytest.mark.cost_model
 def test_cost_model_declines_what_loses_on_a_gpu():
     small = [ShapedArray((64, 128), jnp.bfloat16)]
     big = [ShapedArray((16384, 8192), jnp.bfloat16)]
