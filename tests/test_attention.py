@@ -144,6 +144,29 @@ def test_random_masks_equal_the_reference(sq, sk, kv_heads, group, causal, kind,
         close(g, w, jnp.float32)
 
 
+def test_configs_fit_in_the_devices_shared_memory():
+    """float32 inputs, masks and biases need more shared memory per tile: the configs offered must
+    fit (on the H200, float32 head dim 128 and a mask with a float32 bias failed to launch with the
+    bfloat16 tiles). xkern.kernels.aot compiles the heuristic's picks and checks what Triton allocates."""
+    from xkern.kernels import attention as A
+    for gpu, limit in (("cuda", 232448), ("cuda", 166912), ("rocm", 65536)):
+        for kernel in ("fwd", "dkdv", "dq"):
+            for d in (64, 128, 256):
+                plain = A.candidates(kernel, d, "triton", gpu, limit=limit)
+                assert plain, (gpu, kernel, d)
+                if limit == 232448:  # the H200's measured winners stay first for plain bf16
+                    first = A.TILES[(gpu, kernel, "wide" if d > 128 else "narrow")][0]
+                    c = plain[0]
+                    assert (c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) == first
+                for fit in ({"itemsize": 4, "mask": True, "bias": True}, {"itemsize": 2, "mask": True, "bias": False}):
+                    configs = A.candidates(kernel, d, "triton", gpu, limit=limit, **fit)
+                    assert configs and all(A.shared_bytes(kernel, c, gpu=gpu, **fit) <= limit for c in configs)
+                    assert len(configs) <= len(plain)
+    big = A.candidates("dq", 128, "triton", "cuda", itemsize=4, mask=True, bias=True)[0]
+    assert A.shared_bytes("dq", big, 4, True, True) < A.shared_bytes("dq", A.candidates("dq", 128, "triton", "cuda")[0], 4,
+                                                                       True, True)
+
+
 def test_float16_and_the_kernels_launched():
     q, k, v, do = make(1, 24, 24, 2, 2, 32, jnp.float16, seed=2)
     close(attention(q, k, v, causal=True), reference(q, k, v, causal=True), jnp.float16)

@@ -1,7 +1,8 @@
 """Ahead-of-time compile check: every kernel in the library builds for NVIDIA and AMD targets.
 
 Triton compiles for any target on a machine without a GPU, so this is how tests prove that each
-kernel, at representative configs, builds for CUDA (sm_90, sm_80) and ROCm (gfx942, gfx90a).
+kernel, at representative configs, builds for CUDA (sm_90, sm_80) and ROCm (gfx942, gfx90a), within
+the shared memory those devices have.
 It needs compiled (not interpreted) kernels, so run it in its own process:
 
     XKERN_BACKEND=triton python -m xkern.kernels.aot [--json]
@@ -18,6 +19,7 @@ TARGETS = {  # name: (backend, arch, warp size)
     "gfx942": ("hip", "gfx942", 64),
     "gfx90a": ("hip", "gfx90a", 64),
 }
+SHARED_MEMORY = {"sm_90": 232448, "sm_80": 166912, "gfx942": 65536, "gfx90a": 65536}  # bytes per program
 KERNEL_MODULES = ("softmax", "norms", "cross_entropy", "attention", "glu", "rope", "generated")  # each defines aot_cases()
 
 
@@ -75,7 +77,9 @@ def main(argv: list[str]) -> int:
         try:
             compiled = compile_kernel(fn, signature, config, target)
             binary = "cubin" if TARGETS[target][0] == "cuda" else "hsaco"
-            ok, detail = bool(compiled.asm.get(binary)), f"{len(compiled.asm[binary])} B {binary}"
+            shared = compiled.metadata.shared  # more than the device has: the launch would fail
+            ok = bool(compiled.asm.get(binary)) and shared <= SHARED_MEMORY[target]
+            detail = f"{len(compiled.asm[binary])} B {binary}, {shared} B shared (of {SHARED_MEMORY[target]})"
         except Exception as e:  # report every failure, not only the first
             ok, detail = False, f"{type(e).__name__}: {e}"
         results.append({"case": name, "target": target, "ok": ok, "detail": detail,

@@ -200,7 +200,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
                                            kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
                                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS,
                                            BLOCK_N, BLOCK_D)
-        for i in range(0, n_partial):
+        for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N,
                                        rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
                                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
@@ -298,7 +298,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
                                          lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL,
                                          HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, HAS_BIAS,
                                          BLOCK_M, BLOCK_D)
-            for i in range(0, n_partial):
+            for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk,
                                      kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
                                      D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
@@ -378,7 +378,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                                mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                                BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
-        for i in range(0, n_partial):
+        for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
                            dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
@@ -410,17 +410,19 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
 # ("wide") takes smaller tiles (its q, k, v tiles would not fit in shared memory at 128). CUDA's
 # heuristics are the H200 tuner's winners (h200-attention-tuned-configs.json); ROCm's (64-wide
 # wavefronts, 1-2 stages for AMD's stream pipeliner) are starting points after AMD's Triton flash
-# attention configs, not yet measured on an MI300.
+# attention configs, not yet measured on an MI300. The last of each CUDA list is small enough for
+# float32 inputs with a mask and a bias (see shared_bytes), on an H200 and on an A100.
 TILES = {
     ("cuda", "fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-                                (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4)],
-    ("cuda", "fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+                                (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 2)],
+    ("cuda", "fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
+                              (32, 32, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dkdv", "narrow"): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3),
-                                 (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2)],
-    ("cuda", "dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2)],
+                                 (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)],
+    ("cuda", "dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dq", "narrow"): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-                               (128, 128, 8, 2), (64, 128, 4, 2)],
-    ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2)],
+                               (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2)],
+    ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)],
     ("rocm", "fwd", "narrow"): [(128, 64, 4, 1), (128, 128, 8, 1), (64, 64, 4, 1), (128, 32, 4, 1), (128, 64, 8, 2)],
     ("rocm", "fwd", "wide"): [(64, 32, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1)],
     ("rocm", "dkdv", "narrow"): [(64, 64, 4, 1), (32, 128, 4, 1), (64, 128, 8, 1), (32, 64, 4, 1)],
@@ -435,18 +437,57 @@ def vendor() -> str:
     return "rocm" if jax.devices()[0].platform == "rocm" else "cuda"
 
 
-def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None) -> list[L.Config]:
+def shared_memory_limit(gpu: str | None = None) -> int:
+    """Shared memory (bytes) one program may use: 227 KB on Hopper and Blackwell datacenter GPUs,
+    163 KB on A100, 99 KB on other NVIDIA GPUs, 64 KB of LDS on AMD's. `gpu` None: this process's
+    device; a vendor's name: its datacenter GPU (H100/H200, MI300)."""
+    if (gpu or vendor()) == "rocm":
+        return 64 * 1024
+    cc = getattr(jax.devices()[0], "compute_capability", "9.0") if gpu is None else "9.0"
+    return {"9.0": 232448, "10.0": 232448, "8.0": 166912, "8.7": 166912}.get(cc, 101376)
+
+
+def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias: bool, gpu: str = "cuda") -> int:
+    """Shared memory Triton allocates for `kernel` at `config`, an upper bound: each of num_stages
+    buffers holds the tiles the inner loop loads (fwd and dq: k and v; dk/dv: q and do, with lse and
+    delta) and, under a mask (int8) or a bias (float32 at most), a score tile more than Triton
+    allocates. On NVIDIA GPUs the program's own tiles are read by the tensor cores from shared
+    memory too (fwd: q; dq: q and do; dk/dv: k, v and the transposed scores); on AMD's, with one
+    stage, nothing is staged but what the dots read. Exact for the unmasked sm_90 builds of Triton
+    3.6 and 3.9; AMD's (gfx942) use less. xkern.kernels.aot checks the compiled kernels."""
+    bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
+    if kernel == "dkdv":
+        loop, own = 2 * bm * bd * itemsize + 8 * bm, (2 * bn * bd + bm * bn) * itemsize
+    else:
+        loop, own = 2 * bn * bd * itemsize, (bm if kernel == "fwd" else 2 * bm) * bd * itemsize
+    score_tile = bm * bn * (int(mask) + 4 * int(bias))
+    if gpu == "rocm":
+        return stages * loop + (stages - 1) * score_tile
+    return stages * loop + own + (stages + 1) * score_tile
+
+
+def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
+               mask: bool = False, bias: bool = False, limit: int | None = None) -> list[L.Config]:
+    """The configs worth trying, best guess first, without those that would ask for more shared
+    memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
+    take more."""
     block_d = max(16, L.next_pow2(head_dim))
     if backend == "interpret":
         return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d)]
     width = "wide" if block_d > 128 else "narrow"
-    return [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=w, num_stages=st)
-            for bm, bn, w, st in TILES[(gpu or vendor(), kernel, width)]]
+    limit = limit or shared_memory_limit(gpu)  # of this process's device, unless `gpu` names a vendor
+    gpu = gpu or vendor()
+    every = [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=w, num_stages=st)
+             for bm, bn, w, st in TILES[(gpu, kernel, width)]]
+    size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
+    return [c for c in every if size(c) <= limit] or [min(every, key=size)]
 
 
-def default_configs(head_dim: int, backend: str, gpu: str | None = None) -> tuple[L.Config, L.Config, L.Config]:
-    """(forward, dk/dv, dq) heuristic configs: each kernel's first candidate."""
-    return tuple(candidates(kernel, head_dim, backend, gpu)[0] for kernel in ("fwd", "dkdv", "dq"))
+def default_configs(head_dim: int, backend: str, gpu: str | None = None,
+                    **fit) -> tuple[L.Config, L.Config, L.Config]:
+    """(forward, dk/dv, dq) heuristic configs: each kernel's first candidate (`fit`: the itemsize,
+    mask and bias of candidates)."""
+    return tuple(candidates(kernel, head_dim, backend, gpu, **fit)[0] for kernel in ("fwd", "dkdv", "dq"))
 
 
 def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
@@ -454,14 +495,15 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
            f"|bias={st.bias_bh}|kv_len={st.has_kv_len}")
-    configs = list(default_configs(d, st.backend))
+    fit = st.fit(q)
+    configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
         def measure(config, i=i):
             trial = dataclasses.replace(st, configs=tuple(configs[:i] + [config] + configs[i + 1:]))
             args = _random_problem(q, k, trial)
             step = jax.jit(lambda *a: (_launch_fwd(*a[:6], trial) if i == 0 else _launch_bwd(*a, trial)))
             return time_pipelined(step, *(args[:6] if i == 0 else args), min_seconds=0.02)
-        configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend), measure,
+        configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
                                     st.backend, version=autotune.version_of(_fwd, _bwd_dkdv, _bwd_dq))
     return tuple(configs)
 
@@ -478,7 +520,7 @@ def _random_problem(q, k, st: "Static") -> tuple:
         (b if st.bias_bh[0] else 1, h if st.bias_bh[1] else 1, sq, k.shape[1]), jnp.float32)
     kv_len = jnp.full((b,), k.shape[1], jnp.int32) if st.has_kv_len else None
     o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, dataclasses.replace(
-        st, configs=default_configs(d, st.backend)))
+        st, configs=default_configs(d, st.backend, **st.fit(q))))
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     return qs, ks, vs, mask, bias, kv_len, do, lse, delta
 
@@ -494,6 +536,10 @@ class Static:
     backend: str
     configs: tuple
     average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
+
+    def fit(self, q) -> dict:
+        """What decides which configs fit in shared memory."""
+        return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None}
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -759,8 +805,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
-    st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend,
-                default_configs(d, backend), masked_rows == "average")
+    st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows == "average")
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)
@@ -771,26 +816,37 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 # --------------------------------------------------------------------------------------------------
 
 def aot_cases():
-    """(name, kernel, signature, config, targets) for the three kernels with each vendor's
-    heuristic tiles, compiled for that vendor's targets: causal with GQA at head dims 64 / 128 /
-    256, every option (mask, bias, kv_lengths) at 128, and a causal mask alone (its visible runs
-    take the unmasked path) for the first target."""
-    arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8",
-              "kinds_ptr": "*i32", "bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
-    grads = {"do_ptr": "*bf16", "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
+    heuristic picks: causal with GQA at head dims 64 / 128 / 256 and every option (mask, bias,
+    kv_lengths) at 128; for the first target of each vendor also every option in float32 (the most
+    shared memory) and a causal mask alone (its visible runs take the unmasked path)."""
+    from xkern.kernels.aot import SHARED_MEMORY
+
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
+    problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
+                (128, "bf16", every_option)]
+    first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True})]
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
-        for d, options in ((64, {"CAUSAL": True}), (128, {"CAUSAL": True}), (256, {"CAUSAL": True}),
-                           (128, every_option), (128, {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True})):
-            st = Static(False, d ** -0.5, None, None, False, "triton", default_configs(d, "triton", gpu))
-            q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
-            k = jax.ShapeDtypeStruct((1, 1, 8, d), jnp.bfloat16)
-            consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-            tag = f"attention/{gpu}-tiles/d{d}/" + {1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
-            targets = targets[:1] if "MASK_B" in options else targets
-            fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
-            fwd, dkdv, dq = st.configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in st.configs[1:])
-            yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": "*bf16", "lse_ptr": "*fp32"}, fwd, targets)
-            yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": "*bf16", "dv_ptr": "*bf16"}, dkdv,
-                   targets)
-            yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": "*bf16"}, dq, targets)
+        for target in targets:
+            for d, dtype, options in problems + (first_only if target == targets[0] else []):
+                yield from _aot_problem(gpu, target, SHARED_MEMORY[target], d, dtype, options)
+
+
+def _aot_problem(gpu, target, limit, d, dtype, options):
+    el = "*" + dtype
+    arrays = {"q_ptr": el, "k_ptr": el, "v_ptr": el, "mask_ptr": "*i8", "kinds_ptr": "*i32", "bias_ptr": "*fp32",
+              "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
+    grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
+    fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
+           "bias": options.get("HAS_BIAS", False)}
+    configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, **fit)[0] for kernel in ("fwd", "dkdv", "dq"))
+    st = Static(False, d ** -0.5, None, None, False, "triton", configs)
+    q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
+    k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
+    consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
+    tag = f"attention/{target}/d{d}/{dtype}/" + {1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
+    fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
+    fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
+    yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
+    yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
+    yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": el}, dq, (target,))
