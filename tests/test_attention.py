@@ -81,27 +81,30 @@ def test_values_and_gradients(case, dtype):
                          ids=["mask", "mask, causal", "mask, bias"])
 def test_structured_masks_skip_hidden_tiles_and_equal_the_reference(causal, with_bias):
     # Documents [0, 32), [32, 40), [40, 50) and padded queries from 46 on: on the interpreter's
-    # 16 x 16 tiles some are wholly hidden (never listed), some wholly visible (the unmasked path)
-    # and some mixed (the mask is read), in every kernel. Each row of tiles lists the runs of
-    # visible tiles and the mixed tiles.
+    # 16 x 16 tiles some are wholly hidden (never listed), some wholly visible (the unmasked path),
+    # some cut by the causal diagonal alone (edge tiles: the mask is not read) and some cut by the
+    # mask (it is read), in every kernel. Each row of tiles lists the runs of visible tiles, the edge
+    # tiles and the masked tiles.
     from xkern.kernels.attention import _mask_tiles
     from xkern.kernels.launch import Config
     doc = np.searchsorted([32, 40], np.arange(50), side="right")
     mask = jnp.asarray((doc[:, None] == doc[None, :]) & (np.arange(50) < 46)[:, None])
     tiles, by_keys = (np.asarray(_mask_tiles(mask[None, None].astype(jnp.int8), Config.of(BLOCK_M=16, BLOCK_N=16),
                                              causal, by_keys=by_keys)) for by_keys in (False, True))
-    assert tiles.shape == by_keys.shape == (1, 1, 4, 2 + 3 * 4)
+    assert tiles.shape == by_keys.shape == (1, 1, 4, 3 + 4 * 4)
 
-    def decoded(row):  # ([first, end) runs of visible tiles], [partly visible tiles])
-        runs, partial = row[0], row[1]
-        return [tuple(row[2 + 2 * r:4 + 2 * r]) for r in range(runs)], list(row[2 + 2 * 4:2 + 2 * 4 + partial])
-    want = {False: [([(0, 2)], []), ([(0, 2)], []), ([], [2, 3]), ([], [])],
-            True: [([], [0]), ([(0, 1)], [1]), ([], [2]), ([], [])]}[causal]
+    def decoded(row):  # ([first, end) runs of visible tiles], [edge tiles], [masked tiles])
+        runs, edges, masked = row[:3]
+        return ([tuple(row[3 + 2 * r:5 + 2 * r]) for r in range(runs)], row[3 + 8:3 + 8 + edges],
+                row[3 + 12:3 + 12 + masked])
+    want = {False: [([(0, 2)], [], []), ([(0, 2)], [], []), ([], [], [2, 3]), ([], [], [])],
+            True: [([], [0], []), ([(0, 1)], [1], []), ([], [], [2]), ([], [], [])]}[causal]
     assert [decoded(row.tolist()) for row in tiles[0, 0]] == want
-    # by key block: key block 0 is wholly visible to query blocks 0 and 1 (causal: to 1; 0 is mixed);
-    # the last keys are mixed in query block 2 (causal: only the padded queries 48-49 could see them)
-    assert decoded(by_keys[0, 0, 0].tolist()) == (([(1, 2)], [0]) if causal else ([(0, 2)], []))
-    assert decoded(by_keys[0, 0, 3].tolist()) == (([], []) if causal else ([], [2]))
+    # by key block: key block 0 is wholly visible to query blocks 0 and 1 (causal: to 1; 0 is an
+    # edge); the last keys are mixed in query block 2 (causal: only the padded queries 48-49 could
+    # see them)
+    assert decoded(by_keys[0, 0, 0].tolist()) == (([(1, 2)], [0], []) if causal else ([(0, 2)], [], []))
+    assert decoded(by_keys[0, 0, 3].tolist()) == (([], [], []) if causal else ([], [], [2]))
     q, k, v, do = make(1, 50, 50, 2, 1, 16, jnp.bfloat16, seed=5)
     bias = jnp.asarray(np.random.default_rng(6).standard_normal((1, 2, 50, 50)), jnp.float32) if with_bias else None
     args = (q, k, v) + (() if bias is None else (bias,))
