@@ -22,6 +22,8 @@ class Graph:
                     self.consumers.setdefault(v, []).append(i)
         self.invars = set(self.jaxpr.invars) | set(self.jaxpr.constvars)
         self.outvars = {v for v in self.jaxpr.outvars if isinstance(v, Var)}
+        self.operand_kinds: dict[int, tuple[str, ...]] = {}  # the pattern matcher's caches
+        self.operands_fit: dict[tuple, bool] = {}
 
     def escapes(self, var, inside: set[int]) -> bool:
         """Whether `var` is read outside the equations `inside` (or is an output of the jaxpr)."""

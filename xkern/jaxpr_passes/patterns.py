@@ -121,12 +121,17 @@ def _template_graph(template: Jaxpr) -> Graph:
     return entry[1]
 
 
-def _operand_kind(graph: Graph, v, inputs) -> str:
-    if isinstance(v, Literal):
-        return "literal"
-    if v in inputs or v not in graph.producer:
-        return "input"
-    return graph.eqns[graph.producer[v][0]].primitive.name
+def _operand_kinds(graph: Graph, eqn: int) -> tuple[str, ...]:
+    """Where each operand of equation `eqn` comes from: "literal", "input" (no producer: the
+    jaxpr's inputs and constants) or the producing primitive. Cached on the graph: every template
+    anchored at a primitive asks at each of its equations."""
+    kinds = graph.operand_kinds.get(eqn)
+    if kinds is None:
+        kinds = graph.operand_kinds[eqn] = tuple(
+            "literal" if isinstance(v, Literal) else
+            graph.eqns[graph.producer[v][0]].primitive.name if v in graph.producer else "input"
+            for v in graph.eqns[eqn].invars)
+    return kinds
 
 
 def _operands_agree(t_graph: Graph, t_eqn: int, graph: Graph, eqn: int) -> bool:
@@ -135,12 +140,15 @@ def _operands_agree(t_graph: Graph, t_eqn: int, graph: Graph, eqn: int) -> bool:
     te, pe = t_graph.eqns[t_eqn], graph.eqns[eqn]
     if te.primitive is not pe.primitive or len(te.invars) != len(pe.invars):
         return False
-    t_inputs = set(t_graph.jaxpr.invars)
-    want = [_operand_kind(t_graph, v, t_inputs) for v in te.invars]
-    have = [_operand_kind(graph, v, ()) for v in pe.invars]
-    fits = lambda w, h: w == h or (w == "input" and h != "literal")
-    orders = (have, have[::-1]) if te.primitive.name in COMMUTATIVE else (have,)
-    return any(all(fits(w, h) for w, h in zip(want, order)) for order in orders)
+    want = _operand_kinds(t_graph, t_eqn)
+    fit = graph.operands_fit.get((eqn, want))  # templates share anchors' operand kinds
+    if fit is None:
+        have = _operand_kinds(graph, eqn)
+        fits = lambda w, h: w == h or (w == "input" and h != "literal")
+        orders = (have, have[::-1]) if te.primitive.name in COMMUTATIVE else (have,)
+        fit = graph.operands_fit[(eqn, want)] = any(all(fits(w, h) for w, h in zip(want, order))
+                                                   for order in orders)
+    return fit
 
 
 def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | None:
