@@ -420,3 +420,43 @@ def test_attention_near_misses_are_not_rewritten():
         else:
             assert not found, name
         close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
+
+
+@pytest.mark.parametrize("shape", [(2, 40, 48, 2, 2, 32), (1, 37, 32, 4, 2, 32), (2, 16, 64, 2, 1, 64)],
+                         ids=["odd queries", "gqa", "mqa"])
+def test_warp_specialized_forward_matches_the_reference(shape):
+    """The Hopper forward (TMA loads of 2-D views, one unmasked loop over every key block) runs
+    through the interpreter too: queries past sq read the next batch's rows and are never stored."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    b, sq, sk, h, hk, d = shape
+    q, k, v, _ = make(b, sq, sk, h, hk, d, jnp.float32, seed=4)
+    st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
+    fwd = st.configs[0].replace(WS=True)
+    assert sk % fwd["BLOCK_N"] == 0
+    o, lse = A._launch_fwd(q, k, v, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]))
+    close(o, reference(q, k, v), jnp.float32)
+    o2, lse2 = A._launch_fwd(q, k, v, None, None, None, st)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
+
+
+def test_warp_specialized_forward_is_offered_only_where_it_applies():
+    """First candidate on a TMA GPU for 16-bit problems without masking at head dims 128 and 256
+    (where it won on the H200), never under causal masks, masks, biases, kv_lengths, float32, head
+    dim 64, key counts its tile does not divide, or without TMA."""
+    from xkern.kernels import attention as A
+    ws = lambda d, **kw: [c for c in A.candidates("fwd", d, "triton", "cuda", **kw) if c["WS"]]
+    assert ws(128, unmasked_keys=4096)[0] == A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096)[0]
+    assert ws(256, unmasked_keys=4096) and ws(256, unmasked_keys=4096)[0].num_warps == 4
+    assert not ws(128, unmasked_keys=4096, tma=False)
+    assert not ws(128, unmasked_keys=4096, itemsize=4)
+    assert not ws(64, unmasked_keys=4096)
+    assert not ws(128, unmasked_keys=4000)
+    assert not ws(128) and not any(c["WS"] for c in A.candidates("fwd", 128, "triton", "rocm", unmasked_keys=4096))
+    assert not any("WS" in dict(c.meta) for c in A.candidates("dq", 128, "triton", "cuda", unmasked_keys=4096))
+    q, k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16), jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
+    plain = A.Static(False, 0.1, None, None, False, "triton", ())
+    assert plain.fit(q, k)["unmasked_keys"] == 512
+    for other in (dict(causal=True), dict(has_kv_len=True), dict(mask_bh=(False, False)), dict(bias_bh=(True, True))):
+        import dataclasses
+        assert dataclasses.replace(plain, **other).fit(q, k)["unmasked_keys"] == 0, other

@@ -149,3 +149,31 @@ def test_vmap_needs_a_batching_rule_and_uses_it(rng):
 def test_forward_mode_is_refused_with_a_pointer_to_grad():
     with pytest.raises(NotImplementedError, match="custom_vjp"):
         jax.jvp(lambda x: axpy(x, x, 1.0), (jnp.ones(4),), (jnp.ones(4),))
+
+
+def test_kernels_are_built_as_triton_compiled_them():
+    """jax_triton 0.3.1 builds jaxlib's TritonKernel with the warp count asked and no global scratch:
+    a warp-specialized kernel (4 warps asked, 12 compiled) then fails to launch, and one that builds
+    TMA descriptors on the device gets a null scratch buffer. xkern's wrapper passes what the last
+    compile recorded, once, and only the scratch arguments jaxlib accepts."""
+    import threading
+
+    class Lib:
+        def TritonKernel(self, *args, **kwargs):  # noqa: N802
+            return args, kwargs
+
+        other = "delegated"
+
+    compiled = threading.local()
+    lib = L._KernelsAsCompiled(Lib(), compiled, with_scratch=True)
+    compiled.metadata = {"num_warps": 12, "global_scratch_size": 384, "global_scratch_align": 128}
+    args, kwargs = lib.TritonKernel("k", 4, 1, 1024, "ptx", "ttir", 90)
+    assert args == ("k", 12, 1, 1024, "ptx", "ttir", 90)
+    assert kwargs == {"global_scratch_size": 384, "global_scratch_align": 128}
+    assert lib.TritonKernel("k", 4, 1, 0, "ptx", "ttir", 90) == (("k", 4, 1, 0, "ptx", "ttir", 90), {})
+    compiled.metadata = {"num_warps": 8, "global_scratch_size": 0}
+    assert lib.TritonKernel("k", 8, 1, 0, "p", "t", 90) == (("k", 8, 1, 0, "p", "t", 90), {})
+    old = L._KernelsAsCompiled(Lib(), compiled, with_scratch=False)
+    compiled.metadata = {"num_warps": 4, "global_scratch_size": 256, "global_scratch_align": 1}
+    assert old.TritonKernel("k", 4, 1, 0, "p", "t", 90) == (("k", 4, 1, 0, "p", "t", 90), {})
+    assert lib.other == "delegated"

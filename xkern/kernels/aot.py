@@ -79,7 +79,8 @@ def main(argv: list[str]) -> int:
             binary = "cubin" if TARGETS[target][0] == "cuda" else "hsaco"
             shared = compiled.metadata.shared  # more than the device has: the launch would fail
             ok = bool(compiled.asm.get(binary)) and shared <= SHARED_MEMORY[target]
-            detail = f"{len(compiled.asm[binary])} B {binary}, {shared} B shared (of {SHARED_MEMORY[target]})"
+            detail = (f"{len(compiled.asm[binary])} B {binary}, {shared} B shared (of {SHARED_MEMORY[target]}), "
+                      f"{compiled.metadata.num_warps} warps")  # more than asked: warp-specialized
         except Exception as e:  # report every failure, not only the first
             ok, detail = False, f"{type(e).__name__}: {e}"
         results.append({"case": name, "target": target, "ok": ok, "detail": detail,

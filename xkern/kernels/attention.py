@@ -177,20 +177,54 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
 
 
 @triton.jit
+def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, QK_SCALE: tl.constexpr,
+                          KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Every key block of a problem without masking (no causal, mask, bias or kv_lengths; sk a
+    multiple of BLOCK_N), for Hopper's warp specialization (Triton 3.6): one producer warp group
+    loads k and v by TMA while two consumer warp groups (4 warps asked, 12 run) each take half the
+    query rows. What the pass takes, found on an H200: one loop, every load a TMA load of a 2-D view
+    (a second loop or a pointer load fails to compile; 3-D views compile and hang; a branch in the
+    loop is silently not specialized), and no masking: masking every block cost all of the gain
+    (477 against 583 TFLOP/s), so problems that need it take the two loops instead."""
+    batch = tl.num_programs(1) // HEADS
+    k_desc = tl.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
+    for start in tl.range(0, sk, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([b * sk + start, hk * D])
+        s = _dot(q, tl.trans(k), DOT_F32)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * QK_SCALE)
+        p = tl.exp2(s * QK_SCALE - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        v = v_desc.load([b * sk + start, hk * D])
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
          CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
          HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+         WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h = bh // HEADS, bh % HEADS
     hk = h // (HEADS // KV_HEADS)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
-    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
+    if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
+        tl.static_assert(not (CAUSAL or HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
+                                           [BLOCK_M, BLOCK_D])
+        q = q_desc.load([b * sq + pid_m * BLOCK_M, h * D])
+    else:
+        q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
@@ -224,14 +258,20 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
             interior = (kv_len // BLOCK_N) * BLOCK_N
             if CAUSAL:
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-        for start in range(0, interior, BLOCK_N):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
-        for start in range(interior, end, BLOCK_N):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                       kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B,
-                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+        if WS:
+            acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, QK_SCALE, KV_HEADS, D,
+                                                  HEADS, DOT_F32, BLOCK_N, BLOCK_D)
+        else:
+            for start in range(0, interior, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N,
+                                           BLOCK_D)
+            for start in range(interior, end, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                                           BLOCK_D)
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
@@ -431,7 +471,10 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
 # heuristics are the H200 tuner's winners (h200-attention-tuned-configs.json); ROCm's (64-wide
 # wavefronts, 1-2 stages for AMD's stream pipeliner) are starting points after AMD's Triton flash
 # attention configs, not yet measured on an MI300. The last of each CUDA list is small enough for
-# float32 inputs with a mask and a bias (see shared_bytes), on an H200 and on an A100.
+# float32 inputs with a mask and a bias (see shared_bytes), on an H200 and on an A100. The dk/dv
+# tile (32, 64, 8 warps, 2 stages) at head dim 256, the tuner's old winner, is gone: on the H200 its
+# dk came out wrong (relative error 0.03-0.18, varying run to run) where every other tile of the
+# same kernel is right (6e-3): a miscompile in Triton 3.6.
 TILES = {
     ("cuda", "fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
                                 (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 2)],
@@ -439,7 +482,7 @@ TILES = {
                               (32, 32, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dkdv", "narrow"): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3),
                                  (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)],
-    ("cuda", "dkdv", "wide"): [(32, 64, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 1)],
+    ("cuda", "dkdv", "wide"): [(32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dq", "narrow"): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
                                (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2)],
     ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)],
@@ -450,11 +493,15 @@ TILES = {
     ("rocm", "dq", "narrow"): [(128, 64, 8, 1), (64, 64, 4, 1), (128, 32, 4, 1), (64, 128, 4, 1)],
     ("rocm", "dq", "wide"): [(64, 32, 4, 1), (32, 32, 4, 1), (32, 64, 4, 1)],
 }
+# The warp-specialized forward (_fwd_warp_specialized; Hopper, 16-bit inputs, problems without
+# masking) by head dim: 4 warps asked, 12 run. Only tiles measured right and faster on an H200
+# (b4 s4096, TFLOP/s against the two-loop kernel's heuristic): d128 582 vs 478, d256 607 vs 381;
+# at d64 it lost (387 vs 441), and a probe's 128 x 64 tile at 3 stages came out NaN (Triton 3.6).
+WS_TILES = {128: [(128, 128, 4, 2)], 256: [(128, 64, 4, 2)]}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 
 
-def vendor() -> str:
-    return "rocm" if jax.devices()[0].platform == "rocm" else "cuda"
+vendor = L.vendor
 
 
 def shared_memory_limit(gpu: str | None = None) -> int:
@@ -474,7 +521,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     allocates. On NVIDIA GPUs the program's own tiles are read by the tensor cores from shared
     memory too (fwd: q; dq: q and do; dk/dv: k, v and the transposed scores); on AMD's, with one
     stage, nothing is staged but what the dots read. Exact for the unmasked sm_90 builds of Triton
-    3.6 and 3.9; AMD's (gfx942) use less. xkern.kernels.aot checks the compiled kernels."""
+    3.6 and 3.9 (an upper bound for the warp-specialized forward's); AMD's (gfx942) use less.
+    xkern.kernels.aot checks the compiled kernels."""
     bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
     if kernel == "dkdv":
         loop, own = 2 * bm * bd * itemsize + 8 * bm, (2 * bn * bd + bm * bn) * itemsize
@@ -483,22 +531,32 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     score_tile = bm * bn * (int(mask) + 4 * int(bias))
     if gpu == "rocm":
         return stages * loop + (stages - 1) * score_tile
+    if dict(config.meta).get("WS"):  # measured on sm_90 builds: a staging tile and barriers more
+        return stages * loop + own + max(16384, bm * bd * itemsize // 2) + 1024
     return stages * loop + own + (stages + 1) * score_tile
 
 
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
-               mask: bool = False, bias: bool = False, limit: int | None = None) -> list[L.Config]:
+               mask: bool = False, bias: bool = False, limit: int | None = None,
+               tma: bool | None = None, unmasked_keys: int = 0) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
-    take more."""
+    take more. The warp-specialized forward's tiles come first where it applies: `tma` (None:
+    whether this process's device has TMA) and `unmasked_keys`, the key count of a problem that
+    needs no masking (see Static.fit; 0 otherwise), a multiple of the tile's BLOCK_N."""
     block_d = max(16, L.next_pow2(head_dim))
+    loads = {"WS": False} if kernel == "fwd" else {}
     if backend == "interpret":
-        return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d)]
+        return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d, **loads)]
     width = "wide" if block_d > 128 else "narrow"
     limit = limit or shared_memory_limit(gpu)  # of this process's device, unless `gpu` names a vendor
+    tma = (L.tma_supported() if gpu is None else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
-    every = [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, num_warps=w, num_stages=st)
-             for bm, bn, w, st in TILES[(gpu, kernel, width)]]
+    tiles = TILES[(gpu, kernel, width)]
+    if kernel == "fwd" and gpu == "cuda" and tma and itemsize == 2 and unmasked_keys:
+        tiles = [(*tile, True) for tile in WS_TILES.get(head_dim, []) if unmasked_keys % tile[1] == 0] + tiles
+    every = [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
+                         **({"WS": len(t) > 4} if loads else {})) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
     return [c for c in every if size(c) <= limit] or [min(every, key=size)]
 
@@ -515,7 +573,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
            f"|bias={st.bias_bh}|kv_len={st.has_kv_len}")
-    fit = st.fit(q)
+    fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
         def measure(config, i=i):
@@ -540,7 +598,7 @@ def _random_problem(q, k, st: "Static") -> tuple:
         (b if st.bias_bh[0] else 1, h if st.bias_bh[1] else 1, sq, k.shape[1]), jnp.float32)
     kv_len = jnp.full((b,), k.shape[1], jnp.int32) if st.has_kv_len else None
     o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, dataclasses.replace(
-        st, configs=default_configs(d, st.backend, **st.fit(q))))
+        st, configs=default_configs(d, st.backend, **st.fit(q, k))))
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     return qs, ks, vs, mask, bias, kv_len, do, lse, delta
 
@@ -557,9 +615,12 @@ class Static:
     configs: tuple
     average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
 
-    def fit(self, q) -> dict:
-        """What decides which configs fit in shared memory."""
-        return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None}
+    def fit(self, q, k) -> dict:
+        """What decides which configs apply: the shared memory they need, and whether the problem
+        needs masking at all (the warp-specialized forward cannot mask)."""
+        plain = not (self.causal or self.has_kv_len or self.mask_bh or self.bias_bh)
+        return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
+                "unmasked_keys": k.shape[1] if plain else 0}
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -848,7 +909,8 @@ def aot_cases():
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
                 (128, "bf16", every_option)]
-    first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True})]
+    first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
+                  (128, "bf16", {})]  # on sm_90 the warp-specialized forward
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
         for target in targets:
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
@@ -861,13 +923,14 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
               "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
-           "bias": options.get("HAS_BIAS", False)}
-    configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, **fit)[0] for kernel in ("fwd", "dkdv", "dq"))
+           "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096}
+    configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
+                    for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
     consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-    tag = f"attention/{target}/d{d}/{dtype}/" + {1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
+    tag = f"attention/{target}/d{d}/{dtype}/" + {0: "plain", 1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))

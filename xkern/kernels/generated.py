@@ -146,7 +146,7 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
     """The launch config: tuned (and cached on disk) for a matmul on a GPU, else the heuristic."""
     if not fused.k:
         return default_config(n_rows, fused.n_cols, backend)
-    vendor = "rocm" if jax.devices()[0].platform == "rocm" else "cuda"
+    vendor = L.vendor()
     candidates = matmul_configs(n_rows, fused.n_cols, fused.k, backend, vendor)
     # Keyed by the problem, not the epilogue: the tiles that win are the matmul's.
     key = f"{n_rows}x{fused.n_cols}x{fused.k}|{views[0].dtype}|{views[1].dtype}"

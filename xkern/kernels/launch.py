@@ -198,10 +198,90 @@ def _ordered_args(arrays, scalars):
 # Lowering: CUDA / ROCm through jax_triton
 # --------------------------------------------------------------------------------------------------
 
+class _RecordingBackend:
+    """Triton's CUDA backend, keeping the metadata dict that compiling fills in."""
+
+    def __init__(self, backend):
+        self._backend, self.metadata = backend, {}
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def make_ttir(self, src, metadata, *args):
+        self.metadata = metadata
+        return self._backend.make_ttir(src, metadata, *args)
+
+
+class _KernelsAsCompiled:
+    """jaxlib's Triton module, whose TritonKernel gets what the last compile decided rather than
+    what was asked: the warp count (Hopper warp specialization turns 4 warps asked into 12: launched
+    with 4, the kernel fails) and the global scratch size."""
+
+    def __init__(self, lib, compiled, with_scratch: bool):
+        self._lib, self._compiled, self.with_scratch = lib, compiled, with_scratch
+
+    def __getattr__(self, name):
+        return getattr(self._lib, name)
+
+    def TritonKernel(self, name, num_warps, *args, **kwargs):  # noqa: N802 (jaxlib's name)
+        metadata, self._compiled.metadata = getattr(self._compiled, "metadata", {}), {}
+        scratch = metadata.get("global_scratch_size") or 0
+        if scratch and self.with_scratch:
+            kwargs.update(global_scratch_size=scratch,
+                          global_scratch_align=metadata.get("global_scratch_align") or 1)
+        return self._lib.TritonKernel(name, metadata.get("num_warps") or num_warps, *args, **kwargs)
+
+
+def _kernels_as_compiled():
+    """Patch jax_triton (0.3.1, CUDA) to build each kernel as Triton compiled it (_KernelsAsCompiled)."""
+    from jax_triton import triton_lib as jt
+
+    if isinstance(jt.triton_kernel_call_lib, _KernelsAsCompiled):
+        return jt.triton_kernel_call_lib
+    lib, compile_ptx, compiled = jt.triton_kernel_call_lib, jt.compile_ttir_to_ptx_inplace, threading.local()
+
+    def compile_recording(ttir, backend, options, capability):
+        recording = _RecordingBackend(backend)
+        result = compile_ptx(ttir, recording, options, capability)
+        compiled.metadata = recording.metadata
+        return result
+
+    jt.compile_ttir_to_ptx_inplace = compile_recording
+    jt.triton_kernel_call_lib = _KernelsAsCompiled(
+        lib, compiled, "global_scratch_size" in (lib.TritonKernel.__init__.__doc__ or ""))
+    return jt.triton_kernel_call_lib
+
+
+@functools.cache
+def global_scratch_supported() -> bool:
+    """Whether kernels that build TMA descriptors on the device can run: they need a global scratch
+    buffer (128 bytes per descriptor and program), which Triton's own launcher allocates. jaxlib
+    allocates it since jax 0.11 (TritonKernel's `global_scratch_size`), but jax_triton 0.3.1 does
+    not pass the size (jaxlib then passes a null buffer and the kernel faults): xkern passes it."""
+    return _kernels_as_compiled().with_scratch
+
+
+def tma_supported() -> bool:
+    """TMA descriptor loads (built on the device) in kernels: an NVIDIA GPU of compute capability
+    9.0 or newer, and a jaxlib that allocates their scratch (global_scratch_supported)."""
+    if INTERPRET or vendor() != "cuda":
+        return False
+    major = int(str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0])
+    return major >= 9 and global_scratch_supported()
+
+
+def vendor() -> str:
+    """The GPU vendor of jax's first device: "rocm" or "cuda" (jax names both platforms "gpu")."""
+    device = jax.devices()[0]
+    version = str(getattr(device.client, "platform_version", "")).lower()
+    return "rocm" if device.platform == "rocm" or "rocm" in version else "cuda"
+
+
 def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases, zeroed,
                  backend, info):
     import jax_triton  # lazily: it cannot be imported with a CPU-only jaxlib
 
+    _kernels_as_compiled()  # before the first compile
     return jax_triton.triton_call(
         *_ordered_args(arrays, scalars), kernel=fn, out_shape=list(out_shapes), grid=grid,
         name=kernel, num_warps=config.num_warps, num_stages=config.num_stages,
