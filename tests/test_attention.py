@@ -454,9 +454,38 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     assert not ws(128, unmasked_keys=4000)
     assert not ws(128) and not any(c["WS"] for c in A.candidates("fwd", 128, "triton", "rocm", unmasked_keys=4096))
     assert not any("WS" in dict(c.meta) for c in A.candidates("dq", 128, "triton", "cuda", unmasked_keys=4096))
+    dkdv = lambda **kw: A.candidates("dkdv", 128, "triton", "cuda", **kw)[0]["WS"]
+    assert dkdv(unmasked_keys=4096, unmasked_queries=4096)
+    assert not dkdv(unmasked_keys=4096, unmasked_queries=4000) and not dkdv(unmasked_keys=4096)
     q, k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16), jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
     plain = A.Static(False, 0.1, None, None, False, "triton", ())
     assert plain.fit(q, k)["unmasked_keys"] == 512
     for other in (dict(causal=True), dict(has_kv_len=True), dict(mask_bh=(False, False)), dict(bias_bh=(True, True))):
         import dataclasses
         assert dataclasses.replace(plain, **other).fit(q, k)["unmasked_keys"] == 0, other
+
+
+def test_warp_specialized_dkdv_matches_the_reference_and_waits_for_a_device_check(monkeypatch):
+    """dk/dv with the query heads of a group and their blocks flattened into one warp-specialized
+    loop (TMA loads; lse and delta as 1-D views), through the interpreter: equal to the two-loop
+    kernel and the reference, GQA included. On a device it is offered only once checked there."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    from xkern.kernels import launch as L
+    for b, sq, sk, h, hk, d in [(2, 32, 48, 2, 2, 32), (1, 48, 32, 4, 2, 32)]:
+        q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=5)
+        st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
+        o, lse = A._launch_fwd(q, k, v, None, None, None, st)
+        delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
+        ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=True), st.configs[2]))
+        dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, do, lse, delta, ws)
+        _, vjp = jax.vjp(reference, q, k, v)
+        for got, want in zip((dq, dk, dv), vjp(do)):
+            close(got, want, jnp.float32)
+    monkeypatch.setattr(L, "tma_supported", lambda: True)
+    monkeypatch.setattr(A, "vendor", lambda: "cuda")
+    plain = {"unmasked_keys": 4096, "unmasked_queries": 4096}
+    assert A.candidates("fwd", 128, "triton", **plain)[0]["WS"]
+    assert not A.candidates("dkdv", 128, "triton", **plain)[0]["WS"]
+    monkeypatch.setattr(A, "WS_DKDV_ON_DEVICE", True)
+    assert A.candidates("dkdv", 128, "triton", **plain)[0]["WS"]
