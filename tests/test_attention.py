@@ -467,8 +467,8 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
 
 def test_warp_specialized_dkdv_matches_the_reference_and_waits_for_a_device_check(monkeypatch):
     """dk/dv with the query heads of a group and their blocks flattened into one warp-specialized
-    loop (TMA loads; lse and delta as 1-D views), through the interpreter: equal to the two-loop
-    kernel and the reference, GQA included. On a device it is offered only once checked there."""
+    loop (TMA loads; lse and delta as 1-D views), through the interpreter: dq, dk and dv against the
+    reference, GQA included. On a device it is offered only once checked there."""
     import dataclasses
     from xkern.kernels import attention as A
     from xkern.kernels import launch as L
