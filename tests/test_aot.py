@@ -33,3 +33,6 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     specialized = [r for r in results if r["case"] in ("attention/sm_90/d128/bf16/plain/fwd",
                                                        "attention/sm_90/d128/bf16/plain/bwd_dkdv")]
     assert len(specialized) == 2 and all(r["detail"].endswith(", 12 warps") for r in specialized), specialized
+    # The matmul template with TMA loads, on sm_90 only (descriptors need Hopper)
+    tma = [r for r in results if r["case"].startswith("generated/linear_gelu/") and r["case"].endswith("/tma")]
+    assert tma and {r["target"] for r in tma} == {"sm_90"}

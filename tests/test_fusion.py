@@ -254,6 +254,34 @@ def test_matmul_with_generated_epilogue(dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), v, rtol=tol, atol=2 * tol * np.abs(v).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_matmul_template_with_tma_loads(dtype):
+    """The template's TMA variant (operand tiles by descriptor; reads past the edges are zeros),
+    through the interpreter at sizes no tile divides: the same values as XLA's."""
+    from xkern.kernels import generated
+    rng = np.random.default_rng(8)
+    x, w = jnp.asarray(rng.standard_normal((37, 40)), dtype), jnp.asarray(rng.standard_normal((40, 24)) * 0.2, dtype)
+    b = jnp.asarray(np.linspace(-1, 1, 24), dtype)
+    f = lambda x, w, b: jnp.tanh(x @ w + b) * 2.0
+    plan = pipeline.plan(jax.make_jaxpr(f)(x, w, b), "interpret")
+    (fused,) = [m.fused for m in plan.fusions.values()]
+    views, n_rows = generated._views(fused, (x, w, b))
+    config = generated.matmul_configs(37, 24, 40, "interpret")[0].replace(BLOCK_M=16, BLOCK_N=16, TMA=True)
+    (got,) = generated._launch_views(views, n_rows, fused, "interpret", config)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f(x, w, b), np.float32), rtol=tol, atol=tol)
+
+
+def test_matmul_tiles_offer_tma_only_where_descriptors_fit():
+    from xkern.kernels import generated
+    assert generated.tma_fits(4096, 4096, 2) and not generated.tma_fits(4095, 4096, 2)
+    assert not generated.tma_fits(4096, 4100, 1) and generated.tma_fits(4096, 4100, 4)
+    tma = generated.matmul_configs(8192, 8192, 8192, "triton", "cuda", tma=True)
+    assert tma[0]["TMA"] and tma[0]["BLOCK_N"] == 256 and sum(not c["TMA"] for c in tma) == 2
+    assert not any(c["TMA"] for c in generated.matmul_configs(8192, 8192, 8192, "triton", "cuda"))
+    assert not any(c["TMA"] for c in generated.matmul_configs(8192, 8192, 8192, "triton", "rocm"))
+
+
 def test_matmul_epilogue_backward_reuses_the_product():
     x, w = jnp.ones((8, 16)), jnp.ones((16, 12))
     f = lambda x, w: jnp.tanh(x @ w) * 2.0
