@@ -440,10 +440,42 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 48, 48, 2, 2, 32), (1, 32, 32, 4, 2, 32)], ids=["mha", "gqa"])
+def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape):
+    """Causal: the warp-specialized loops take the blocks off the diagonal (forward: keys left of
+    each query block's diagonal block; dk/dv: queries below each key block's), then _fwd_diagonal
+    resumes the softmax from (o, lse) and _dkdv_diagonal adds to dk and dv the diagonal blocks,
+    masked; through the interpreter, against the reference and the two-loop kernel's lse."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    b, sq, sk, h, hk, d = shape
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=9)
+    st = A.Static(True, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
+    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=True), st.configs[1].replace(WS=True),
+                                          st.configs[2]))
+    o, lse = A._launch_fwd(q, k, v, None, None, None, ws)
+    close(o, reference(q, k, v, causal=True), jnp.float32)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, st)[1]),
+                               rtol=0, atol=1e-5)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
+    want = jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do)
+    for g, w in zip(backward(q, k, v), want):
+        close(g, w, jnp.float32)
+    assert "attention_dkdv_diagonal" in kernel_names(jax.make_jaxpr(backward)(q, k, v))
+    batched_dk = jax.vmap(lambda k: backward(q, k, v)[1])(jnp.stack([k, k]))
+    close(batched_dk[1], want[1], jnp.float32)
+    launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, ws))(q, k, v))
+    assert launched == ["attention_fwd", "attention_fwd_diagonal"]
+    batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, ws)[0])(jnp.stack([q, -q]))
+    close(batched[1], reference(-q, k, v, causal=True), jnp.float32)
+
+
 def test_warp_specialized_forward_is_offered_only_where_it_applies():
     """First candidate on a TMA GPU for 16-bit problems without masking at head dims 128 and 256
-    (where it won on the H200), never under causal masks, masks, biases, kv_lengths, float32, head
-    dim 64, key counts its tile does not divide, or without TMA."""
+    (where it won on the H200) and for causal ones with as many queries as keys (a multiple of its
+    BLOCK_M); never under masks, biases, kv_lengths, float32, head dim 64, key counts its tile does
+    not divide, or without TMA."""
+    import dataclasses
     from xkern.kernels import attention as A
     ws = lambda d, **kw: [c for c in A.candidates("fwd", d, "triton", "cuda", **kw) if c["WS"]]
     assert ws(128, unmasked_keys=4096)[0] == A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096)[0]
@@ -457,11 +489,15 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     dkdv = lambda **kw: A.candidates("dkdv", 128, "triton", "cuda", **kw)[0]["WS"]
     assert dkdv(unmasked_keys=4096, unmasked_queries=4096)
     assert not dkdv(unmasked_keys=4096, unmasked_queries=4000) and not dkdv(unmasked_keys=4096)
+    assert ws(128, causal_square=4096) and ws(256, causal_square=4096)
+    assert not ws(128, causal_square=4000) and dkdv(causal_square=4096) and not dkdv(causal_square=4000)
     q, k = jnp.zeros((1, 256, 2, 128), jnp.bfloat16), jnp.zeros((1, 512, 2, 128), jnp.bfloat16)
     plain = A.Static(False, 0.1, None, None, False, "triton", ())
-    assert plain.fit(q, k)["unmasked_keys"] == 512
+    assert plain.fit(q, k)["unmasked_keys"] == 512 and plain.fit(q, k)["causal_square"] == 0
+    causal = dataclasses.replace(plain, causal=True)
+    assert causal.fit(q, q)["causal_square"] == 256 and causal.fit(q, k)["causal_square"] == 0
+    assert dataclasses.replace(causal, has_kv_len=True).fit(q, q)["causal_square"] == 0
     for other in (dict(causal=True), dict(has_kv_len=True), dict(mask_bh=(False, False)), dict(bias_bh=(True, True))):
-        import dataclasses
         assert dataclasses.replace(plain, **other).fit(q, k)["unmasked_keys"] == 0, other
 
 

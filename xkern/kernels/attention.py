@@ -177,11 +177,12 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
 
 
 @triton.jit
-def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, QK_SCALE: tl.constexpr,
+def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCALE: tl.constexpr,
                           KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Every key block of a problem without masking (no causal, mask, bias or kv_lengths; sk a
-    multiple of BLOCK_N), for Hopper's warp specialization (Triton 3.6): one producer warp group
+    """The key blocks before `end` of a problem without masking (no mask, bias or kv_lengths; sk a
+    multiple of BLOCK_N; causal: only the blocks left of the diagonal block, which _fwd_diagonal
+    adds after), for Hopper's warp specialization (Triton 3.6): one producer warp group
     loads k and v by TMA while two consumer warp groups (4 warps asked, 12 run) each take half the
     query rows. What the pass takes, found on an H200: one loop, every load a TMA load of a 2-D view
     (a second loop or a pointer load fails to compile; 3-D views compile and hang; a branch in the
@@ -190,7 +191,7 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, QK_SCALE: t
     batch = tl.num_programs(1) // HEADS
     k_desc = tl.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
     v_desc = tl.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
-    for start in tl.range(0, sk, BLOCK_N, warp_specialize=True):
+    for start in tl.range(0, end, BLOCK_N, warp_specialize=True):
         k = k_desc.load([b * sk + start, hk * D])
         s = _dot(q, tl.trans(k), DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1) * QK_SCALE)
@@ -219,7 +220,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
     dims = tl.arange(0, BLOCK_D)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
-        tl.static_assert(not (CAUSAL or HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
         q = q_desc.load([b * sq + pid_m * BLOCK_M, h * D])
@@ -259,7 +260,8 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
             if CAUSAL:
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         if WS:
-            acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, QK_SCALE, KV_HEADS, D,
+            acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
+                                                  pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
                                                   HEADS, DOT_F32, BLOCK_N, BLOCK_D)
         else:
             for start in range(0, interior, BLOCK_N):
@@ -272,11 +274,46 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
                                            kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
                                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
                                            BLOCK_D)
+    _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
+
+
+@triton.jit
+def _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D: tl.constexpr):
+    """o (zero for a row that saw no key) and its log2-domain logsumexp (-inf there)."""
     seen = l_i > 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
     tl.store(lse_ptr + bh.to(tl.int64) * sq + rows, lse, mask=rows < sq)
+
+
+@triton.jit
+def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
+                  sq, sk,
+                  o_ptr, lse_ptr,  # outputs, written over o_part and lse_part
+                  QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Causal attention's diagonal blocks, after the warp-specialized forward did the keys left of
+    them (it cannot mask: see _fwd_warp_specialized). A query block resumes the online softmax from
+    that result: (o, lse) is the state acc = o, m = lse, l = 1 (rows with no key yet: l = 0), then
+    takes its diagonal keys [pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M), masked. sq == sk."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h = bh // HEADS, bh % HEADS
+    hk = h // (HEADS // KV_HEADS)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
+    m_i = tl.load(lse_part_ptr + bh.to(tl.int64) * sq + rows, mask=rows < sq, other=-float("inf"))
+    l_i = tl.where(m_i == -float("inf"), 0.0, 1.0)
+    acc = _load_rows(o_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
+    k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    for start in range(pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
+        # k_ptr stands for the absent mask and bias (their flags keep them unread)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
+                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, False, False, False, False, False,
+                                   False, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+    _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
 @triton.jit
@@ -319,12 +356,13 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
 
 
 @triton.jit
-def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, pid_n, b, hk,
+def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b, hk,
                            QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr):
-    """dk and dv of one key block over every query block of every query head sharing its key head,
-    for a problem without masking (sq and sk multiples of the tiles), warp-specialized as the
+    """dk and dv of one key block over the query blocks from `first` on of every query head sharing
+    its key head, for a problem without masking (sq and sk multiples of the tiles; causal: only the
+    query blocks below the diagonal block, which _dkdv_diagonal adds after), warp-specialized as the
     forward (_fwd_warp_specialized: one loop, TMA loads only, 2-D views; lse and delta 1-D), the
     heads and query blocks flattened into that one loop. On the H200 (b4 s4096 d128) 3.35 ms
     against 6.09 for the two-loop kernel."""
@@ -340,9 +378,9 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
     v = v_desc.load([b * sk + pid_n * BLOCK_N, hk * D])
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    n_q_blocks = sq // BLOCK_M
+    n_q_blocks = (sq - first) // BLOCK_M
     for i in tl.range(0, group * n_q_blocks, warp_specialize=True):
-        h, start = hk * group + i // n_q_blocks, (i % n_q_blocks) * BLOCK_M
+        h, start = hk * group + i // n_q_blocks, first + (i % n_q_blocks) * BLOCK_M
         q = q_desc.load([b * sq + start, h * D])
         do = do_desc.load([b * sq + start, h * D])
         lse = lse_desc.load([(b * HEADS + h) * sq + start])
@@ -370,9 +408,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
     dims = tl.arange(0, BLOCK_D)
     kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
     if WS:
-        tl.static_assert(not (CAUSAL or HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
-        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, pid_n, b, hk,
-                                        QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk,
+                                        (pid_n + 1) * BLOCK_N if CAUSAL else 0, pid_n, b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
@@ -380,6 +418,39 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
                                  DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr, dv_part_ptr,  # inputs
+                   sq, sk,
+                   dk_ptr, dv_ptr,  # outputs, written over dk_part and dv_part
+                   QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                   D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr):
+    """Causal dk and dv: the diagonal blocks' part (queries [pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N)
+    of each query head sharing the key head, masked), added to what the warp-specialized kernel
+    wrote for the query blocks below them. sq == sk."""
+    pid_n, bhk = tl.program_id(0), tl.program_id(1)
+    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    group = HEADS // KV_HEADS
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
+    k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
+    v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    for h in range(hk * group, hk * group + group):
+        for start in range(pid_n * BLOCK_N, tl.minimum((pid_n + 1) * BLOCK_N, sq), BLOCK_M):
+            # k_ptr stands for the absent mask and bias (their flags keep them unread)
+            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
+                                 delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, False, False, False, False,
+                                 False, False, DOT_F32, True, BLOCK_M, BLOCK_D)
+    kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
+    dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
+    dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
+    tl.store(dk_ptr + kv_offs, dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
 
@@ -558,7 +629,15 @@ TILES = {
 # nothing (2.48 vs 2.53 ms).
 WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)]}
 # In place (a GQA group's query heads flattened into the loop), checked against float32 on the H200
-# (GQA 8/2 included): d128 forward+backward 7.96 vs 10.37 ms.
+# (GQA 8/2 included): d128 forward+backward 7.96 vs 10.37 ms. Causal problems with as many queries as
+# keys take them off the diagonal, then _fwd_diagonal / _dkdv_diagonal (H200, d128, against the
+# two-loop kernels): b1 s16384 forward 563 vs 493 TFLOP/s (cuDNN 565), forward+backward 432 vs 362
+# (cuDNN 524); b4 s4096 426 vs 426 and 330 vs 317 (the diagonal kernels' extra pass over q and o
+# weighs more at 32 query blocks a row than at 128).
+# The causal diagonal's kernels after the warp-specialized ones (_fwd_diagonal, _dkdv_diagonal):
+# (the other block: forward BLOCK_N, dk/dv BLOCK_M; num_warps, num_stages); the first block is the
+# warp-specialized kernel's.
+DIAGONAL_TILES = {"cuda": (64, 8, 2), "interpret": (16, 4, 1)}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 
 
@@ -599,12 +678,15 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
-               tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0) -> list[L.Config]:
+               tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
+               causal_square: int = 0) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
     whether this process's device has TMA) and the key and query counts of a problem that needs no
-    masking (see Static.fit; 0 otherwise), multiples of the tile's BLOCK_N (and, for dk/dv, BLOCK_M)."""
+    masking (see Static.fit; 0 otherwise), multiples of the tile's BLOCK_N (and, for dk/dv, BLOCK_M);
+    for the forward also `causal_square`, the length of a causal problem with as many queries as keys
+    and no other masking, a multiple of BLOCK_M (the diagonal blocks then take _fwd_diagonal)."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": False} if kernel in ("fwd", "dkdv") else {}
     if backend == "interpret":
@@ -615,9 +697,13 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tma = (L.tma_supported() if on_device else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
     tiles = TILES[(gpu, kernel, width)]
-    if gpu == "cuda" and tma and itemsize == 2 and unmasked_keys:
-        fits = lambda bm, bn: unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
-                                                                               unmasked_queries % bm == 0))
+    if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square):
+        def fits(bm, bn):
+            if causal_square:  # the diagonal blocks by _fwd_diagonal / _dkdv_diagonal
+                first, other = (bm, bn) if kernel == "fwd" else (bn, bm)
+                return causal_square % first == 0 and first % other == 0
+            return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
+                                                                    unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
     every = [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
                          **({"WS": len(t) > 4} if loads else {})) for t in tiles]
@@ -682,9 +768,12 @@ class Static:
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        plain = not (self.causal or self.has_kv_len or self.mask_bh or self.bias_bh)
+        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh)
+        causal_square = plain and self.causal and q.shape[1] == k.shape[1]
+        plain = plain and not self.causal
         return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
-                "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0}
+                "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
+                "causal_square": q.shape[1] if causal_square else 0}
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -742,10 +831,18 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
     config = st.configs[0]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
-    return L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len), sq, k.shape[1],
-                    kernel="attention_fwd", out_shapes=outs,
-                    grid=(L.cdiv(sq, config["BLOCK_M"]), b * heads), config=config, backend=st.backend,
-                    constexprs=st.constexprs(q, k))
+    grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), st.constexprs(q, k)
+    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len), sq, k.shape[1],
+                      kernel="attention_fwd", out_shapes=outs, grid=grid, config=config, backend=st.backend,
+                      constexprs=consts)
+    if not (st.causal and dict(config.meta).get("WS")):
+        return o, lse
+    diagonal = DIAGONAL_TILES["interpret" if st.backend == "interpret" else "cuda"]
+    diagonal = L.Config.of(BLOCK_M=config["BLOCK_M"], BLOCK_N=diagonal[0], BLOCK_D=config["BLOCK_D"],
+                           num_warps=diagonal[1], num_stages=diagonal[2])
+    return L.launch(_fwd_diagonal, q, k, v, o, lse, sq, k.shape[1], kernel="attention_fwd_diagonal",
+                    out_shapes=outs, grid=grid, config=diagonal, backend=st.backend, aliases={3: 0, 4: 1},
+                    constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
 
 
 def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
@@ -755,10 +852,18 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     dkdv, dq = st.configs[1], st.configs[2]
     args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
                                                        kv_len), do, lse, delta, sq, sk)
-    dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv",
-                      out_shapes=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                      grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
-                      constexprs=consts)
+    dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+    dkdv_grid = (L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads)
+    dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
+                      grid=dkdv_grid, config=dkdv, backend=st.backend, constexprs=consts)
+    if st.causal and dict(dkdv.meta).get("WS"):
+        tile = DIAGONAL_TILES["interpret" if st.backend == "interpret" else "cuda"]
+        diagonal = L.Config.of(BLOCK_M=tile[0], BLOCK_N=dkdv["BLOCK_N"], BLOCK_D=dkdv["BLOCK_D"],
+                               num_warps=tile[1], num_stages=tile[2])
+        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
+        dk, dv = L.launch(_dkdv_diagonal, q, k, v, do, lse, delta, dk, dv, sq, sk, kernel="attention_dkdv_diagonal",
+                          out_shapes=dkdv_shapes, grid=dkdv_grid, config=diagonal, backend=st.backend,
+                          aliases={6: 0, 7: 1}, constexprs={n: consts[n] for n in names})
     (dq_,) = L.launch(_bwd_dq, *args(dq, False), kernel="attention_bwd_dq",
                       out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
                       grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
@@ -773,7 +878,7 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     consts = dict(constexprs)
     batch = out_shapes[0].shape[0]  # every output is per example: [batch, ...]
-    names = ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta")
+    names = ARGUMENTS.get(kernel, ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta"))
     folded = []
     for name, a, d in zip(names, args, dims):
         flag = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
@@ -794,7 +899,11 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     return [r.reshape(size, -1, *r.shape[1:]) for r in results], [0] * len(results)
 
 
-for _name in ("attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"):
+# The array arguments of the kernels whose arrays differ from _batch's default
+ARGUMENTS = {"attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
+             "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv")}
+for _name in ("attention_fwd", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
+              "attention_bwd_dq"):
     L.def_batching(_name, _batch)
 
 
@@ -988,7 +1097,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
-           "unmasked_queries": 0 if options else 4096}
+           "unmasked_queries": 0 if options else 4096, "causal_square": 4096 if options == {"CAUSAL": True} else 0}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
@@ -999,5 +1108,20 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
+    if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
+        tile = DIAGONAL_TILES[gpu]
+        diagonal = L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=tile[0], BLOCK_D=fwd["BLOCK_D"], num_warps=tile[1],
+                               num_stages=tile[2], **{n: fwd_consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS",
+                                                                                 "D", "DOT_F32")})
+        yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,
+               "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
+    if dkdv["WS"] and options.get("CAUSAL"):
+        tile = DIAGONAL_TILES[gpu]
+        diagonal = L.Config.of(BLOCK_M=tile[0], BLOCK_N=dkdv["BLOCK_N"], BLOCK_D=dkdv["BLOCK_D"], num_warps=tile[1],
+                               num_stages=tile[2], **{n: consts[n] for n in ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS",
+                                                                            "D", "DOT_F32")})
+        yield (f"{tag}/dkdv_diagonal", _dkdv_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
+               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_part_ptr": el, "dv_part_ptr": el, "sq": "i32",
+               "sk": "i32", "dk_ptr": el, "dv_ptr": el}, diagonal, (target,))
     yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": el}, dq, (target,))
