@@ -440,8 +440,9 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(2, 48, 48, 2, 2, 32), (1, 32, 32, 4, 2, 32)], ids=["mha", "gqa"])
-def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape):
+@pytest.mark.parametrize("shape,dkdv_keys", [((2, 48, 48, 2, 2, 32), 16), ((1, 64, 64, 4, 2, 32), 32)],
+                         ids=["mha", "gqa, smaller diagonal tiles"])
+def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys):
     """Causal: the warp-specialized loops take the blocks off the diagonal (forward: keys left of
     each query block's diagonal block; dk/dv: queries below each key block's), then _fwd_diagonal
     resumes the softmax from (o, lse) and _dkdv_diagonal adds to dk and dv the diagonal blocks,
@@ -451,8 +452,8 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape):
     b, sq, sk, h, hk, d = shape
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=9)
     st = A.Static(True, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
-    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=True), st.configs[1].replace(WS=True),
-                                          st.configs[2]))
+    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=True),
+                                          st.configs[1].replace(WS=True, BLOCK_N=dkdv_keys), st.configs[2]))
     o, lse = A._launch_fwd(q, k, v, None, None, None, ws)
     close(o, reference(q, k, v, causal=True), jnp.float32)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, st)[1]),

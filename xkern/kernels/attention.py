@@ -427,10 +427,11 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
                    dk_ptr, dv_ptr,  # outputs, written over dk_part and dv_part
                    QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                    D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
-    """Causal dk and dv: the diagonal blocks' part (queries [pid_n * BLOCK_N, (pid_n + 1) * BLOCK_N)
-    of each query head sharing the key head, masked), added to what the warp-specialized kernel
-    wrote for the query blocks below them. sq == sk."""
+                   BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
+    """Causal dk and dv: the part of the diagonal blocks the warp-specialized kernel skipped (for
+    its key block of SKIPPED keys, the queries [first key, first key + SKIPPED)), masked, for each
+    query head sharing the key head, added to what it wrote. Its own key blocks may be smaller
+    (BLOCK_N divides SKIPPED): a query block that sees none of them is not visited. sq == sk."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // KV_HEADS, bhk % KV_HEADS
     group = HEADS // KV_HEADS
@@ -442,7 +443,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     for h in range(hk * group, hk * group + group):
-        for start in range(pid_n * BLOCK_N, tl.minimum((pid_n + 1) * BLOCK_N, sq), BLOCK_M):
+        end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
+        for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
             # k_ptr stands for the absent mask and bias (their flags keep them unread)
             dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
                                  delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, False, False, False, False,
@@ -634,10 +636,10 @@ WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], (
 # two-loop kernels): b1 s16384 forward 563 vs 493 TFLOP/s (cuDNN 565), forward+backward 432 vs 362
 # (cuDNN 524); b4 s4096 426 vs 426 and 330 vs 317 (the diagonal kernels' extra pass over q and o
 # weighs more at 32 query blocks a row than at 128).
-# The causal diagonal's kernels after the warp-specialized ones (_fwd_diagonal, _dkdv_diagonal):
-# (the other block: forward BLOCK_N, dk/dv BLOCK_M; num_warps, num_stages); the first block is the
-# warp-specialized kernel's.
-DIAGONAL_TILES = {"cuda": (64, 8, 2), "interpret": (16, 4, 1)}
+# The causal diagonal's kernels after the warp-specialized ones: _fwd_diagonal (BLOCK_N, num_warps,
+# num_stages; its BLOCK_M is the forward's) and _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps, num_stages).
+DIAGONAL_TILES = {("fwd", "cuda"): (64, 8, 2), ("fwd", "interpret"): (16, 4, 1),
+                  ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1)}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 
 
@@ -837,12 +839,19 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
                       constexprs=consts)
     if not (st.causal and dict(config.meta).get("WS")):
         return o, lse
-    diagonal = DIAGONAL_TILES["interpret" if st.backend == "interpret" else "cuda"]
+    diagonal = DIAGONAL_TILES[("fwd", "interpret" if st.backend == "interpret" else "cuda")]
     diagonal = L.Config.of(BLOCK_M=config["BLOCK_M"], BLOCK_N=diagonal[0], BLOCK_D=config["BLOCK_D"],
                            num_warps=diagonal[1], num_stages=diagonal[2])
     return L.launch(_fwd_diagonal, q, k, v, o, lse, sq, k.shape[1], kernel="attention_fwd_diagonal",
                     out_shapes=outs, grid=grid, config=diagonal, backend=st.backend, aliases={3: 0, 4: 1},
                     constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+
+
+def _dkdv_diagonal_config(dkdv: L.Config, gpu: str) -> L.Config:
+    """_dkdv_diagonal's tile after the warp-specialized dk/dv at `dkdv` (no larger than its keys)."""
+    bn, bm, warps, stages = DIAGONAL_TILES[("dkdv", gpu)]
+    return L.Config.of(BLOCK_M=bm, BLOCK_N=min(bn, dkdv["BLOCK_N"]), BLOCK_D=dkdv["BLOCK_D"],
+                       SKIPPED=dkdv["BLOCK_N"], num_warps=warps, num_stages=stages)
 
 
 def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
@@ -853,17 +862,15 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
                                                        kv_len), do, lse, delta, sq, sk)
     dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-    dkdv_grid = (L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads)
     dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
-                      grid=dkdv_grid, config=dkdv, backend=st.backend, constexprs=consts)
+                      grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend, constexprs=consts)
     if st.causal and dict(dkdv.meta).get("WS"):
-        tile = DIAGONAL_TILES["interpret" if st.backend == "interpret" else "cuda"]
-        diagonal = L.Config.of(BLOCK_M=tile[0], BLOCK_N=dkdv["BLOCK_N"], BLOCK_D=dkdv["BLOCK_D"],
-                               num_warps=tile[1], num_stages=tile[2])
+        diagonal = _dkdv_diagonal_config(dkdv, "interpret" if st.backend == "interpret" else "cuda")
         names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
         dk, dv = L.launch(_dkdv_diagonal, q, k, v, do, lse, delta, dk, dv, sq, sk, kernel="attention_dkdv_diagonal",
-                          out_shapes=dkdv_shapes, grid=dkdv_grid, config=diagonal, backend=st.backend,
-                          aliases={6: 0, 7: 1}, constexprs={n: consts[n] for n in names})
+                          out_shapes=dkdv_shapes, grid=(L.cdiv(sk, diagonal["BLOCK_N"]), b * kv_heads),
+                          config=diagonal, backend=st.backend, aliases={6: 0, 7: 1},
+                          constexprs={n: consts[n] for n in names})
     (dq_,) = L.launch(_bwd_dq, *args(dq, False), kernel="attention_bwd_dq",
                       out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
                       grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
@@ -1109,7 +1116,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
     if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
-        tile = DIAGONAL_TILES[gpu]
+        tile = DIAGONAL_TILES[("fwd", gpu)]
         diagonal = L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=tile[0], BLOCK_D=fwd["BLOCK_D"], num_warps=tile[1],
                                num_stages=tile[2], **{n: fwd_consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS",
                                                                                  "D", "DOT_F32")})
@@ -1117,10 +1124,8 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
     if dkdv["WS"] and options.get("CAUSAL"):
-        tile = DIAGONAL_TILES[gpu]
-        diagonal = L.Config.of(BLOCK_M=tile[0], BLOCK_N=dkdv["BLOCK_N"], BLOCK_D=dkdv["BLOCK_D"], num_warps=tile[1],
-                               num_stages=tile[2], **{n: consts[n] for n in ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS",
-                                                                            "D", "DOT_F32")})
+        diagonal = _dkdv_diagonal_config(dkdv, gpu).replace(**{n: consts[n] for n in (
+            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/dkdv_diagonal", _dkdv_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_part_ptr": el, "dv_part_ptr": el, "sq": "i32",
                "sk": "i32", "dk_ptr": el, "dv_ptr": el}, diagonal, (target,))
