@@ -313,6 +313,55 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
+def _launch_flags(f, *args) -> list[dict]:
+    """CAUSAL / HAS_MASK of each attention forward launch in xkern.optimize(f)'s program."""
+    from jax.extend.core import jaxprs_in_params
+
+    from xkern.kernels.launch import xkern_kernel_p
+
+    def launches(jaxpr):
+        for e in getattr(jaxpr, "jaxpr", jaxpr).eqns:
+            if e.primitive is xkern_kernel_p and e.params["kernel"] == "attention_fwd":
+                yield dict(e.params["constexprs"])
+            for sub in jaxprs_in_params(e.params):
+                yield from launches(sub)
+    return [{n: c[n] for n in ("CAUSAL", "HAS_MASK")} for c in launches(jax.make_jaxpr(xkern.optimize(f))(*args))]
+
+
+def test_constant_causal_masks_take_the_causal_kernels():
+    """A mask the program computes from constants is read when planning: Flax's make_causal_mask
+    (and a tril mask closed over) runs as causal=True, an all-true one as no mask, other constant
+    masks as masks; values and gradients equal jax.jit's."""
+    import flax.linen as nn
+
+    q, k, v, do = make(2, 24, 24, 4, 4, 16, jnp.bfloat16, seed=16)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    doc = np.arange(24) // 8
+    programs = {  # name: (program, expected mask_kind, expected launch flags)
+        "flax causal": (lambda q, k, v: nn.dot_product_attention(
+            q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2]))), "causal", {"CAUSAL": True, "HAS_MASK": False}),
+        "tril constant": (lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, mask=jnp.tril(jnp.ones((24, 24), bool))[None, None]), "causal", {"CAUSAL": True, "HAS_MASK": False}),
+        "all true": (lambda q, k, v: nn.dot_product_attention(q, k, v, mask=jnp.ones((2, 1, 24, 24), bool)),
+                     "none", {"CAUSAL": False, "HAS_MASK": False}),
+        "documents": (lambda q, k, v: nn.dot_product_attention(
+            q, k, v, mask=jnp.asarray(doc[:, None] == doc[None, :])[None, None]), None, {"CAUSAL": False, "HAS_MASK": True}),
+    }
+    attention_match = lambda report: [m for m in report.matches if m.op == "attention"]  # (the mask's
+    for name, (f, kind, flags) in programs.items():  # own ops may be a generated kernel, unused then)
+        [match] = attention_match(xkern.explain(f)(q, k, v))
+        assert match.params.get("mask_kind") == kind, name
+        assert _launch_flags(f, q, k, v) == [flags], name
+        close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+        loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+        for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
+            close(g, w, jnp.bfloat16)
+    # A mask from the program's inputs is never evaluated when planning
+    [match] = attention_match(xkern.explain(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m))(
+        q, k, v, jnp.ones((2, 1, 24, 24), bool)))
+    assert "mask_kind" not in match.params
+
+
 def test_jax_nn_key_padding_mask_without_grouped_heads():
     # [b,1,1,k], the usual padding mask, with as many k/v heads as q heads (jax.nn then traces one
     # broadcast fewer than with grouped heads): found, and equal to jax.jit's, gradients included.

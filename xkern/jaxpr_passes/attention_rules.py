@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xkern.jaxpr_passes.graph import constant_value
 from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import attention as kernels
 
@@ -140,6 +141,29 @@ def _check(layout):
     return check
 
 
+# Masks the program computes from constants (a causal mask from iota or tril, as flax's
+# make_causal_mask builds it, batch axis included) are evaluated on the device when planning, up to
+# this many elements (b16 s4096), and a causal or all-true one is dropped for causal=True or no mask:
+# those take the unmasked kernels (the warp-specialized ones on Hopper) instead of the tile lists a
+# mask needs.
+CONSTANT_MASK_ELEMENTS = 1 << 28
+
+
+def _mask_facts(match) -> dict:
+    """{"mask_kind": "causal" | "none"} when the matched mask (the last input) is a constant of that
+    kind, else {}."""
+    mask = constant_value(match.graph, match.inputs[-1], CONSTANT_MASK_ELEMENTS)
+    if mask is None or mask.ndim < 2:
+        return {}
+    with jax.ensure_compile_time_eval():
+        if bool(jnp.all(mask)):
+            return {"mask_kind": "none"}
+        sq, sk = mask.shape[-2:]
+        if bool(jnp.all(mask == (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]))):
+            return {"mask_kind": "causal"}
+    return {}
+
+
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
              scaling="*scale", fill=False, shapes=None, float32_bias=True):
     """Inputs q, k, v, then the bias and the mask where the spelling has them (with_bias / with_mask:
@@ -157,7 +181,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
         return (q, kv, kv, *bias, *mask)
 
-    def replace(q, k, v, *extras, backend, scale=None, fill=None):
+    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None):
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -166,16 +190,17 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             scale = 1 / scale
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        out = kernels.attention(q, k, v, causal=causal, bias=extras[0] if with_bias else None,
-                                mask=extras[-1] if with_mask else None, scale=scale, backend=backend,
-                                masked_rows="average" if with_mask and (fill is None or np.isfinite(fill))
+        mask = extras[-1] if with_mask and mask_kind is None else None
+        out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
+                                bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
+                                masked_rows="average" if mask is not None and (fill is None or np.isfinite(fill))
                                 else "zeros")
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {})}
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
                    example_params=example_params, params_of=_params_of(params, fill), check=_check(layout),
-                   replace=replace)
+                   replace=replace, facts_of=_mask_facts if with_mask else (lambda match: {}))
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)

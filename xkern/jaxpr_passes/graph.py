@@ -4,13 +4,15 @@ Read by the matcher, by fusion and by memory planning; it never edits the jaxpr 
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 from jax.extend.core import Literal, Var
 
 
 class Graph:
-    def __init__(self, jaxpr):
+    def __init__(self, jaxpr, consts=()):
         self.jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+        self.consts = dict(zip(self.jaxpr.constvars, consts))  # a closed jaxpr's constant values
         self.eqns = list(self.jaxpr.eqns)
         self.producer: dict[Var, tuple[int, int]] = {}  # var -> (eqn index, output index)
         self.consumers: dict[Var, list[int]] = {}
@@ -28,6 +30,41 @@ class Graph:
     def escapes(self, var, inside: set[int]) -> bool:
         """Whether `var` is read outside the equations `inside` (or is an output of the jaxpr)."""
         return var in self.outvars or any(c not in inside for c in self.consumers.get(var, ()))
+
+
+def constant_value(graph: Graph, var, max_elements: int):
+    """`var`'s value (a concrete jax array, on the default device) if the program computes it from
+    literals and constants alone (a causal mask built from iota, say), evaluated now; None if it
+    reads a program input, has more than `max_elements` elements, or goes through an equation with
+    effects. Read it under jax.ensure_compile_time_eval() while tracing."""
+    if int(np.prod(var.aval.shape, dtype=np.int64)) > max_elements:
+        return None
+    order: list[int] = []
+
+    def computable(v) -> bool:
+        if isinstance(v, Literal) or v in graph.consts:
+            return True
+        if v not in graph.producer:
+            return False  # a program input
+        i = graph.producer[v][0]
+        if i in order:
+            return True
+        eqn = graph.eqns[i]
+        if eqn.effects or not all(computable(u) for u in eqn.invars):
+            return False
+        order.append(i)
+        return True
+
+    if not computable(var):
+        return None
+    from xkern._compat import bind_equation
+
+    env = dict(graph.consts)
+    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    with jax.ensure_compile_time_eval():  # concrete values even while the caller traces
+        for eqn in (graph.eqns[i] for i in order):
+            env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
+    return jax.numpy.asarray(read(var))
 
 
 def literal_value(atom):

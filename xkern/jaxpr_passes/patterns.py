@@ -41,6 +41,8 @@ class Pattern:
     replace(*inputs, backend, **params): the replacement; must equal fn(*inputs, **params).
     (With folds_residual_add, replace(x, *rest, residual=r, ...) returns (fn(x + r, *rest), x + r).)
     check(match, params): a reason to decline this match (dtype, shape), or None.
+    facts_of(match): more params for check and replace only (not fn): what the program shows about
+    the matched inputs, such as the kind of a mask it computes from constants.
     """
     name: str
     op: str
@@ -50,6 +52,7 @@ class Pattern:
     params_of: Callable[["Match"], dict]
     replace: Callable
     check: Callable[["Match", dict], str | None] = lambda match, params: None
+    facts_of: Callable[["Match"], dict] = lambda match: {}
     example_params: dict = dataclasses.field(default_factory=dict)
     # The first input may be a sum x + r made just before: then replace(x, ..., residual=r) also
     # returns x + r, and the add is folded into the kernel (a norm after a residual connection).

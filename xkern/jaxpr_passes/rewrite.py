@@ -137,6 +137,7 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     out = match.graph.eqns[match.anchor].outvars[0]
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])
+    params = {**params, **pattern.facts_of(match)}
     reason = pattern.check(match, params) or cost(pattern.op, match.input_avals, params, backend,
                                                   consumers)
     return (None, reason) if reason else (params, None)
@@ -144,7 +145,7 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
 
 def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     """Find the named patterns in `closed`; sub-jaxprs are planned by `plan_sub` (the pipeline)."""
-    graph = Graph(closed.jaxpr)
+    graph = Graph(closed.jaxpr, closed.consts)
     plan = empty_plan(closed)
     by_anchor = registry().by_anchor
     claimed: set[int] = set()
