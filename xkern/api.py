@@ -178,7 +178,7 @@ def explain(fun: Callable, *, backend: str | None = None):
                 replace = functools.partial(r.match.pattern.replace, backend=chosen, **r.params)
                 if residual is not None:
                     inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
-                replaced = jax.make_jaxpr(replace)(*specs(v.aval for v in inputs))
+                replaced = jax.make_jaxpr(replace)(*(None if v is None else specs([v.aval])[0] for v in inputs))
                 matches.append(Replaced(r.pattern, r.match.pattern.op, r.location,
                                         kernel_names(replaced), r.params))
             role = f" ({p.role}, in the backward pass)" if p.role else ""

@@ -200,7 +200,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {})}
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
                    example_params=example_params, params_of=_params_of(params, fill), check=_check(layout),
-                   replace=replace, facts_of=_mask_facts if with_mask else (lambda match: {}))
+                   replace=replace, facts_of=_mask_facts if with_mask else (lambda match: {}),
+                   ignores=lambda params: {3 + bool(with_bias)} if params.get("mask_kind") else set())
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)

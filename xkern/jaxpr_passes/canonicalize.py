@@ -48,15 +48,16 @@ def canonicalize(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *args: _inline_eval(closed.jaxpr, closed.consts, args))(*avals)
 
 
-def live_equations(jaxpr) -> set[int]:
-    """Indices of equations whose outputs reach the jaxpr's outputs, or that have effects (DCE)."""
+def live_equations(jaxpr, reads=None) -> set[int]:
+    """Indices of equations whose outputs reach the jaxpr's outputs, or that have effects (DCE).
+    reads(i, eqn): the values equation i reads, where that is not its invars (a rewritten one)."""
     needed = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
     live = set()
     for i in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[i]
         if eqn.effects or any(v in needed for v in eqn.outvars):
             live.add(i)
-            needed.update(v for v in eqn.invars if not isinstance(v, Literal))
+            needed.update(v for v in (eqn.invars if reads is None else reads(i, eqn)) if not isinstance(v, Literal))
     return live
 
 

@@ -43,6 +43,8 @@ class Pattern:
     check(match, params): a reason to decline this match (dtype, shape), or None.
     facts_of(match): more params for check and replace only (not fn): what the program shows about
     the matched inputs, such as the kind of a mask it computes from constants.
+    ignores(params): indices of inputs the replacement does not read at these params (it gets None
+    for them, and what only they needed is dead).
     """
     name: str
     op: str
@@ -53,6 +55,7 @@ class Pattern:
     replace: Callable
     check: Callable[["Match", dict], str | None] = lambda match, params: None
     facts_of: Callable[["Match"], dict] = lambda match: {}
+    ignores: Callable[[dict], set] = lambda params: set()
     example_params: dict = dataclasses.field(default_factory=dict)
     # The first input may be a sum x + r made just before: then replace(x, ..., residual=r) also
     # returns x + r, and the add is folded into the kernel (a norm after a residual connection).

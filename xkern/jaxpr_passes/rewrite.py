@@ -37,11 +37,14 @@ class Rewrite:
         return self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
 
     def inputs(self) -> tuple[list, Any]:
-        """The program values the replacement reads, and the residual r (None: no folded add)."""
+        """The program values the replacement takes (None for those it ignores at these params), and
+        the residual r (None: no folded add)."""
+        ignored = self.match.pattern.ignores(self.params)
+        inputs = [None if n in ignored else v for n, v in enumerate(self.match.inputs)]
         if self.residual_add is None:
-            return list(self.match.inputs), None
+            return inputs, None
         x, r = self.match.graph.eqns[self.residual_add].invars
-        return [x, *self.match.inputs[1:]], r
+        return [x, *inputs[1:]], r
 
 
 @dataclasses.dataclass
@@ -167,6 +170,8 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
             plan.skip |= match.program_eqns - {i}
             break
     _fold_residual_adds(plan, graph, claimed)
+    if any(r.match.pattern.ignores(r.params) for r in plan.rewrites.values()):
+        _drop_unread(plan)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
     # several spellings declined at one place, the largest (tried first) speaks for it.
     seen: set[int] = set()
@@ -208,6 +213,16 @@ def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
         plan.skip.add(add)
 
 
+def _drop_unread(plan: Plan) -> None:
+    """What only inputs the replacements ignore needed (a constant mask read as causal) is dead."""
+    def reads(i, eqn):
+        if i in plan.rewrites:
+            inputs, residual = plan.rewrites[i].inputs()
+            return [v for v in (*inputs, residual) if v is not None]
+        return () if i in plan.skip else eqn.invars
+    plan.live = live_equations(plan.closed.jaxpr, reads) | (plan.live & plan.skip)
+
+
 def _sub_jaxprs(value) -> list[ClosedJaxpr]:
     values = value if isinstance(value, tuple) else (value,)
     if not values or not all(isinstance(v, (ClosedJaxpr, Jaxpr)) for v in values):
@@ -229,7 +244,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
     jaxpr = plan.closed.jaxpr
     env = dict(zip(jaxpr.constvars, plan.closed.consts))
     env.update(zip(jaxpr.invars, args))
-    read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    read = lambda v: None if v is None else v.val if isinstance(v, Literal) else env[v]
     for i, eqn in enumerate(jaxpr.eqns):
         if i not in plan.live or i in plan.skip:
             continue
@@ -402,7 +417,8 @@ def traffic(plan: Plan) -> tuple[int, int]:
                         before += aval_bytes(v.aval)
             inputs, residual = rewrite.inputs()
             outs = [graph.eqns[rewrite.match.anchor].outvars[0]] + [rewrite.match.inputs[0]] * bool(folded)
-            after += sum(aval_bytes(v.aval) for v in (*inputs, *outs)) + (aval_bytes(residual.aval) if folded else 0)
+            after += sum(aval_bytes(v.aval) for v in (*inputs, *outs) if v is not None) + (
+                aval_bytes(residual.aval) if folded else 0)
         for fusion in p.fusions.values():
             seen = set()
             for eqn in fusion.fused.eqns:
