@@ -308,3 +308,25 @@ def test_duplicate_patterns_are_rejected():
     with pytest.raises(ValueError, match="duplicate pattern names"):
         P.build_registry([original, original])
     assert P.registry().rejected == []  # the library's own patterns are all distinct
+
+
+def test_constant_values_are_evaluated_only_when_the_program_fixes_them():
+    """graph.constant_value: a value computed from literals and closed-over constants alone is
+    evaluated (under tracing too); one that reads an input, or is too large, is not."""
+    from xkern.jaxpr_passes.graph import Graph, constant_value
+    table = np.arange(12.0).reshape(3, 4)
+
+    def program(x):
+        causal = jnp.arange(5)[None, :] <= jnp.arange(5)[:, None]
+        return causal, jnp.asarray(table) * 2 + 1, x > 0, jnp.broadcast_to(causal, (1000, 5, 5))
+
+    closed = jax.make_jaxpr(program)(jnp.ones(3))
+    graph = Graph(closed.jaxpr, closed.consts)
+    causal, scaled, from_input, big = closed.jaxpr.outvars
+    np.testing.assert_array_equal(constant_value(graph, causal, 100), np.tril(np.ones((5, 5), bool)))
+    np.testing.assert_array_equal(constant_value(graph, scaled, 100), table * 2 + 1)
+    assert constant_value(graph, from_input, 100) is None
+    assert constant_value(graph, big, 100) is None and constant_value(graph, big, 25000).shape == (1000, 5, 5)
+    traced = []
+    jax.jit(lambda x: traced.append(constant_value(Graph(closed.jaxpr, closed.consts), causal, 100)) or x)(1.0)
+    np.testing.assert_array_equal(traced[0], np.tril(np.ones((5, 5), bool)))
