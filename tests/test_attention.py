@@ -337,15 +337,16 @@ def test_constant_causal_masks_take_the_causal_kernels():
     q, k, v, do = make(2, 24, 24, 4, 4, 16, jnp.bfloat16, seed=16)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     doc = np.arange(24) // 8
+    causal, plain, masked = ({"CAUSAL": c, "HAS_MASK": m} for c, m in ((True, False), (False, False), (False, True)))
     programs = {  # name: (program, expected mask_kind, expected launch flags)
         "flax causal": (lambda q, k, v: nn.dot_product_attention(
-            q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2]))), "causal", {"CAUSAL": True, "HAS_MASK": False}),
+            q, k, v, mask=nn.make_causal_mask(jnp.ones(q.shape[:2]))), "causal", causal),
         "tril constant": (lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, mask=jnp.tril(jnp.ones((24, 24), bool))[None, None]), "causal", {"CAUSAL": True, "HAS_MASK": False}),
+            q, k, v, mask=jnp.tril(jnp.ones((24, 24), bool))[None, None]), "causal", causal),
         "all true": (lambda q, k, v: nn.dot_product_attention(q, k, v, mask=jnp.ones((2, 1, 24, 24), bool)),
-                     "none", {"CAUSAL": False, "HAS_MASK": False}),
+                     "none", plain),
         "documents": (lambda q, k, v: nn.dot_product_attention(
-            q, k, v, mask=jnp.asarray(doc[:, None] == doc[None, :])[None, None]), None, {"CAUSAL": False, "HAS_MASK": True}),
+            q, k, v, mask=jnp.asarray(doc[:, None] == doc[None, :])[None, None]), None, masked),
     }
     attention_match = lambda report: [m for m in report.matches if m.op == "attention"]
     for name, (f, kind, flags) in programs.items():

@@ -409,8 +409,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
     kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
     if WS:
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
-        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk,
-                                        (pid_n + 1) * BLOCK_N if CAUSAL else 0, pid_n, b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+        first = (pid_n + 1) * BLOCK_N if CAUSAL else 0  # causal: below the diagonal block
+        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b,
+                                        hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
@@ -633,9 +634,9 @@ WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], (
 # In place (a GQA group's query heads flattened into the loop), checked against float32 on the H200
 # (GQA 8/2 included): d128 forward+backward 7.96 vs 10.37 ms. Causal problems with as many queries as
 # keys take them off the diagonal, then _fwd_diagonal / _dkdv_diagonal (H200, d128, against the
-# two-loop kernels): b1 s16384 forward 563 vs 493 TFLOP/s (cuDNN 565), forward+backward 432 vs 362
-# (cuDNN 524); b4 s4096 426 vs 426 and 330 vs 317 (the diagonal kernels' extra pass over q and o
-# weighs more at 32 query blocks a row than at 128).
+# two-loop kernels of the last session): b1 s16384 forward 584 vs 495 TFLOP/s (cuDNN 563),
+# forward+backward 460 vs 374 (cuDNN 536); b4 s4096 422 vs 428 and 373 vs 317 (the diagonal kernels'
+# extra pass, ~0.3 ms each, weighs more at 32 query blocks a row than at 128).
 # The causal diagonal's kernels after the warp-specialized ones: _fwd_diagonal (BLOCK_N, num_warps,
 # num_stages; its BLOCK_M is the forward's) and _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps, num_stages).
 # Measured on the H200 (b4 s4096 d128 causal): forward 0.276 ms at (32, 4, 2) against 0.287-0.306 for
@@ -690,8 +691,9 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
     whether this process's device has TMA) and the key and query counts of a problem that needs no
     masking (see Static.fit; 0 otherwise), multiples of the tile's BLOCK_N (and, for dk/dv, BLOCK_M);
-    for the forward also `causal_square`, the length of a causal problem with as many queries as keys
-    and no other masking, a multiple of BLOCK_M (the diagonal blocks then take _fwd_diagonal)."""
+    or `causal_square`, the length of a causal problem with as many queries as keys and no other
+    masking, a multiple of the tile's program block (the diagonal blocks then take _fwd_diagonal /
+    _dkdv_diagonal)."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": False} if kernel in ("fwd", "dkdv") else {}
     if backend == "interpret":
@@ -842,12 +844,17 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
                       constexprs=consts)
     if not (st.causal and dict(config.meta).get("WS")):
         return o, lse
-    diagonal = DIAGONAL_TILES[("fwd", "interpret" if st.backend == "interpret" else "cuda")]
-    diagonal = L.Config.of(BLOCK_M=config["BLOCK_M"], BLOCK_N=diagonal[0], BLOCK_D=config["BLOCK_D"],
-                           num_warps=diagonal[1], num_stages=diagonal[2])
+    diagonal = _fwd_diagonal_config(config, "interpret" if st.backend == "interpret" else "cuda")
     return L.launch(_fwd_diagonal, q, k, v, o, lse, sq, k.shape[1], kernel="attention_fwd_diagonal",
                     out_shapes=outs, grid=grid, config=diagonal, backend=st.backend, aliases={3: 0, 4: 1},
                     constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+
+
+def _fwd_diagonal_config(fwd: L.Config, gpu: str) -> L.Config:
+    """_fwd_diagonal's tile after the warp-specialized forward at `fwd` (the same query blocks)."""
+    bn, warps, stages = DIAGONAL_TILES[("fwd", gpu)]
+    return L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=bn, BLOCK_D=fwd["BLOCK_D"], num_warps=warps,
+                       num_stages=stages)
 
 
 def _dkdv_diagonal_config(dkdv: L.Config, gpu: str) -> L.Config:
@@ -866,7 +873,8 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
                                                        kv_len), do, lse, delta, sq, sk)
     dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
-                      grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend, constexprs=consts)
+                      grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
+                      constexprs=consts)
     if st.causal and dict(dkdv.meta).get("WS"):
         diagonal = _dkdv_diagonal_config(dkdv, "interpret" if st.backend == "interpret" else "cuda")
         names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
@@ -1119,10 +1127,8 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
     if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
-        tile = DIAGONAL_TILES[("fwd", gpu)]
-        diagonal = L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=tile[0], BLOCK_D=fwd["BLOCK_D"], num_warps=tile[1],
-                               num_stages=tile[2], **{n: fwd_consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS",
-                                                                                 "D", "DOT_F32")})
+        diagonal = _fwd_diagonal_config(fwd, gpu).replace(**{n: fwd_consts[n] for n in (
+            "QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
