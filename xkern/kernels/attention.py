@@ -16,6 +16,10 @@ per key block accumulates dk and dv over every query block (and, for grouped-que
 over every query head sharing the key head: no repeated k/v, no atomics), another per query block
 accumulates dq. Nothing of size seq x seq exists unless the caller passes a bias and asks for its
 gradient (then XLA computes dbias, the size of the bias itself).
+
+On Hopper, 16-bit problems that need no masking take warp-specialized forward and dk/dv kernels
+(TMA loads, one loop: Triton's pass admits no masking in it); causal ones with as many queries as
+keys take them too, off the diagonal, and the diagonal blocks then take two small masked kernels.
 """
 from __future__ import annotations
 
