@@ -154,6 +154,18 @@ def _query_block(CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _query_tile(pid_m, bh, sq, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A query block's batch, head and key head, its rows and dims, and its [rows, dims] offsets
+    into [batch, sq, HEADS, D] (the forward's and dq's programs)."""
+    b, h = bh // HEADS, bh % HEADS
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    return b, h, h // (HEADS // KV_HEADS), rows, dims, q_offs
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
@@ -218,11 +230,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
          WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
-    b, h = bh // HEADS, bh % HEADS
-    hk = h // (HEADS // KV_HEADS)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
@@ -302,11 +310,7 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     that result: (o, lse) is the state acc = o, m = lse, l = 1 (rows with no key yet: l = 0), then
     takes its diagonal keys [pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M), masked. sq == sk."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
-    b, h = bh // HEADS, bh % HEADS
-    hk = h // (HEADS // KV_HEADS)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     m_i = tl.load(lse_part_ptr + bh.to(tl.int64) * sq + rows, mask=rows < sq, other=-float("inf"))
     l_i = tl.where(m_i == -float("inf"), 0.0, 1.0)
@@ -548,11 +552,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
             HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
-    b, h = bh // HEADS, bh % HEADS
-    hk = h // (HEADS // KV_HEADS)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, BLOCK_D)
-    q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
+    b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     do = _load_rows(do_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     stats = bh.to(tl.int64) * sq + rows
