@@ -357,6 +357,8 @@ def test_constant_causal_masks_take_the_causal_kernels():
             assert report.matches == [match], name
         assert _launch_flags(f, q, k, v) == [flags], name
         close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+        if kind != "causal":  # (the other kinds' kernels have their own gradient tests)
+            continue
         loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
         for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
             close(g, w, jnp.bfloat16)
@@ -493,7 +495,7 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape,dkdv_keys", [((2, 48, 48, 2, 2, 32), 16), ((1, 64, 64, 4, 2, 32), 32)],
+@pytest.mark.parametrize("shape,dkdv_keys", [((2, 48, 48, 2, 2, 32), 16), ((1, 32, 32, 4, 2, 32), 32)],
                          ids=["mha", "gqa, smaller diagonal tiles"])
 def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys):
     """Causal: the warp-specialized loops take the blocks off the diagonal (forward: keys left of
