@@ -166,6 +166,17 @@ def _query_tile(pid_m, bh, sq, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: t
 
 
 @triton.jit
+def _key_tile(pid_n, bhk, sk, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """A key block's batch and key head, its keys and dims, and its [keys, dims] offsets into
+    [batch, sk, KV_HEADS, D] (the dk/dv kernels' programs)."""
+    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    return b, hk, cols, dims, (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
@@ -410,11 +421,8 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
               HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
-    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
     if WS:
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         first = (pid_n + 1) * BLOCK_N if CAUSAL else 0  # causal: below the diagonal block
@@ -442,11 +450,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
     query head sharing the key head, added to what it wrote. Its own key blocks may be smaller
     (BLOCK_N divides SKIPPED): a query block that sees none of them is not visited. sq == sk."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
-    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, BLOCK_D)
-    kv_offs = (b.to(tl.int64) * sk + cols[:, None]) * (KV_HEADS * D) + hk * D + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
