@@ -33,7 +33,8 @@ ROW_PROLOGUE = [
 ]
 # A [BLOCK_M, BLOCK_N] tile of A @ B (A: [n_rows, K], B: [K, N_COLS], row-major), programs grouped
 # GROUP_M tiles down so neighbouring programs share B's columns in L2; float32 accumulation. TMA:
-# operand tiles by the copy engine (on an H200, 720 vs 648 TFLOP/s for XLA at 8192^3 + bias + gelu).
+# operand tiles by the copy engine (on an H200 at 8192^3 + bias + gelu, 682 TFLOP/s against 637 with
+# pointer loads at the same tile).
 MATMUL_PROLOGUE = [
     "    pid = tl.program_id(0)",
     "    num_m, num_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(N_COLS, BLOCK_N)",

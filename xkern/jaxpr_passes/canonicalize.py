@@ -57,7 +57,8 @@ def live_equations(jaxpr, reads=None) -> set[int]:
         eqn = jaxpr.eqns[i]
         if eqn.effects or any(v in needed for v in eqn.outvars):
             live.add(i)
-            needed.update(v for v in (eqn.invars if reads is None else reads(i, eqn)) if not isinstance(v, Literal))
+            read = eqn.invars if reads is None else reads(i, eqn)
+            needed.update(v for v in read if not isinstance(v, Literal))
     return live
 
 

@@ -61,10 +61,13 @@ def constant_value(graph: Graph, var, max_elements: int):
 
     env = dict(graph.consts)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    with jax.ensure_compile_time_eval():  # concrete values even while the caller traces
-        for eqn in (graph.eqns[i] for i in order):
-            env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
-    return jax.numpy.asarray(read(var))
+    try:
+        with jax.ensure_compile_time_eval():  # concrete values even while the caller traces
+            for eqn in (graph.eqns[i] for i in order):
+                env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
+            return jax.numpy.asarray(read(var))
+    except Exception:  # noqa: BLE001 - an equation that cannot run eagerly here: the value is unknown
+        return None
 
 
 def literal_value(atom):

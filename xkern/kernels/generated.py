@@ -101,8 +101,8 @@ def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None =
 
 # Tile shapes (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) the tuner tries for the matmul
 # template, the first being the heuristic. Hopper: wgmma wants BLOCK_M a multiple of 64 and 4-8
-# warps; deeper pipelines hide HBM latency; the TMA loads' best tile (on an H200, 8192^3 + bias +
-# gelu: 720 TFLOP/s) comes first. ROCm: 64-wide wavefronts, LDS of 64 KB, and Triton's AMD
+# warps; deeper pipelines hide HBM latency; the best tile with TMA loads or without (on an H200,
+# 8192^3 + bias + gelu: 682 / 637 TFLOP/s) comes first. ROCm: 64-wide wavefronts, LDS of 64 KB, and Triton's AMD
 # pipeliner works with 2 stages.
 MATMUL_TILES = {
     "cuda": [(128, 256, 64, 8, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 4),
