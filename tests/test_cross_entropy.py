@@ -79,6 +79,22 @@ def test_edge_values_as_xla():
     np.testing.assert_allclose(got, ce.reference(x, labels, reduction="none"), rtol=1e-6)
 
 
+def test_edge_values_with_gradients_as_xla():
+    """The same rows through the forward that also writes dx: loss and gradient."""
+    x = jnp.array([[0.0, -jnp.inf, 1.0, 2.0], [-jnp.inf] * 4, [1.0, jnp.inf, 0.0, 0.0],
+                   [1.0, jnp.nan, 0.0, 0.0], [1e30, -1e30, 3.0, 0.0], [-1e4, -1e4 - 1, -1e4 + 2, -1e4]],
+                  jnp.float32)
+    labels = jnp.array([2, 0, 0, 2, 0, 3], jnp.int32)
+    for kw in ({}, {"label_smoothing": 0.3, "z_loss": 1e-3}):
+        f = lambda impl, rows: jax.value_and_grad(lambda a: impl(a, labels[rows], reduction="sum", **kw))
+        for rows in (slice(None), jnp.array([0, 4, 5])):  # all rows (NaN sum), the finite ones
+            (got, dgot), (want, dwant) = f(xkern.ops.cross_entropy, rows)(x[rows]), f(ce.reference, rows)(x[rows])
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+            np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
+            # (lse near -1e4 holds ~1e-3 of rounding in float32: exp(x - lse) carries it)
+            np.testing.assert_allclose(dgot, dwant, rtol=1e-3, atol=1e-3)
+
+
 def test_labels_out_of_range_give_nan_and_ignored_rows_give_zero():
     logits, _ = make((4, 10), jnp.float32)
     labels = jnp.array([3, 10, -1, -100], jnp.int32)

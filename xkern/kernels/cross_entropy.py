@@ -64,13 +64,15 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 def _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, factor, SMOOTHING: tl.constexpr,
                   Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
-    NaN for a label out of range, 0 for an ignored row."""
+    NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf
+    (lse = +inf)."""
     cols = tl.arange(0, BLOCK_N)
     in_range = (label >= 0) & (label < N_COLS)
+    shift = tl.where(lse == float("inf"), float("nan"), lse)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
         x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse)
+        p = tl.exp(x - shift)
         if Z_LOSS != 0.0:
             p = p * (1.0 + 2.0 * Z_LOSS * lse)
         dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
@@ -106,7 +108,9 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             x = tl.load(x_ptr + base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
             m = tl.maximum(m, tl.max(x, 0))
             new_ref = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
-            s = s * tl.exp(ref - new_ref) + tl.sum(tl.exp(x - new_ref), 0)
+            # (s = 0 stays 0: the first finite max may be far below the placeholder 0, and 0 * inf
+            # would be NaN)
+            s = tl.where(s > 0, s * tl.exp(ref - new_ref), s) + tl.sum(tl.exp(x - new_ref), 0)
             ref = new_ref
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
