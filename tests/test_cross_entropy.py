@@ -95,6 +95,15 @@ def test_edge_values_with_gradients_as_xla():
             np.testing.assert_allclose(dgot, dwant, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gradient_at_large_logits(reduction):
+    """lse of a row whose max is 1e8 rounds to the max: the softmax must not be taken from it."""
+    x = jnp.array([[1e8, 1e8, 0.0], [1e4, 1e4 + 1, 3.0], [-1e8, -1e8 + 1e2, -1e8]], jnp.float32)
+    y = jnp.array([2, 0, 1], jnp.int32)
+    f = lambda impl: jax.grad(lambda a: jnp.sum(impl(a, y, reduction=reduction) * jnp.array([1.0, 2.0, 3.0])))(x)
+    np.testing.assert_allclose(f(xkern.ops.cross_entropy), f(ce.reference), rtol=1e-5, atol=1e-6)
+
+
 def test_labels_out_of_range_give_nan_and_ignored_rows_give_zero():
     logits, _ = make((4, 10), jnp.float32)
     labels = jnp.array([3, 10, -1, -100], jnp.int32)

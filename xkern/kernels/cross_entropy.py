@@ -14,8 +14,8 @@ Two differentiation strategies, by reduction:
               which XLA removes when g is the constant 1 of `jax.grad(loss)`. The logits are not
               saved, and the backward never reads them.
   none        each row has its own cotangent, unknown in the forward: the forward writes the losses
-              and the per-row lse only; the backward kernel recomputes dx from the logits and lse in
-              one pass (reading the logits once, writing dx once).
+              and the per-row lse only (as its shift and log-sum); the backward kernel recomputes dx
+              from the logits and lse in one pass (reading the logits once, writing dx once).
 """
 from __future__ import annotations
 
@@ -61,18 +61,20 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, factor, SMOOTHING: tl.constexpr,
+def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
                   Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
-    NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf
-    (lse = +inf)."""
+    NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf.
+    The softmax is exp((x - shift) - log_sum), lse's two parts kept apart: their sum rounds away
+    log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1."""
     cols = tl.arange(0, BLOCK_N)
     in_range = (label >= 0) & (label < N_COLS)
-    shift = tl.where(lse == float("inf"), float("nan"), lse)
+    lse = shift + log_sum
+    log_sum = tl.where(log_sum == float("inf"), float("nan"), log_sum)  # a row holding +inf
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
         x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp(x - shift)
+        p = tl.exp((x - shift) - log_sum)
         if Z_LOSS != 0.0:
             p = p * (1.0 + 2.0 * Z_LOSS * lse)
         dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
@@ -86,7 +88,8 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, factor, SMOOTHING: tl.
 @triton.jit
 def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], labels, dx scale [n_rows]
          n_rows,
-         loss_ptr, lse_ptr, dx_ptr,  # outputs: loss, lse [n_rows]; dx [n_rows, N_COLS] (WRITE_DX)
+         loss_ptr, lse_ptr, dx_ptr,  # outputs: loss [n_rows]; lse [n_rows, 2] (shift, log of the sum
+                                     # of exp(x - shift)); dx [n_rows, N_COLS] (WRITE_DX)
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, WRITE_DX: tl.constexpr,
          BLOCK_N: tl.constexpr):
@@ -114,7 +117,8 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             ref = new_ref
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
-        lse = tl.log(s) + ref
+        log_sum = tl.log(s)
+        lse = log_sum + ref
         in_range = (label >= 0) & (label < N_COLS)
         picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
         picked = tl.where(in_range, picked, float("nan"))
@@ -122,14 +126,15 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         if SMOOTHING != 0.0:
             loss -= SMOOTHING / N_COLS * total
         tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
-        tl.store(lse_ptr + row, lse)
+        tl.store(lse_ptr + 2 * row, ref)
+        tl.store(lse_ptr + 2 * row + 1, log_sum)
         if WRITE_DX:
-            _write_dx_row(x_ptr, dx_ptr, base, label, lse, valid, tl.load(row_scale_ptr + row),
+            _write_dx_row(x_ptr, dx_ptr, base, label, ref, log_sum, valid, tl.load(row_scale_ptr + row),
                           SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
 
 
 @triton.jit
-def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; labels, lse, dloss [n_rows]
+def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; labels, lse (_fwd's), dloss
          n_rows,
          dx_ptr,  # output: dx [n_rows, N_COLS]
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
@@ -139,7 +144,8 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
         valid = label != IGNORE_INDEX if HAS_IGNORE else True
-        _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + row), valid, tl.load(g_ptr + row),
+        _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + 2 * row), tl.load(lse_ptr + 2 * row + 1), valid,
+                      tl.load(g_ptr + row),
                       SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
 
 
@@ -174,7 +180,7 @@ def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=
     callers whose logits are a temporary (linear_cross_entropy)."""
     n_rows, n_cols = x2.shape
     consts = dict(constexprs)
-    outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows,), jnp.float32),
+    outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
     return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
                     grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts,
