@@ -60,6 +60,22 @@ def test_each_unary_primitive_matches_xla_on_edge_values(name):
     assert_matches_xla(f, x, rtol=tol, atol=1e-6)
 
 
+def test_tiny_arguments_keep_relative_precision_sign_and_edge_powers():
+    """tanh near 0 (where its exp formula cancels) relative to its size and with -0's sign; x ** 0
+    is 1 at inf and NaN, as XLA."""
+    x = jnp.asarray(np.concatenate([EDGE, [1e-4, -3e-3, 0.05, -0.0999, 0.1, 1e-7]]).astype(np.float32))[None]
+    for f in (lambda x: jnp.tanh(x * 1.0), lambda x: (x * 1.0) ** 0 + x * 0.0 + 1.0):
+        assert len(fused_kernels(f, x)) == 1
+        assert_matches_xla(f, x, rtol=1e-6, atol=0)
+        np.testing.assert_array_equal(np.signbit(xkern.jit(f)(x)), np.signbit(jax.jit(f)(x)))
+
+
+def test_arrays_without_rows():
+    for f, shape in ((lambda x: jnp.exp(x * 2.0), (0, 5)), (lambda x: jnp.exp(x * 2.0).sum(-1), (0,))):
+        got = xkern.jit(f)(jnp.zeros((0, 5)))
+        assert got.shape == shape and got.dtype == jnp.float32
+
+
 BINARY = {
     "add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply, "div": jnp.divide,
     "max": jnp.maximum, "min": jnp.minimum,

@@ -65,8 +65,8 @@ def test_edge_values_as_xla(op):
     up values: NaN exactly where XLA's program (the float32 reference and its jax.grad) has NaN."""
     fn, activation, _ = OPS[op]
     gates = np.array([0.0, -0.0, 1.0, -1.0, np.inf, -np.inf, np.nan, 1e30, -1e30, 1e4, -1e4,
-                      100.0, -100.0, 1e-30, 6.0, -6.0, -10.0, -20.0], np.float32)
-    ups = np.array([1.0, -2.0, 0.0, np.inf, np.nan], np.float32)
+                      100.0, -100.0, 1e-30, 6.0, -6.0, -10.0, -20.0, 3e38, -3e38], np.float32)
+    ups = np.array([1.0, -2.0, 0.0, np.inf, np.nan, 4.0], np.float32)  # 4 * 0.5 * 3e38 overflows
     a = jnp.asarray(np.repeat(gates[:, None], len(ups), 1))
     b = jnp.asarray(np.tile(ups, (len(gates), 1)))
     dout = jnp.full(a.shape, 0.5, F32)

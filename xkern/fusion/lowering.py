@@ -37,7 +37,7 @@ def _div(a, eqn):
 def _integer_pow(a, eqn):
     y = eqn.params["y"]
     if y == 0:
-        return f"({a[0]} * 0 + 1)"
+        return f"(tl.zeros_like({a[0]}) + 1)"  # 1 for inf and NaN too, as XLA (x * 0 + 1 is NaN)
     body = " * ".join([a[0]] * abs(y))
     return f"({body})" if y > 0 else f"(1.0 / ({body}))"
 

@@ -96,7 +96,8 @@ def _cdf(g, ACT: tl.constexpr):
 @triton.jit
 def _dgate(g, ct, cdf, inner, ACT: tl.constexpr):
     """ct * d(g * cdf(g))/dg, the product rule in XLA's order (ct * g before the derivative, gelu's
-    cubic term apart), so infinities give NaN exactly where jax.grad's do (inf * 0)."""
+    cubic term apart; for erf's gelu g * pdf(g) first), so infinities give NaN exactly where
+    jax.grad's do (inf * 0) and a huge g does not overflow ct * g where the pdf is 0."""
     cg = ct * g
     if ACT == "silu":
         d = cg * (inner * (1.0 - inner))
@@ -104,7 +105,7 @@ def _dgate(g, ct, cdf, inner, ACT: tl.constexpr):
         w = cg * (0.5 * 0.7978845608028654) * (1.0 - inner * inner)
         d = w + w * (3.0 * 0.044715 * g * g)
     else:
-        d = cg * (tl.exp(-0.5 * g * g) * 0.3989422804014327)
+        d = ct * (g * (tl.exp(-0.5 * g * g) * 0.3989422804014327))
     return ct * cdf + d
 
 
