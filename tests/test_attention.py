@@ -196,9 +196,12 @@ def test_queries_that_see_no_key_get_zeros_and_zero_gradients():
 def test_nan_propagates_like_xla_and_empty_inputs():
     q, k, v, _ = make(1, 18, 18, 1, 1, 16, jnp.float32, seed=4)
     q = q.at[0, 3, 0, 0].set(jnp.nan)
-    got, want = np.asarray(attention(q, k, v)), np.asarray(reference(q, k, v))
-    assert np.array_equal(np.isnan(got), np.isnan(want))
-    close(np.nan_to_num(got), np.nan_to_num(want), jnp.float32)
+    for kw in ({}, {"masked_rows": "average"}):  # a NaN row is not a row without keys
+        got, want = np.asarray(attention(q, k, v, **kw)), np.asarray(reference(q, k, v))
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        close(np.nan_to_num(got), np.nan_to_num(want), jnp.float32)
+    dk = jax.grad(lambda k: jnp.sum(attention(q, k, v)))(k)  # every key met the NaN query
+    assert np.isnan(np.asarray(dk)).all()
     empty = attention(q[:, :0], k, v)
     assert empty.shape == (1, 0, 1, 16)
 

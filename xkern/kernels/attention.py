@@ -302,8 +302,9 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
 
 @triton.jit
 def _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D: tl.constexpr):
-    """o (zero for a row that saw no key) and its log2-domain logsumexp (-inf there)."""
-    seen = l_i > 0
+    """o (zero for a row that saw no key) and its log2-domain logsumexp (-inf there); NaN for a row
+    whose scores hold NaN (l NaN: not a row without keys, for masked_rows="average")."""
+    seen = l_i != 0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     tl.store(o_ptr + q_offs, o.to(o_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), -float("inf"))
