@@ -1070,7 +1070,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     masked_rows: what a query gets whose keys are all hidden by `mask` / `causal`: "zeros", or
         "average", the mean of every value (jax.nn.dot_product_attention's and flax's result: they
         fill hidden scores with a large negative number). Keys past kv_lengths never count.
-    Float32 math inside; output in q's dtype.
+    Float32 math inside; output in q's dtype. Hide keys with `mask` rather than a huge negative
+    bias: a row whose every score is below about -1e7 keeps the forward's value, but its gradients
+    lose the logsumexp's precision (the saved lse rounds to the row's max), and a bias below
+    -2.3e38 (finfo.min) counts as hidden (masked_rows applies).
     """
     _check(q, k, v, scale, kv_lengths)
     if masked_rows not in MASKED_ROWS:
