@@ -70,6 +70,15 @@ def test_tiny_arguments_keep_relative_precision_sign_and_edge_powers():
         np.testing.assert_array_equal(np.signbit(xkern.jit(f)(x)), np.signbit(jax.jit(f)(x)))
 
 
+def test_gelu_takes_the_cheaper_tanh_and_a_bare_tanh_the_precise_one():
+    """A tanh only added to 1 (gelu's tanh form) shows only absolute error: triton_math.tanh_absolute."""
+    x = edge_input()
+    programs = {"gelu": lambda x: jax.nn.gelu(x * 0.5) * 1.5, "tanh": lambda x: jnp.tanh(x * 0.5) * 1.5}
+    sources = {name: [m.source for m in xkern.explain(f)(x).matches if m.op == "fused"] for name, f in programs.items()}
+    assert "tanh_absolute(" in sources["gelu"][0] and " tanh(" not in sources["gelu"][0]
+    assert " tanh(" in sources["tanh"][0] and "tanh_absolute(" not in sources["tanh"][0]
+
+
 def test_arrays_without_rows():
     for f, shape in ((lambda x: jnp.exp(x * 2.0), (0, 5)), (lambda x: jnp.exp(x * 2.0).sum(-1), (0,))):
         got = xkern.jit(f)(jnp.zeros((0, 5)))

@@ -12,6 +12,8 @@ import sys
 import tempfile
 import threading
 
+import numpy as np
+
 from jax.extend.core import Literal
 
 from xkern.fusion import lowering
@@ -23,7 +25,7 @@ from xkern.kernels import launch  # noqa: F401  (fixes Triton's compile/interpre
 import triton
 import triton.language as tl
 
-from xkern.fusion.triton_math import expm1, log1p, max_nan, min_nan, tanh  # noqa: F401
+from xkern.fusion.triton_math import expm1, log1p, max_nan, min_nan, tanh, tanh_absolute  # noqa: F401
 '''
 
 
@@ -94,12 +96,16 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
             value += ".to(tl.float32)"
         names[(v, kind)] = f"in{k}"
         body.append(f"    in{k} = {value}  # {kind} {lowering.dtype_name(v.aval)}")
-    for n, eqn in enumerate(eqns_in_order or [eqns[i] for i in group.eqns]):
+    in_order = eqns_in_order or [eqns[i] for i in group.eqns]
+    near_one = _tanh_added_to_constants(in_order, {v for v, _ in group.outputs})
+    for n, eqn in enumerate(in_order):
         kinds, _ = eqn_kinds(eqn, group)
         args = [lowering.literal(a.val, a.aval) if isinstance(a, Literal)
                 else names[a] if a in names else names[(a, kind)] for a, kind in zip(eqn.invars, kinds)]
         name = eqn.primitive.name
-        if name in lowering.ELEMENTWISE:
+        if id(eqn) in near_one:
+            expr = f"tanh_absolute({args[0]})"
+        elif name in lowering.ELEMENTWISE:
             expr = lowering.ELEMENTWISE[name](args, eqn)
         elif name in lowering.REDUCTIONS:
             expr = lowering.reduction(eqn, args[0], "mask")
@@ -138,6 +144,25 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     name = "fused_" + hashlib.sha256(text.encode()).hexdigest()[:12]
     source = f"{HEADER}\n\n@triton.jit\ndef {name}({signature}):\n{text}\n"
     return name, source
+
+
+def _tanh_added_to_constants(eqns, outputs) -> set:
+    """The tanh equations whose result is only added to (or subtracted from) literals of magnitude
+    0.5 or more, as in gelu's 1 + tanh(...): only their absolute error shows, so they may take the
+    cheaper triton_math.tanh_absolute."""
+    uses: dict = {}
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                uses.setdefault(v, []).append(eqn)
+
+    def near_one(use, v):
+        others = [a for a in use.invars if a is not v]
+        return (use.primitive.name in ("add", "sub") and len(others) == 1 and isinstance(others[0], Literal)
+                and np.ndim(others[0].val) == 0 and abs(float(others[0].val)) >= 0.5)
+
+    return {id(eqn) for eqn in eqns if eqn.primitive.name == "tanh" and eqn.outvars[0] not in outputs
+            and uses.get(eqn.outvars[0]) and all(near_one(u, eqn.outvars[0]) for u in uses[eqn.outvars[0]])}
 
 
 _LOCK = threading.Lock()
