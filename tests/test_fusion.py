@@ -122,6 +122,18 @@ def test_half_precision_inputs_and_casts():
     assert_matches_xla(f, x, h, rtol=2e-2, atol=1e-2)  # two bf16 ulps: rounding points may differ
 
 
+def test_casts_to_bfloat16_round_to_nearest_even_as_xla():
+    """Through the interpreter too (it truncated float32 and took integers as bits; launch.py rounds)."""
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(np.concatenate([rng.standard_normal(500) * 100, [1.00390625, 1.01171875, 3.3895314e38,
+                                    np.nan, np.inf, -np.inf]]).astype(np.float32))[None]
+    i = jnp.asarray(np.concatenate([rng.integers(-10 ** 6, 10 ** 6, 500), [1, -1, 257, 259]]).astype(np.int32))[None]
+    for f, a in ((lambda x: (x * 1.0 + 0.5).astype(jnp.bfloat16), x), (lambda i: (i * 3).astype(jnp.bfloat16), i)):
+        assert len(fused_kernels(f, a)) == 1
+        got, want = np.asarray(xkern.jit(f)(a), np.float32), np.asarray(jax.jit(f)(a), np.float32)
+        np.testing.assert_array_equal(got, want)
+
+
 def layer_norm(x, scale, bias):
     mean = x.mean(-1, keepdims=True)
     var = ((x - mean) ** 2).mean(-1, keepdims=True)

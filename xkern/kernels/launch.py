@@ -375,8 +375,39 @@ def _poisoned(shape, dtype):
                    else np.iinfo(dtype).max - 7, dtype)
 
 
+def _bfloat16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounded to nearest even as GPUs convert (NaN stays NaN)."""
+    bits = values.astype(np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), ((bits >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+@functools.cache
+def _round_interpreted_casts():
+    """Triton's interpreter (3.6-3.9) truncates float32 -> bfloat16 and takes an integer's value as
+    bfloat16 bits (1 became 0, -1 NaN), where GPUs round to nearest even: casts to bfloat16 from
+    anything but bfloat16 go through float32 rounded here, so interpreted kernels give XLA's values."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "cast_impl"):
+        return
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        source = src.dtype.scalar
+        if dst_type.scalar != tl.bfloat16 or source == tl.bfloat16:
+            return original(self, src, dst_type)
+        values = original(self, src, tl.float32).data if source.is_floating() else src.data
+        return interpreter.TensorHandle(_bfloat16_bits(np.asarray(values, np.float32)), tl.bfloat16)
+
+    builder.cast_impl = cast_impl
+
+
 def _run_interpreted(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases,
                      zeroed, backend, info):
+    _round_interpreted_casts()
     inputs = [np.ascontiguousarray(a) for a in arrays]
     aliased = {o: i for i, o in aliases}
     outs = []
