@@ -36,7 +36,7 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
-from xkern.fusion.triton_math import tanh_absolute as tanh  # gelu adds it to 1: absolute error only
+from xkern.fusion.triton_math import tanh_absolute  # gelu adds it to 1: absolute error only
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu_erf")  # the ACT constexpr
@@ -85,7 +85,7 @@ def _cdf(g, ACT: tl.constexpr):
         inner = tl.sigmoid(g)
         cdf = inner
     elif ACT == "gelu_tanh":
-        inner = tanh(0.7978845608028654 * (g + 0.044715 * g * g * g))
+        inner = tanh_absolute(0.7978845608028654 * (g + 0.044715 * g * g * g))
         cdf = 0.5 + 0.5 * inner
     else:  # erfc(-g / sqrt 2) / 2, as XLA computes it: exact in the negative tail
         inner = 0.5 * _erfc(tl.abs(g) * 0.7071067811865476)

@@ -400,7 +400,7 @@ def _round_interpreted_casts():
         if dst_type.scalar != tl.bfloat16 or source == tl.bfloat16:
             return original(self, src, dst_type)
         values = original(self, src, tl.float32).data if source.is_floating() else src.data
-        return interpreter.TensorHandle(_bfloat16_bits(np.asarray(values, np.float32)), tl.bfloat16)
+        return interpreter.TensorHandle(_bfloat16_bits(np.asarray(values)), tl.bfloat16)
 
     builder.cast_impl = cast_impl
 
