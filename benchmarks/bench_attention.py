@@ -27,7 +27,8 @@ def _ours(q, k, v, causal):
 
 def cases(on_gpu: bool) -> list[Case]:
     shapes = [((4, 4096, 32, 128), False), ((4, 4096, 32, 128), True), ((1, 16384, 32, 128), True),
-              ((1, 8192, 32, 128), True)] if on_gpu else [((1, 40, 2, 64), False), ((1, 40, 2, 64), True)]
+              ((1, 8192, 32, 128), True), ((2, 4096, 16, 256), False), ((2, 4096, 16, 256), True)
+              ] if on_gpu else [((1, 40, 2, 64), False), ((1, 40, 2, 64), True)]
     cudnn = on_gpu and jax.devices()[0].platform == "gpu" and "NVIDIA" in jax.devices()[0].device_kind.upper()
     out = []
     for (b, s, h, d), causal in shapes:

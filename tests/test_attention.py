@@ -511,7 +511,8 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=9)
     st = A.Static(True, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
     ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=True),
-                                          st.configs[1].replace(WS=True, BLOCK_N=dkdv_keys), st.configs[2]))
+                                          st.configs[1].replace(WS=True, BLOCK_N=dkdv_keys),
+                                          st.configs[2].replace(WS=True, BLOCK_M=dkdv_keys)))
     o, lse = A._launch_fwd(q, k, v, None, None, None, ws)
     close(o, reference(q, k, v, causal=True), jnp.float32)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, st)[1]),
@@ -520,9 +521,10 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     want = jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do)
     for g, w in zip(backward(q, k, v), want):
         close(g, w, jnp.float32)
-    assert "attention_dkdv_diagonal" in kernel_names(jax.make_jaxpr(backward)(q, k, v))
-    batched_dk = jax.vmap(lambda k: backward(q, k, v)[1])(jnp.stack([k, k]))
-    close(batched_dk[1], want[1], jnp.float32)
+    assert {"attention_dkdv_diagonal", "attention_dq_diagonal"} <= set(kernel_names(jax.make_jaxpr(backward)(q, k, v)))
+    batched = jax.vmap(lambda k: backward(q, k, v)[:2])(jnp.stack([k, k]))
+    close(batched[0][1], want[0], jnp.float32)
+    close(batched[1][1], want[1], jnp.float32)
     launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, ws))(q, k, v))
     assert launched == ["attention_fwd", "attention_fwd_diagonal"]
     batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, ws)[0])(jnp.stack([q, -q]))
@@ -544,7 +546,10 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     assert not ws(64, unmasked_keys=4096)
     assert not ws(128, unmasked_keys=4000)
     assert not ws(128) and not any(c["WS"] for c in A.candidates("fwd", 128, "triton", "rocm", unmasked_keys=4096))
-    assert not any("WS" in dict(c.meta) for c in A.candidates("dq", 128, "triton", "cuda", unmasked_keys=4096))
+    dq = lambda d, **kw: A.candidates("dq", d, "triton", "cuda", **kw)[0]["WS"]  # head dim 256 only (won there)
+    assert dq(256, unmasked_keys=4096, unmasked_queries=4096) and dq(256, causal_square=4096)
+    assert not dq(128, unmasked_keys=4096, unmasked_queries=4096) and not dq(256, causal_square=4000)
+    assert not dq(256, unmasked_keys=4096, unmasked_queries=4000) and not dq(256, unmasked_keys=4096)
     dkdv = lambda **kw: A.candidates("dkdv", 128, "triton", "cuda", **kw)[0]["WS"]
     assert dkdv(unmasked_keys=4096, unmasked_queries=4096)
     assert not dkdv(unmasked_keys=4096, unmasked_queries=4000) and not dkdv(unmasked_keys=4096)
@@ -560,10 +565,10 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
         assert dataclasses.replace(plain, **other).fit(q, k)["unmasked_keys"] == 0, other
 
 
-def test_warp_specialized_dkdv_matches_the_reference():
+def test_warp_specialized_backward_matches_the_reference():
     """dk/dv with the query heads of a group and their blocks flattened into one warp-specialized
-    loop (TMA loads; lse and delta as 1-D views), through the interpreter: dq, dk and dv against the
-    reference, GQA included (the test above covers when it is offered)."""
+    loop, and dq with one (TMA loads; lse and delta as 1-D views), through the interpreter: dq, dk
+    and dv against the reference, GQA included (the test above covers when they are offered)."""
     import dataclasses
     from xkern.kernels import attention as A
     for b, sq, sk, h, hk, d in [(2, 32, 48, 2, 2, 32), (1, 48, 32, 4, 2, 32)]:
@@ -571,7 +576,8 @@ def test_warp_specialized_dkdv_matches_the_reference():
         st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
         o, lse = A._launch_fwd(q, k, v, None, None, None, st)
         delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
-        ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=True), st.configs[2]))
+        ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=True),
+                                              st.configs[2].replace(WS=True)))
         dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, do, lse, delta, ws)
         _, vjp = jax.vjp(reference, q, k, v)
         for got, want in zip((dq, dk, dv), vjp(do)):

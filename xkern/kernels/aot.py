@@ -51,6 +51,14 @@ def compile_kernel(fn, signature: dict, config, target: str):
                                    "enable_fp_fusion": True})  # as jax_triton compiles
 
 
+def frees_dead_barriers(ptx: str) -> bool:
+    """Whether a warp-specialized kernel invalidates the mbarriers Triton initializes and leaves
+    unused (attention._free_dead_barriers) after the last barrier init and before its first TMA
+    copy, so the copy cannot land on a live barrier's bytes."""
+    inval = ptx.find("mbarrier.inval")
+    return 0 <= inval and ptx.rfind("mbarrier.init") < inval < ptx.find("cp.async.bulk.tensor")
+
+
 def all_cases():
     import importlib
 
@@ -81,6 +89,8 @@ def main(argv: list[str]) -> int:
             ok = bool(compiled.asm.get(binary)) and shared <= SHARED_MEMORY[target]
             detail = (f"{len(compiled.asm[binary])} B {binary}, {shared} B shared (of {SHARED_MEMORY[target]}), "
                       f"{compiled.metadata.num_warps} warps")  # more than asked: warp-specialized
+            if compiled.metadata.num_warps > config.num_warps and not frees_dead_barriers(compiled.asm["ptx"]):
+                ok, detail = False, detail + "; its dead mbarriers are not invalidated before the first TMA copy"
         except Exception as e:  # report every failure, not only the first
             ok, detail = False, f"{type(e).__name__}: {e}"
         results.append({"case": name, "target": target, "ok": ok, "detail": detail,

@@ -87,6 +87,28 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
+_COMPILED = tl.constexpr(not L.INTERPRET)
+
+
+@triton.jit
+def _free_dead_barriers(x):
+    """x, after thread 0 invalidates the shared memory at offsets 0 and 8. Triton 3.6's warp
+    specialization initializes mbarriers there that nothing uses, and gives the same bytes to the
+    first buffer the kernel loads: PTX requires an mbarrier's memory to be invalidated before
+    another use, and without it the first row of that buffer came out NaN on the H200 (75-80% of
+    programs, when the buffer is loaded once: q in the head-dim-256 dq kernel; proxy fences alone did
+    not help). Call it on a coordinate of the first TMA load, so it runs in the producer (thread 0's
+    warp group) before any copy. Offset 8: the dead barriers of a 2-stage pipeline (the
+    warp-specialized tiles use at most 2 stages). Triton's interpreter has no inline assembly (nor
+    the barriers): there, x."""
+    if not _COMPILED:
+        return x
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
+        "@p mbarrier.inval.shared::cta.b64 [global_smem];\n\t@p mbarrier.inval.shared::cta.b64 [global_smem+8];\n\t"
+        "fence.proxy.async.shared::cta;\n\tmov.u32 $0, $1;\n\t}", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # With a mask, each kernel walks lists of the score tiles its program needs, made by XLA from the mask
 # (_mask_tiles): per row of tiles (a query block; for dk/dv a key block), the runs of consecutive
 # wholly visible tiles as [first, end) pairs, then the partly visible tiles one by one: first those
@@ -246,7 +268,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
-        q = q_desc.load([b * sq + pid_m * BLOCK_M, h * D])
+        q = q_desc.load([_free_dead_barriers(b * sq + pid_m * BLOCK_M), h * D])
     else:
         q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
@@ -394,7 +416,7 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
     v_desc = tl.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
     lse_desc = tl.make_tensor_descriptor(lse_ptr, [batch * HEADS * sq], [1], [BLOCK_M])
     delta_desc = tl.make_tensor_descriptor(delta_ptr, [batch * HEADS * sq], [1], [BLOCK_M])
-    k = k_desc.load([b * sk + pid_n * BLOCK_N, hk * D])
+    k = k_desc.load([_free_dead_barriers(b * sk + pid_n * BLOCK_N), hk * D])
     v = v_desc.load([b * sk + pid_n * BLOCK_N, hk * D])
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -556,9 +578,90 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
             D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
             MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
             HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
+    if WS:
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        end = pid_m * BLOCK_M if CAUSAL else sk  # causal: left of the diagonal block
+        dq = _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
+                                  QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+    else:
+        dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
+                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
+                           D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN, DOT_F32,
+                           BLOCK_M, BLOCK_N, BLOCK_D)
+    q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
+    tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
+                         QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """dq of one query block over the key blocks before `end`, for a problem without masking (sq and
+    sk multiples of the tiles; causal: the blocks left of the diagonal block, which _dq_diagonal adds
+    after), warp-specialized as the forward. Head dim 256 on the H200 (b2 s4096 h16): 1.36 ms against
+    4.69 for the two-loop kernel; at 128 it does not win."""
+    batch = tl.num_programs(1) // HEADS
+    q_desc = tl.make_tensor_descriptor(q_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, BLOCK_D])
+    do_desc = tl.make_tensor_descriptor(do_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
+    lse_desc = tl.make_tensor_descriptor(lse_ptr, [batch * HEADS * sq], [1], [BLOCK_M])
+    delta_desc = tl.make_tensor_descriptor(delta_ptr, [batch * HEADS * sq], [1], [BLOCK_M])
+    q = q_desc.load([_free_dead_barriers(b * sq + pid_m * BLOCK_M), h * D])
+    do = do_desc.load([b * sq + pid_m * BLOCK_M, h * D])
+    lse = lse_desc.load([(b * HEADS + h) * sq + pid_m * BLOCK_M])
+    delta = delta_desc.load([(b * HEADS + h) * sq + pid_m * BLOCK_M])
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in tl.range(0, end, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([b * sk + start, hk * D])
+        v = v_desc.load([b * sk + start, hk * D])
+        p = tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
+        ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, DOT_F32)
+    return dq
+
+
+@triton.jit
+def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  # inputs
+                 sq, sk,
+                 dq_ptr,  # output, written over dq_part
+                 QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                 D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
+    """Causal dq: the keys the warp-specialized kernel skipped for its query block of SKIPPED rows
+    (its diagonal block: keys from the block's first query on), masked, added to what it wrote.
+    Its own query blocks may be smaller (BLOCK_M divides SKIPPED). sq == sk."""
+    pid_m, bh = tl.program_id(0), tl.program_id(1)
+    b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
+    q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
+    do = _load_rows(do_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
+    stats = bh.to(tl.int64) * sq + rows
+    lse = tl.load(lse_ptr + stats, mask=rows < sq, other=0.0)
+    delta = tl.load(delta_ptr + stats, mask=rows < sq, other=0.0)
+    k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
+        # k_ptr stands for the absent mask and bias (their flags keep them unread)
+        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
+                       k_ptr, QK_SCALE, KV_HEADS, D, True, False, False, False, False, False, False, HEADS,
+                       DOT_F32, True, BLOCK_N, BLOCK_D)
+    dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
+    tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
+
+
+@triton.jit
+def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+                  sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
+    and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     do = _load_rows(do_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     stats = bh.to(tl.int64) * sq + rows
@@ -598,8 +701,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                            mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                            BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
-    q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
-    tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
+    return dq
 
 
 # --------------------------------------------------------------------------------------------------
@@ -615,7 +717,9 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
 # float32 inputs with a mask and a bias (see shared_bytes), on an H200 and on an A100. The dk/dv
 # tile (32, 64, 8 warps, 2 stages) at head dim 256, the tuner's old winner, is gone: on the H200 its
 # dk came out wrong (relative error 0.03-0.18, varying run to run) where every other tile of the
-# same kernel is right (6e-3): a miscompile in Triton 3.6.
+# same kernel is right (6e-3): a miscompile in Triton 3.6. Its replacement (32, 32, 4, 2) took 6.33 ms
+# at b2 s4096 h16; measured on the H200 against it (h200-session11-probes.json): (128, 64, 8, 1) 2.74,
+# (64, 32, 4, 2) 3.19, (64, 64, 8, 2) 4.05 ms, the same values; the warp-specialized kernel 7.9-18 ms.
 TILES = {
     ("cuda", "fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
                                 (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 2)],
@@ -623,7 +727,8 @@ TILES = {
                               (32, 32, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dkdv", "narrow"): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3),
                                  (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)],
-    ("cuda", "dkdv", "wide"): [(32, 32, 4, 2), (64, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 1)],
+    ("cuda", "dkdv", "wide"): [(128, 64, 8, 1), (64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
+                               (32, 32, 4, 1)],
     ("cuda", "dq", "narrow"): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
                                (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2)],
     ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)],
@@ -638,9 +743,11 @@ TILES = {
 # inputs, problems without masking) by kernel and head dim: 4 warps asked, 12 run. Only tiles
 # measured right and faster on an H200 (b4 s4096, against the two-loop kernels' heuristics): forward
 # d128 582 vs 478 TFLOP/s, d256 607 vs 381; dk/dv d128 3.35 vs 6.09 ms. The forward lost at d64
-# (387 vs 441); a probe's 128 x 64 forward tile at 3 stages came out NaN (Triton 3.6); dq gained
-# nothing (2.48 vs 2.53 ms).
-WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)]}
+# (387 vs 441); a probe's 128 x 64 forward tile at 3 stages came out NaN (Triton 3.6). dq gained
+# nothing at d128 (2.48 vs 2.53 ms); at d256 (b2 s4096 h16) 1.36 against 4.69 ms, once
+# _free_dead_barriers fixed its NaN first query rows.
+WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)],
+            ("dq", 256): [(128, 32, 4, 2)]}
 # In place (a GQA group's query heads flattened into the loop), checked against float32 on the H200
 # (GQA 8/2 included): d128 forward+backward 7.96 vs 10.37 ms. Causal problems with as many queries as
 # keys take them off the diagonal, then _fwd_diagonal / _dkdv_diagonal (H200, d128, against the
@@ -648,12 +755,14 @@ WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], (
 # forward+backward 460 vs 374 (cuDNN 536); b4 s4096 422 vs 428 and 373 vs 317 (the diagonal kernels'
 # extra pass, ~0.3 ms each, weighs more at 32 query blocks a row than at 128).
 # The causal diagonal's kernels after the warp-specialized ones: _fwd_diagonal (BLOCK_N, num_warps,
-# num_stages; its BLOCK_M is the forward's) and _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps, num_stages).
+# num_stages; its BLOCK_M is the forward's), _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps, num_stages)
+# and _dq_diagonal (BLOCK_M, BLOCK_N, num_warps, num_stages: the two-loop dq's d256 heuristic tile).
 # Measured on the H200 (b4 s4096 d128 causal): forward 0.276 ms at (32, 4, 2) against 0.287-0.306 for
 # the others tried; dk/dv 0.390 ms at (64, 64, 4, 2) against 0.42-0.60, and 1.17 at the warp-specialized
 # kernel's own 128 keys with 8 warps.
 DIAGONAL_TILES = {("fwd", "cuda"): (32, 4, 2), ("fwd", "interpret"): (16, 4, 1),
-                  ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1)}
+                  ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1),
+                  ("dq", "cuda"): (64, 32, 8, 2), ("dq", "interpret"): (16, 16, 4, 1)}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 
 
@@ -688,7 +797,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     if gpu == "rocm":
         return stages * loop + (stages - 1) * score_tile
     if dict(config.meta).get("WS"):  # measured on sm_90 builds: a staging tile and barriers more
-        return stages * loop + own + max(16384, bm * bd * itemsize // 2) + 1024
+        stats = 8 * bm if kernel == "dq" else 0  # its lse and delta tiles (1-D TMA buffers)
+        return stages * loop + own + max(16384, bm * bd * itemsize // 2) + 1024 + stats
     return stages * loop + own + (stages + 1) * score_tile
 
 
@@ -705,7 +815,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     masking, a multiple of the tile's program block (the diagonal blocks then take _fwd_diagonal /
     _dkdv_diagonal)."""
     block_d = max(16, L.next_pow2(head_dim))
-    loads = {"WS": False} if kernel in ("fwd", "dkdv") else {}
+    loads = {"WS": False}
     if backend == "interpret":
         return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d, **loads)]
     width = "wide" if block_d > 128 else "narrow"
@@ -717,13 +827,13 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square):
         def fits(bm, bn):
             if causal_square:  # the diagonal blocks by _fwd_diagonal / _dkdv_diagonal
-                first, other = (bm, bn) if kernel == "fwd" else (bn, bm)
+                first, other = (bn, bm) if kernel == "dkdv" else (bm, bn)
                 return causal_square % first == 0 and first % other == 0
             return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
                                                                     unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
     every = [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
-                         **({"WS": len(t) > 4} if loads else {})) for t in tiles]
+                         WS=len(t) > 4) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
     return [c for c in every if size(c) <= limit] or [min(every, key=size)]
 
@@ -861,8 +971,12 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
 
 
 def _fwd_diagonal_config(fwd: L.Config, gpu: str) -> L.Config:
-    """_fwd_diagonal's tile after the warp-specialized forward at `fwd` (the same query blocks)."""
+    """_fwd_diagonal's tile after the warp-specialized forward at `fwd` (the same query blocks).
+    Head dim 256 on a GPU: 8 warps, for its [BLOCK_M, 256] accumulator (H200, b2 s4096 h16: 0.147 ms
+    against 0.363 with 4 warps)."""
     bn, warps, stages = DIAGONAL_TILES[("fwd", gpu)]
+    if gpu != "interpret" and fwd["BLOCK_D"] > 128:
+        warps = 8
     return L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=bn, BLOCK_D=fwd["BLOCK_D"], num_warps=warps,
                        num_stages=stages)
 
@@ -872,6 +986,13 @@ def _dkdv_diagonal_config(dkdv: L.Config, gpu: str) -> L.Config:
     bn, bm, warps, stages = DIAGONAL_TILES[("dkdv", gpu)]
     return L.Config.of(BLOCK_M=bm, BLOCK_N=min(bn, dkdv["BLOCK_N"]), BLOCK_D=dkdv["BLOCK_D"],
                        SKIPPED=dkdv["BLOCK_N"], num_warps=warps, num_stages=stages)
+
+
+def _dq_diagonal_config(dq: L.Config, gpu: str) -> L.Config:
+    """_dq_diagonal's tile after the warp-specialized dq at `dq` (query blocks no larger than its)."""
+    bm, bn, warps, stages = DIAGONAL_TILES[("dq", gpu)]
+    return L.Config.of(BLOCK_M=min(bm, dq["BLOCK_M"]), BLOCK_N=bn, BLOCK_D=dq["BLOCK_D"], SKIPPED=dq["BLOCK_M"],
+                       num_warps=warps, num_stages=stages)
 
 
 def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
@@ -892,10 +1013,16 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
                           out_shapes=dkdv_shapes, grid=(L.cdiv(sk, diagonal["BLOCK_N"]), b * kv_heads),
                           config=diagonal, backend=st.backend, aliases={6: 0, 7: 1},
                           constexprs={n: consts[n] for n in names})
-    (dq_,) = L.launch(_bwd_dq, *args(dq, False), kernel="attention_bwd_dq",
-                      out_shapes=[jax.ShapeDtypeStruct(q.shape, q.dtype)],
+    dq_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    (dq_,) = L.launch(_bwd_dq, *args(dq, False), kernel="attention_bwd_dq", out_shapes=dq_shape,
                       grid=(L.cdiv(sq, dq["BLOCK_M"]), b * heads), config=dq, backend=st.backend,
                       constexprs=consts)
+    if st.causal and dict(dq.meta).get("WS"):
+        diagonal = _dq_diagonal_config(dq, "interpret" if st.backend == "interpret" else "cuda")
+        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
+        (dq_,) = L.launch(_dq_diagonal, q, k, v, do, lse, delta, dq_, sq, sk, kernel="attention_dq_diagonal",
+                          out_shapes=dq_shape, grid=(L.cdiv(sq, diagonal["BLOCK_M"]), b * heads), config=diagonal,
+                          backend=st.backend, aliases={6: 0}, constexprs={n: consts[n] for n in names})
     return dq_, dk, dv
 
 
@@ -929,9 +1056,10 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
 
 # The array arguments of the kernels whose arrays differ from _batch's default
 ARGUMENTS = {"attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
-             "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv")}
+             "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
+             "attention_dq_diagonal": ("q", "k", "v", "do", "lse", "delta", "dq")}
 for _name in ("attention_fwd", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
-              "attention_bwd_dq"):
+              "attention_bwd_dq", "attention_dq_diagonal"):
     L.def_batching(_name, _batch)
 
 
@@ -1152,3 +1280,9 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_part_ptr": el, "dv_part_ptr": el, "sq": "i32",
                "sk": "i32", "dk_ptr": el, "dv_ptr": el}, diagonal, (target,))
     yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": el}, dq, (target,))
+    if dq["WS"] and options.get("CAUSAL"):
+        diagonal = _dq_diagonal_config(dq, gpu).replace(**{n: consts[n] for n in (
+            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+        yield (f"{tag}/dq_diagonal", _dq_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
+               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_part_ptr": el, "sq": "i32", "sk": "i32",
+               "dq_ptr": el}, diagonal, (target,))
