@@ -36,3 +36,5 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # The matmul template with TMA loads, on sm_90 only (descriptors need Hopper)
     tma = [r for r in results if r["case"].startswith("generated/linear_gelu/") and r["case"].endswith("/tma")]
     assert tma and {r["target"] for r in tma} == {"sm_90"}
+    persistent = [r for r in results if r["case"].startswith("generated/linear_gelu/") and r["case"].endswith("/persistent")]
+    assert persistent and {r["target"] for r in persistent} == {"sm_90"}

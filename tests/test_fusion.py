@@ -291,10 +291,12 @@ def test_matmul_with_generated_epilogue(dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), v, rtol=tol, atol=2 * tol * np.abs(v).max())
 
 
+@pytest.mark.parametrize("tma,programs", [(True, 0), (False, 2), (True, 4)], ids=["tma", "persistent", "tma-persistent"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_matmul_template_with_tma_loads(dtype):
-    """The template's TMA variant (operand tiles by descriptor; reads past the edges are zeros),
-    through the interpreter at sizes no tile divides: the same values as XLA's."""
+def test_matmul_template_variants(dtype, tma, programs):
+    """The template's Hopper variants through the interpreter at sizes no tile divides (6 tiles):
+    TMA loads (operand tiles by descriptor; reads past the edges are zeros) and persistent programs
+    (2 or 4 programs looping over the 6 tiles, some taking more than others): XLA's values."""
     from xkern.kernels import generated
     rng = np.random.default_rng(8)
     x, w = jnp.asarray(rng.standard_normal((37, 40)), dtype), jnp.asarray(rng.standard_normal((40, 24)) * 0.2, dtype)
@@ -303,7 +305,8 @@ def test_matmul_template_with_tma_loads(dtype):
     plan = pipeline.plan(jax.make_jaxpr(f)(x, w, b), "interpret")
     (fused,) = [m.fused for m in plan.fusions.values()]
     views, n_rows = generated._views(fused, (x, w, b))
-    config = generated.matmul_configs(37, 24, 40, "interpret")[0].replace(BLOCK_M=16, BLOCK_N=16, TMA=True)
+    config = generated.matmul_configs(37, 24, 40, "interpret")[0].replace(BLOCK_M=16, BLOCK_N=16, TMA=tma,
+                                                                          PROGRAMS=programs)
     (got,) = generated._launch_views(views, n_rows, fused, "interpret", config)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f(x, w, b), np.float32), rtol=tol, atol=tol)
@@ -317,6 +320,9 @@ def test_matmul_tiles_offer_tma_only_where_descriptors_fit():
     assert tma[0]["TMA"] and tma[0]["BLOCK_N"] == 256 and sum(not c["TMA"] for c in tma) == 2
     assert not any(c["TMA"] for c in generated.matmul_configs(8192, 8192, 8192, "triton", "cuda"))
     assert not any(c["TMA"] for c in generated.matmul_configs(8192, 8192, 8192, "triton", "rocm"))
+    persistent = generated.matmul_configs(8192, 8192, 8192, "triton", "cuda", tma=True, programs=132)
+    assert [c for c in persistent if not c["PROGRAMS"]] == tma  # added after the one-tile-per-program ones
+    assert [(c["PROGRAMS"], c["TMA"]) for c in persistent if c["PROGRAMS"]] == [(132, True)] * 2
 
 
 def test_matmul_epilogue_backward_reuses_the_product():

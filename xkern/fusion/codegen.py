@@ -33,24 +33,28 @@ ROW_PROLOGUE = [
     "    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
     "    cols = tl.arange(0, BLOCK_N)[None, :]",
 ]
-# A [BLOCK_M, BLOCK_N] tile of A @ B (A: [n_rows, K], B: [K, N_COLS], row-major), programs grouped
+# [BLOCK_M, BLOCK_N] tiles of A @ B (A: [n_rows, K], B: [K, N_COLS], row-major), programs grouped
 # GROUP_M tiles down so neighbouring programs share B's columns in L2; float32 accumulation. TMA:
 # operand tiles by the copy engine (on an H200 at 8192^3 + bias + gelu, 682 TFLOP/s against 637 with
-# pointer loads at the same tile).
-MATMUL_PROLOGUE = [
-    "    pid = tl.program_id(0)",
+# pointer loads at the same tile). Each program takes tiles pid, pid + programs, ...: one tile when
+# launched one program per tile, several when persistent (PROGRAMS > 0: one program per SM, each
+# starting its next tile without a new program's setup; on an H200 +1% to +8% over one per tile).
+MATMUL_SETUP = [
     "    num_m, num_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(N_COLS, BLOCK_N)",
-    "    first_m = (pid // (GROUP_M * num_n)) * GROUP_M",
-    "    size_m = tl.minimum(num_m - first_m, GROUP_M)",
-    "    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m",
-    "    pid_n = (pid % (GROUP_M * num_n)) // size_m",
-    "    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
-    "    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
     "    ks = tl.arange(0, BLOCK_K)",
-    "    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)",
     "    if TMA:  # Hopper's tensor-memory copies; reads past the descriptor's bounds give zeros",
     "        a_tiles = tl.make_tensor_descriptor(a_ptr, [n_rows, K], [K, 1], [BLOCK_M, BLOCK_K])",
     "        b_tiles = tl.make_tensor_descriptor(b_ptr, [K, N_COLS], [N_COLS, 1], [BLOCK_K, BLOCK_N])",
+    "    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):",
+]
+MATMUL_TILE = [  # inside the loop over tiles, indented once more by generate()
+    "    first_m = (tile // (GROUP_M * num_n)) * GROUP_M",
+    "    size_m = tl.minimum(num_m - first_m, GROUP_M)",
+    "    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m",
+    "    pid_n = (tile % (GROUP_M * num_n)) // size_m",
+    "    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]",
+    "    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+    "    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)",
     "    for k0 in range(0, K, BLOCK_K):",
     "        if TMA:",
     "            a = a_tiles.load([pid_m * BLOCK_M, k0])",
@@ -65,6 +69,7 @@ MATMUL_PROLOGUE = [
     "        else:",
     "            acc += tl.dot(a, b{precision})",
 ]
+MATMUL_PROLOGUE = MATMUL_SETUP + MATMUL_TILE  # what the tuner's cache version hashes
 
 
 def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
@@ -128,19 +133,21 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     meta = ["N_COLS: tl.constexpr", "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr"]
     if matmul_out is not None:
         meta += ["K: tl.constexpr", "DOT_F32: tl.constexpr", "BLOCK_K: tl.constexpr",
-                 "GROUP_M: tl.constexpr", "TMA: tl.constexpr"]
-        start = [line.format(precision=', input_precision="ieee"' if exact_dot else "")
-                 for line in MATMUL_PROLOGUE]
+                 "GROUP_M: tl.constexpr", "TMA: tl.constexpr", "PROGRAMS: tl.constexpr"]
+        setup = MATMUL_SETUP
+        tile = [line.format(precision=', input_precision="ieee"' if exact_dot else "") for line in MATMUL_TILE]
     else:
-        start = ROW_PROLOGUE
+        setup, tile = [], ROW_PROLOGUE
     signature = ", ".join(in_params + ["n_rows"] + out_params + meta)
-    prologue = start + [
+    per_tile = tile + [
         "    row_ok = rows < n_rows",
         "    col_ok = cols < N_COLS",
         "    mask = row_ok & col_ok",
         "    offs = rows.to(tl.int64) * N_COLS + cols",
-    ]
-    text = "\n".join(prologue + body + stores)
+    ] + body + stores
+    if setup:  # the matmul's tile loop
+        per_tile = ["    " + line for line in per_tile]
+    text = "\n".join(setup + per_tile)
     name = "fused_" + hashlib.sha256(text.encode()).hexdigest()[:12]
     source = f"{HEADER}\n\n@triton.jit\ndef {name}({signature}):\n{text}\n"
     return name, source

@@ -119,20 +119,25 @@ def tma_fits(k: int, n: int, itemsize: int) -> bool:
 
 
 def matmul_configs(m: int, n: int, k: int, backend: str, vendor: str = "cuda",
-                   tma: bool = False) -> list[L.Config]:
+                   tma: bool = False, programs: int = 0) -> list[L.Config]:
     """Candidate tiles for a matmul with an epilogue (heuristic first), clamped to the problem;
     tl.dot wants tiles of at least 16. `tma`: the operands can be loaded by TMA (tma_fits, and a
-    device with it): each tile with TMA loads first, then the two first tiles with pointer loads."""
+    device with it): each tile with TMA loads first, then the two first tiles with pointer loads.
+    `programs` (the device's SM count, with `tma`): the two first TMA tiles also persistent, that
+    many programs looping over the tiles (PROGRAMS; 0: one program per tile)."""
     tile = lambda size, cap: max(16, min(L.next_pow2(size), cap))
     if backend == "interpret":
         return [L.Config.of(BLOCK_M=tile(m, 64), BLOCK_N=tile(n, 64), BLOCK_K=tile(k, 64), GROUP_M=8,
-                            TMA=False)]
+                            TMA=False, PROGRAMS=0)]
     tiles = MATMUL_TILES[vendor]
-    variants = [(t, True) for t in tiles] + [(t, False) for t in tiles[:2]] if tma else [(t, False) for t in tiles]
+    variants = [(t, False, 0) for t in tiles]
+    if tma:
+        variants = ([(t, True, 0) for t in tiles] + [(t, True, programs) for t in tiles[:2] if programs]
+                    + variants[:2])
     configs = []
-    for (bm, bn, bk, warps, stages), use_tma in variants:
+    for (bm, bn, bk, warps, stages), use_tma, n_programs in variants:
         config = L.Config.of(BLOCK_M=tile(m, bm), BLOCK_N=tile(n, bn), BLOCK_K=tile(k, bk), GROUP_M=8,
-                             TMA=use_tma, num_warps=warps, num_stages=stages)
+                             TMA=use_tma, PROGRAMS=n_programs, num_warps=warps, num_stages=stages)
         if config not in configs:
             configs.append(config)
     return configs
@@ -160,7 +165,8 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
         return default_config(n_rows, fused.n_cols, backend)
     a, b = views[0].dtype, views[1].dtype
     tma = L.tma_supported() and tma_fits(fused.k, fused.n_cols, min(np.dtype(a).itemsize, np.dtype(b).itemsize))
-    candidates = matmul_configs(n_rows, fused.n_cols, fused.k, backend, L.vendor(), tma)
+    programs = getattr(jax.devices()[0], "core_count", 0) if tma else 0
+    candidates = matmul_configs(n_rows, fused.n_cols, fused.k, backend, L.vendor(), tma, programs)
     # Keyed by the problem, not the epilogue: the tiles that win are the matmul's.
     key = f"{n_rows}x{fused.n_cols}x{fused.k}|{a}|{b}"
 
@@ -192,6 +198,7 @@ def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Conf
     if fused.k:
         constexprs.update(K=fused.k, DOT_F32=backend == "interpret")
         grid *= L.cdiv(fused.n_cols, config["BLOCK_N"])
+        grid = min(grid, config["PROGRAMS"] or grid)  # persistent: each program loops over tiles
     return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs, grid=(grid,),
                     config=config, backend=backend, constexprs=constexprs, info=fused, aliases=aliases)
 
@@ -323,7 +330,8 @@ def _sample_programs():
 
 def aot_cases():
     """(name, kernel, signature, config[, targets]) for the generated kernels of a few representative
-    programs; a matmul template at each vendor's heuristic tile (TMA loads on sm_90 too)."""
+    programs; a matmul template at each vendor's heuristic tile (TMA loads on sm_90 too, one program
+    per tile and persistent)."""
     from xkern import pipeline
 
     for program, specs in _sample_programs():
@@ -343,5 +351,8 @@ def aot_cases():
             signature, k = _matmul_signature(fused), dict(K=fused.k, DOT_F32=False, N_COLS=fused.n_cols)
             for vendor, targets, tma in (("cuda", ("sm_90",), True), ("cuda", ("sm_90", "sm_80"), False),
                                          ("rocm", ("gfx942", "gfx90a"), False)):
-                config = matmul_configs(n_rows, fused.n_cols, fused.k, "triton", vendor, tma)[0]
-                yield f"{name}/{vendor}{'/tma' if tma else ''}", fn, signature, config.replace(**k), targets
+                configs = matmul_configs(n_rows, fused.n_cols, fused.k, "triton", vendor, tma, programs=132)
+                yield f"{name}/{vendor}{'/tma' if tma else ''}", fn, signature, configs[0].replace(**k), targets
+                if tma:  # and the persistent variant of that tile
+                    persistent = next(c for c in configs if c["PROGRAMS"])
+                    yield f"{name}/{vendor}/tma/persistent", fn, signature, persistent.replace(**k), targets
