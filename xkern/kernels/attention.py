@@ -98,8 +98,8 @@ def _free_dead_barriers(x):
     another use, and without it the first row of that buffer came out NaN on the H200 (75-80% of
     programs, when the buffer is loaded once: q in the head-dim-256 dq kernel; proxy fences alone did
     not help). Call it on a coordinate of the first TMA load, so it runs in the producer (thread 0's
-    warp group) before any copy. Offset 8: the dead barriers of a 2-stage pipeline (the
-    warp-specialized tiles use at most 2 stages). Triton's interpreter has no inline assembly (nor
+    warp group) before any copy. Offset 8: the dead barriers of a 2-stage pipeline; a 3-stage one
+    puts them at 16 too, and came out NaN, so the warp-specialized tiles use at most 2 stages. Triton's interpreter has no inline assembly (nor
     the barriers): there, x."""
     if not _COMPILED:
         return x
@@ -743,8 +743,9 @@ TILES = {
 # inputs, problems without masking) by kernel and head dim: 4 warps asked, 12 run. Only tiles
 # measured right and faster on an H200 (b4 s4096, against the two-loop kernels' heuristics): forward
 # d128 582 vs 478 TFLOP/s, d256 607 vs 381; dk/dv d128 3.35 vs 6.09 ms. The forward lost at d64
-# (387 vs 441); a probe's 128 x 64 forward tile at 3 stages came out NaN (Triton 3.6). dq gained
-# nothing at d128 (2.48 vs 2.53 ms); at d256 (b2 s4096 h16) 1.36 against 4.69 ms, once
+# (387 vs 441). 3-stage tiles come out NaN (their unused barriers reach offset 16, past what
+# _free_dead_barriers frees; d256 128 x 32 at 3 stages on the H200), so every tile here has at most 2.
+# dq gained nothing at d128 (2.48 vs 2.53 ms); at d256 (b2 s4096 h16) 1.36 against 4.69 ms, once
 # _free_dead_barriers fixed its NaN first query rows.
 WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)],
             ("dq", 256): [(128, 32, 4, 2)]}
