@@ -548,9 +548,10 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     assert not ws(128) and not any(c["WS"] for c in A.candidates("fwd", 128, "triton", "rocm", unmasked_keys=4096))
     # _free_dead_barriers frees the unused barriers of pipelines up to 2 stages (a 3-stage tile gave NaN)
     assert all(stages <= 2 for tiles in A.WS_TILES.values() for *_, stages in tiles)
-    dq = lambda d, **kw: A.candidates("dq", d, "triton", "cuda", **kw)[0]["WS"]  # head dim 256 only (won there)
+    dq = lambda d, **kw: A.candidates("dq", d, "triton", "cuda", **kw)[0]["WS"]  # at d128 not causal (won there)
     assert dq(256, unmasked_keys=4096, unmasked_queries=4096) and dq(256, causal_square=4096)
-    assert not dq(128, unmasked_keys=4096, unmasked_queries=4096) and not dq(256, causal_square=4000)
+    assert dq(128, unmasked_keys=4096, unmasked_queries=4096) and not dq(128, causal_square=4096)
+    assert not dq(64, unmasked_keys=4096, unmasked_queries=4096) and not dq(256, causal_square=4000)
     assert not dq(256, unmasked_keys=4096, unmasked_queries=4000) and not dq(256, unmasked_keys=4096)
     dkdv = lambda **kw: A.candidates("dkdv", 128, "triton", "cuda", **kw)[0]["WS"]
     assert dkdv(unmasked_keys=4096, unmasked_queries=4096)

@@ -745,10 +745,13 @@ TILES = {
 # d128 582 vs 478 TFLOP/s, d256 607 vs 381; dk/dv d128 3.35 vs 6.09 ms. The forward lost at d64
 # (387 vs 441). 3-stage tiles come out NaN (their unused barriers reach offset 16, past what
 # _free_dead_barriers frees; d256 128 x 32 at 3 stages on the H200), so every tile here has at most 2.
-# dq gained nothing at d128 (2.48 vs 2.53 ms); at d256 (b2 s4096 h16) 1.36 against 4.69 ms, once
-# _free_dead_barriers fixed its NaN first query rows.
+# dq at d128: 2.52 against 2.72 ms (b4 s4096 h32, this session; 2.48 vs 2.53 in an earlier one); at
+# d256 (b2 s4096 h16) 1.36 against 4.69 ms, once _free_dead_barriers fixed its NaN first query rows.
 WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)],
-            ("dq", 256): [(128, 32, 4, 2)]}
+            ("dq", 128): [(128, 64, 4, 2)], ("dq", 256): [(128, 32, 4, 2)]}
+# Those that win only without the causal diagonal kernel's extra pass (~0.2-0.3 ms at b4 s4096):
+# d128 dq gains 0.2 ms non-causal, about half that causal.
+WS_NOT_CAUSAL = {("dq", 128)}
 # In place (a GQA group's query heads flattened into the loop), checked against float32 on the H200
 # (GQA 8/2 included): d128 forward+backward 7.96 vs 10.37 ms. Causal problems with as many queries as
 # keys take them off the diagonal, then _fwd_diagonal / _dkdv_diagonal (H200, d128, against the
@@ -827,7 +830,9 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tiles = TILES[(gpu, kernel, width)]
     if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square):
         def fits(bm, bn):
-            if causal_square:  # the diagonal blocks by _fwd_diagonal / _dkdv_diagonal
+            if causal_square:  # the diagonal blocks by _fwd_diagonal / _dkdv_diagonal / _dq_diagonal
+                if (kernel, head_dim) in WS_NOT_CAUSAL:
+                    return False
                 first, other = (bn, bm) if kernel == "dkdv" else (bm, bn)
                 return causal_square % first == 0 and first % other == 0
             return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
