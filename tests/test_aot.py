@@ -31,8 +31,10 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     assert len({(r["case"], r["target"]) for r in results}) == len(results)  # no compile done twice
     # Hopper's warp-specialized attention kernels: asked for 4 warps, compiled into 12 (3 warp groups)
     specialized = [r for r in results if r["case"] in ("attention/sm_90/d128/bf16/plain/fwd",
-                                                       "attention/sm_90/d128/bf16/plain/bwd_dkdv")]
-    assert len(specialized) == 2 and all(r["detail"].endswith(", 12 warps") for r in specialized), specialized
+                                                       "attention/sm_90/d128/bf16/plain/bwd_dkdv",
+                                                       "attention/sm_90/d128/bf16/plain/bwd_dq",
+                                                       "attention/sm_90/d256/bf16/causal-gqa/bwd_dq")]
+    assert len(specialized) == 4 and all(r["detail"].endswith(", 12 warps") for r in specialized), specialized
     # The matmul template with TMA loads, on sm_90 only (descriptors need Hopper)
     tma = [r for r in results if r["case"].startswith("generated/linear_gelu/") and r["case"].endswith("/tma")]
     assert tma and {r["target"] for r in tma} == {"sm_90"}
