@@ -87,26 +87,29 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b)
 
 
-_COMPILED = tl.constexpr(not L.INTERPRET)
+# Whether _free_dead_barriers has work: compiled by a Triton that leaves unused barriers (3.6 does,
+# 3.9 does not: checked on sm_90 builds; the versions between are treated as 3.6).
+_FREES_BARRIERS = tl.constexpr(not L.INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9))
 
 
 @triton.jit
 def _free_dead_barriers(x):
     """x, after thread 0 invalidates the shared memory at offsets 0 and 8. Triton 3.6's warp
     specialization initializes mbarriers there that nothing uses, and gives the same bytes to the
-    first buffer the kernel loads: PTX requires an mbarrier's memory to be invalidated before
-    another use, and without it the first row of that buffer came out NaN on the H200 (75-80% of
-    programs, when the buffer is loaded once: q in the head-dim-256 dq kernel; proxy fences alone did
-    not help). Call it on a coordinate of the first TMA load, so it runs in the producer (thread 0's
-    warp group) before any copy. Offset 8: the dead barriers of a 2-stage pipeline; a 3-stage one
-    puts them at 16 too, and came out NaN, so the warp-specialized tiles use at most 2 stages. Triton's interpreter has no inline assembly (nor
-    the barriers): there, x."""
-    if not _COMPILED:
-        return x
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
-        "@p mbarrier.inval.shared::cta.b64 [global_smem];\n\t@p mbarrier.inval.shared::cta.b64 [global_smem+8];\n\t"
-        "fence.proxy.async.shared::cta;\n\tmov.u32 $0, $1;\n\t}", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    first buffer the kernel loads. PTX requires an mbarrier's memory to be invalidated before another
+    use; without it, on the H200, the first row of that buffer came out NaN in 75-80% of programs
+    when the buffer is loaded once (q in the head-dim-256 dq kernel). Proxy fences alone did not help.
+    Call it on a coordinate of the first TMA load, so it runs in the producer (thread 0's warp group)
+    before any copy. Offset 8 holds the unused barriers of a 2-stage pipeline; a 3-stage one puts
+    them at 16 too and came out NaN, so the warp-specialized tiles use at most 2 stages.
+    Elsewhere (Triton's interpreter, which has no inline assembly; Triton 3.9): x."""
+    if _FREES_BARRIERS:  # (an early return would not stop Triton generating what follows it)
+        x = tl.inline_asm_elementwise(
+            "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
+            "@p mbarrier.inval.shared::cta.b64 [global_smem];\n\t@p mbarrier.inval.shared::cta.b64 [global_smem+8];\n\t"
+            "fence.proxy.async.shared::cta;\n\tmov.u32 $0, $1;\n\t}", "=r,r", [x], dtype=tl.int32, is_pure=False,
+            pack=1)
+    return x
 
 
 # With a mask, each kernel walks lists of the score tiles its program needs, made by XLA from the mask
