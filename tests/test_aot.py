@@ -40,3 +40,17 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     assert tma and {r["target"] for r in tma} == {"sm_90"}
     persistent = [r for r in results if r["case"].startswith("generated/linear_gelu/") and r["case"].endswith("/persistent")]
     assert persistent and {r["target"] for r in persistent} == {"sm_90"}
+
+
+def test_the_barrier_check_reads_the_ptx_order():
+    """frees_dead_barriers: a barrier initialized at shared offset 0 must be invalidated after its
+    inits and before the first TMA copy (Triton 3.6's warp specialization; see attention.py)."""
+    init = "mov.b32 %r7, global_smem;\nmbarrier.init.shared::cta.b64 [%r7], 1;\n"
+    inval = "mbarrier.inval.shared::cta.b64 [global_smem];\n"
+    copy = "cp.async.bulk.tensor.2d.shared::cluster.global [%r9], [%rd1, {%r1, %r2}], [%r8];\n"
+    assert aot.frees_dead_barriers(init + inval + copy)
+    assert not aot.frees_dead_barriers(init + copy)
+    assert not aot.frees_dead_barriers(init + copy + inval)  # too late: the copy may land first
+    assert not aot.frees_dead_barriers(inval + init + copy)  # too early: re-initialized after
+    assert aot.frees_dead_barriers("mov.b32 %r7, global_smem;\nadd.s32 %r8, %r7, 64;\n"
+                                   "mbarrier.init.shared::cta.b64 [%r8], 1;\n" + copy)  # not at offset 0

@@ -103,7 +103,7 @@ def _free_dead_barriers(x):
     before any copy. Offset 8 holds the unused barriers of a 2-stage pipeline; a 3-stage one puts
     them at 16 too and came out NaN, so the warp-specialized tiles use at most 2 stages.
     Elsewhere (Triton's interpreter, which has no inline assembly; Triton 3.9): x."""
-    if _FREES_BARRIERS:  # (an early return would not stop Triton generating what follows it)
+    if _FREES_BARRIERS:
         x = tl.inline_asm_elementwise(
             "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
             "@p mbarrier.inval.shared::cta.b64 [global_smem];\n\t@p mbarrier.inval.shared::cta.b64 [global_smem+8];\n\t"
