@@ -43,8 +43,8 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
 
 
 def test_the_barrier_check_reads_the_ptx_order():
-    """frees_dead_barriers: a barrier initialized at shared offset 0 must be invalidated after its
-    inits and before the first TMA copy (Triton 3.6's warp specialization; see attention.py)."""
+    """frees_dead_barriers: barriers initialized at the start of shared memory must be invalidated
+    after their inits and before the first TMA copy (Triton 3.6's warp specialization; hopper.py)."""
     init = "mov.b32 %r7, global_smem;\nmbarrier.init.shared::cta.b64 [%r7], 1;\n"
     inval = "mbarrier.inval.shared::cta.b64 [global_smem];\n"
     copy = "cp.async.bulk.tensor.2d.shared::cluster.global [%r9], [%rd1, {%r1, %r2}], [%r8];\n"
@@ -54,3 +54,10 @@ def test_the_barrier_check_reads_the_ptx_order():
     assert not aot.frees_dead_barriers(inval + init + copy)  # too early: re-initialized after
     assert aot.frees_dead_barriers("mov.b32 %r7, global_smem;\nadd.s32 %r8, %r7, 64;\n"
                                    "mbarrier.init.shared::cta.b64 [%r8], 1;\n" + copy)  # not at offset 0
+    # a 3-stage pipeline's: offsets 0, 8 and 16, each to be freed
+    three = init + "".join(f"add.s32 %r{8 + k}, %r7, {8 * k};\nmbarrier.init.shared::cta.b64 [%r{8 + k}], 1;\n"
+                           for k in (1, 2))
+    inval_at = lambda *offsets: "".join(f"mbarrier.inval.shared::cta.b64 [global_smem{f'+{o}' if o else ''}];\n"
+                                        for o in offsets)
+    assert aot.frees_dead_barriers(three + inval_at(0, 8, 16) + copy)
+    assert not aot.frees_dead_barriers(three + inval_at(0, 8) + copy)

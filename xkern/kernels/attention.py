@@ -35,6 +35,7 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
+from xkern.kernels.hopper import free_dead_barriers
 from xkern.tuning import autotune
 from xkern.tuning.timing import time_pipelined
 
@@ -85,31 +86,6 @@ def _dot(a, b, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
-
-
-# Whether _free_dead_barriers has work: compiled by a Triton that leaves unused barriers (3.6 does,
-# 3.9 does not: checked on sm_90 builds; the versions between are treated as 3.6).
-_FREES_BARRIERS = tl.constexpr(not L.INTERPRET and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 9))
-
-
-@triton.jit
-def _free_dead_barriers(x):
-    """x, after thread 0 invalidates the shared memory at offsets 0 and 8. Triton 3.6's warp
-    specialization initializes mbarriers there that nothing uses, and gives the same bytes to the
-    first buffer the kernel loads. PTX requires an mbarrier's memory to be invalidated before another
-    use; without it, on the H200, the first row of that buffer came out NaN in 75-80% of programs
-    when the buffer is loaded once (q in the head-dim-256 dq kernel). Proxy fences alone did not help.
-    Call it on a coordinate of the first TMA load, so it runs in the producer (thread 0's warp group)
-    before any copy. Offset 8 holds the unused barriers of a 2-stage pipeline; a 3-stage one puts
-    them at 16 too and came out NaN, so the warp-specialized tiles use at most 2 stages.
-    Elsewhere (Triton's interpreter, which has no inline assembly; Triton 3.9): x."""
-    if _FREES_BARRIERS:
-        x = tl.inline_asm_elementwise(
-            "{\n\t.reg .pred p;\n\t.reg .u32 t;\n\tmov.u32 t, %tid.x;\n\tsetp.eq.u32 p, t, 0;\n\t"
-            "@p mbarrier.inval.shared::cta.b64 [global_smem];\n\t@p mbarrier.inval.shared::cta.b64 [global_smem+8];\n\t"
-            "fence.proxy.async.shared::cta;\n\tmov.u32 $0, $1;\n\t}", "=r,r", [x], dtype=tl.int32, is_pure=False,
-            pack=1)
-    return x
 
 
 # With a mask, each kernel walks lists of the score tiles its program needs, made by XLA from the mask
@@ -271,7 +247,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
-        q = q_desc.load([_free_dead_barriers(b * sq + pid_m * BLOCK_M), h * D])
+        q = q_desc.load([free_dead_barriers(b * sq + pid_m * BLOCK_M, WS), h * D])
     else:
         q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
     kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
@@ -420,7 +396,7 @@ def _backward_descriptors(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, batch
 def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b, hk,
                            QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, WS: tl.constexpr):
     """dk and dv of one key block over the query blocks from `first` on of every query head sharing
     its key head, for a problem without masking (sq and sk multiples of the tiles; causal: only the
     query blocks below the diagonal block, which _dkdv_diagonal adds after), warp-specialized as the
@@ -431,7 +407,7 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
     group: tl.constexpr = HEADS // KV_HEADS
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _backward_descriptors(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, batch, sq, sk, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_N, BLOCK_D)
-    k = k_desc.load([_free_dead_barriers(b * sk + pid_n * BLOCK_N), hk * D])
+    k = k_desc.load([free_dead_barriers(b * sk + pid_n * BLOCK_N, WS), hk * D])
     v = v_desc.load([b * sk + pid_n * BLOCK_N, hk * D])
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
@@ -465,7 +441,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         first = (pid_n + 1) * BLOCK_N if CAUSAL else 0  # causal: below the diagonal block
         dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b,
-                                        hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                        hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
@@ -600,7 +576,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
         end = pid_m * BLOCK_M if CAUSAL else sk  # causal: left of the diagonal block
         dq = _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
-                                  QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                  QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                            delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
@@ -614,7 +590,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
 def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
                          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
+                         BLOCK_D: tl.constexpr, WS: tl.constexpr):
     """dq of one query block over the key blocks before `end`, for a problem without masking (sq and
     sk multiples of the tiles; causal: the blocks left of the diagonal block, which _dq_diagonal adds
     after), warp-specialized as the forward. On the H200: head dim 256 (b2 s4096 h16) 1.36 ms against
@@ -622,7 +598,7 @@ def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _backward_descriptors(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, tl.num_programs(1) // HEADS, sq, sk, HEADS, KV_HEADS, D,
         BLOCK_M, BLOCK_N, BLOCK_D)
-    q = q_desc.load([_free_dead_barriers(b * sq + pid_m * BLOCK_M), h * D])
+    q = q_desc.load([free_dead_barriers(b * sq + pid_m * BLOCK_M, WS), h * D])
     do = do_desc.load([b * sq + pid_m * BLOCK_M, h * D])
     lse = lse_desc.load([(b * HEADS + h) * sq + pid_m * BLOCK_M])
     delta = delta_desc.load([(b * HEADS + h) * sq + pid_m * BLOCK_M])
@@ -754,10 +730,10 @@ TILES = {
 # inputs, problems without masking) by kernel and head dim: 4 warps asked, 12 run. Only tiles
 # measured right and faster on an H200 (b4 s4096, against the two-loop kernels' heuristics): forward
 # d128 582 vs 478 TFLOP/s, d256 607 vs 381; dk/dv d128 3.35 vs 6.09 ms. The forward lost at d64
-# (387 vs 441). 3-stage tiles come out NaN (their unused barriers reach offset 16, past what
-# _free_dead_barriers frees; d256 128 x 32 at 3 stages on the H200), so every tile here has at most 2.
+# (387 vs 441). Their configs' WS is the stage count, for hopper.free_dead_barriers (a 3-stage tile
+# freed as a 2-stage one came out NaN: d256 128 x 32 on the H200).
 # dq at d128: 2.52 against 2.72 ms (b4 s4096 h32, this session; 2.48 vs 2.53 in an earlier one); at
-# d256 (b2 s4096 h16) 1.36 against 4.69 ms, once _free_dead_barriers fixed its NaN first query rows.
+# d256 (b2 s4096 h16) 1.36 against 4.69 ms, once the dead barriers were freed (NaN first query rows).
 WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)],
             ("dq", 128): [(128, 64, 4, 2)], ("dq", 256): [(128, 32, 4, 2)]}
 # Those that win only without the causal diagonal kernel's extra pass (~0.2-0.3 ms at b4 s4096):
@@ -830,7 +806,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     masking, a multiple of the tile's program block (the diagonal blocks then take _fwd_diagonal /
     _dkdv_diagonal)."""
     block_d = max(16, L.next_pow2(head_dim))
-    loads = {"WS": False}
+    loads = {"WS": 0}
     if backend == "interpret":
         return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d, **loads)]
     width = "wide" if block_d > 128 else "narrow"
@@ -850,7 +826,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
                                                                     unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
     every = [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
-                         WS=len(t) > 4) for t in tiles]
+                         WS=t[3] if len(t) > 4 else 0) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
     return [c for c in every if size(c) <= limit] or [min(every, key=size)]
 
