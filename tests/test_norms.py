@@ -134,6 +134,26 @@ def test_backward_programs_loop_over_many_row_blocks(rms, monkeypatch):
         close(g, w, jnp.float32)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_gradient_of_rows_far_from_zero_against_float64(rms):
+    """Rows of mean 1000 and standard deviation 1 (float32): the backward folds sum(g * hhat) into
+    sum(g * h) - mean * sum(g), whose rounding grows with |mean| / std; against float64 math."""
+    rng = np.random.default_rng(7)
+    x = (1000 + rng.standard_normal((4, 300))).astype(np.float32)
+    scale, dy = rng.uniform(0.5, 1.5, 300), rng.standard_normal((4, 300))
+    op = (lambda x, s: xkern.ops.rms_norm(x, s)) if rms else (lambda x, s: xkern.ops.layer_norm(x, s))
+    dx, dscale = jax.grad(lambda x, s: jnp.sum(op(x, s) * dy), argnums=(0, 1))(
+        jnp.asarray(x), jnp.asarray(scale, jnp.float32))
+    h = x.astype(np.float64)
+    centered = h if rms else h - h.mean(1, keepdims=True)
+    rstd = 1 / np.sqrt((centered ** 2).mean(1, keepdims=True) + 1e-6)
+    hhat, g = centered * rstd, dy * scale
+    want = rstd * (g - hhat * (g * hhat).mean(1, keepdims=True) - (0 if rms else g.mean(1, keepdims=True)))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want, rtol=0, atol=2e-3 * np.abs(want).max())
+    np.testing.assert_allclose(np.asarray(dscale, np.float64), (dy * hhat).sum(0), rtol=0,
+                               atol=2e-3 * np.abs((dy * hhat).sum(0)).max())
+
+
 # --------------------------------------------------------------------------------------------------
 # Patterns: the ways people write layer / rms norm, found by xkern.jit / xkern.optimize
 # --------------------------------------------------------------------------------------------------
