@@ -39,13 +39,16 @@ ROW_PROLOGUE = [
 # pointer loads at the same tile). Each program takes tiles pid, pid + programs, ...: one tile when
 # launched one program per tile, several when persistent (PROGRAMS > 0: one program per SM, each
 # starting its next tile without a new program's setup; on an H200 +1% to +8% over one per tile).
+# Persistent, the tile loop is flattened into the k loop, so the pipeliner loads the next tile's
+# operands during this tile's epilogue: on an H200 (bias + gelu, 128x256 tiles) 4096^3 631 against
+# 595 TFLOP/s, 16384x4096x16384 620 against 601, 8192^3 642 against 639.
 MATMUL_SETUP = [
     "    num_m, num_n = tl.cdiv(n_rows, BLOCK_M), tl.cdiv(N_COLS, BLOCK_N)",
     "    ks = tl.arange(0, BLOCK_K)",
     "    if TMA:  # Hopper's tensor-memory copies; reads past the descriptor's bounds give zeros",
     "        a_tiles = tl.make_tensor_descriptor(a_ptr, [n_rows, K], [K, 1], [BLOCK_M, BLOCK_K])",
     "        b_tiles = tl.make_tensor_descriptor(b_ptr, [K, N_COLS], [N_COLS, 1], [BLOCK_K, BLOCK_N])",
-    "    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0)):",
+    "    for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=PROGRAMS > 0):",
 ]
 MATMUL_TILE = [  # inside the loop over tiles, indented once more by generate()
     "    first_m = (tile // (GROUP_M * num_n)) * GROUP_M",
