@@ -53,7 +53,7 @@ def test_the_barrier_check_reads_the_ptx_order():
     assert not aot.frees_dead_barriers(init + copy + inval)  # too late: the copy may land first
     assert not aot.frees_dead_barriers(inval + init + copy)  # too early: re-initialized after
     assert aot.frees_dead_barriers("mov.b32 %r7, global_smem;\nadd.s32 %r8, %r7, 64;\n"
-                                   "mbarrier.init.shared::cta.b64 [%r8], 1;\n" + copy)  # not at offset 0
+                                   "mbarrier.init.shared::cta.b64 [%r8], 1;\n" + copy)  # offset 64: past the dead barriers (0, 8, ... of at most 4 stages)
     # a 3-stage pipeline's: offsets 0, 8 and 16, each to be freed
     three = init + "".join(f"add.s32 %r{8 + k}, %r7, {8 * k};\nmbarrier.init.shared::cta.b64 [%r{8 + k}], 1;\n"
                            for k in (1, 2))
