@@ -84,7 +84,7 @@ ELEMENTWISE = {
     "neg": lambda a, e: f"(-{a[0]})", "abs": _call("tl.abs"), "sign": _sign,
     "exp": _call("tl.exp"), "exp2": _call("tl.exp2"), "log": _call("tl.log"),
     "log1p": _call("log1p"), "expm1": _call("expm1"), "sqrt": _call("tl.sqrt"),
-    "rsqrt": _call("tl.rsqrt"), "tanh": _call("tanh"), "logistic": _call("tl.sigmoid"),
+    "rsqrt": _call("tl.rsqrt"), "tanh": _call("tanh"), "logistic": _call("sigmoid"),
     "erf": _call("tl.erf"), "erfc": lambda a, e: f"(1.0 - tl.erf({a[0]}))",  # loses far tails
     "sin": _call("tl.sin"), "cos": _call("tl.cos"),
     "floor": _call("tl.floor"), "ceil": _call("tl.ceil"),

@@ -1,9 +1,30 @@
 """Device functions that generated kernels call where triton.language has no portable builtin
-(tanh, log1p, expm1) or a different NaN rule (lax.max / reduce_max propagate NaN)."""
-from xkern.kernels import launch  # noqa: F401  (first: it fixes Triton's compile/interpret mode)
+(tanh, log1p, expm1), a different NaN rule (lax.max / reduce_max propagate NaN) or costs more
+instructions than the result needs (sigmoid)."""
+from xkern.kernels import launch  # first: it fixes Triton's compile/interpret mode
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+_INTERPRETED = tl.constexpr(launch.INTERPRET)
+
+
+@triton.jit
+def reciprocal_one_plus_exp2(w):
+    # 1 / (1 + 2^w), to a few ulp over the whole range: 0 at w = inf, 1 at -inf. fast_dividef is a
+    # reciprocal and a multiply (CUDA and ROCm), where `/` and tl.fdiv add range checks and
+    # rescaling: 18 instead of 27 instructions an element in gelu(x * a + b) * c (sm_90 SASS); its
+    # only inexact range, a denominator above 2^126, gives 0 instead of a result below 1.2e-38.
+    d = 1.0 + tl.exp2(w)
+    if _INTERPRETED:  # the interpreter has no libdevice
+        return 1.0 / d
+    return libdevice.fast_dividef(1.0, d)
+
+
+@triton.jit
+def sigmoid(x):
+    return reciprocal_one_plus_exp2(x * -1.4426950408889634)
 
 
 @triton.jit

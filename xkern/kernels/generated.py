@@ -302,7 +302,9 @@ def _sample_programs():
 
     def activations(x, b):
         y = x.astype(jnp.float32) + b
-        return jax.nn.gelu(y) * jnp.tanh(y) + jnp.log1p(jnp.abs(y)) + jax.nn.gelu(y, approximate=False)
+        # sums, not products: gelu(y) * z or silu(y) * z would be taken by the glu patterns
+        return (jax.nn.gelu(y) + jnp.tanh(y) + jnp.log1p(jnp.abs(y)) + jax.nn.gelu(y, approximate=False)
+                + jax.nn.silu(y))
 
     def integers(a, b):
         return jnp.where((a > b) & (a != 0), a - b, jnp.maximum(a, b) * 2), a.max(-1)
