@@ -10,16 +10,19 @@ import jax.numpy as jnp
 
 import xkern
 from benchmarks.harness import Case
-from xkern import pipeline
-from xkern.jaxpr_passes.rewrite import evaluate
+from xkern.jaxpr_passes.canonicalize import canonicalize
+from xkern.jaxpr_passes.rewrite import empty_plan, evaluate, fuse_groups
+from xkern.memory.liveness import plan_in_place
 
 
 def forced(f, backend: str, derivative_kernels: bool = True):
-    """f with every fusion group compiled to a generated kernel, cost model bypassed; without
-    `derivative_kernels`, a matmul epilogue's backward is XLA's vjp instead of a generated kernel."""
+    """f with every fusion group compiled to a generated kernel, named patterns and the cost model
+    bypassed (the layer norm below is also a norm pattern); without `derivative_kernels`, a matmul
+    epilogue's backward is XLA's vjp instead of a generated kernel."""
     def run(*args):
-        closed = jax.make_jaxpr(f)(*args)
-        plan = pipeline.plan(closed, "interpret")  # plans every group; launches on `backend`
+        closed = canonicalize(jax.make_jaxpr(f)(*args))
+        plan = fuse_groups(empty_plan(closed), "interpret", cost=lambda *_: None)  # launches on `backend`
+        plan_in_place(plan)
         if not derivative_kernels:
             for fusion in [f for p in plan.walk() for f in p.fusions.values()]:
                 fusion.backward = None

@@ -155,14 +155,16 @@ def test_casts_to_bfloat16_round_to_nearest_even_as_xla():
 
 
 def layer_norm(x, scale, bias):
+    """Layer-norm-like, by the mean absolute deviation: two dependent row reductions for a generated
+    kernel (a real layer norm is the norm patterns' and never reaches the code generator)."""
     mean = x.mean(-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(-1, keepdims=True)
-    return (x - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias
+    deviation = jnp.abs(x - mean).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(deviation + 1e-6) * scale + bias
 
 
 ROW_PROGRAMS = {
     "layer norm": lambda x, s: layer_norm(x, s, 0.5 * s),
-    "rms norm": lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s,
+    "rms norm": lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x + 1.0, -1, keepdims=True)) * s,  # not rms_norm's
     "max-shifted": lambda x, s: jnp.exp(x - x.max(-1, keepdims=True)) * s,
     "min and sum out": lambda x, s: (x.min(-1), (x * s).sum(-1), x * 2 - 1),
 }
@@ -229,7 +231,7 @@ def test_what_cannot_be_fused_stays_with_xla():
 
 @pytest.mark.cost_model
 def test_cost_model_follows_the_h200_measurements():
-    # Measured: x*a+b*c 1.22x, gelu chain 1.36x, layer norm 1.17x, rms norm 1.13x; tiny groups lose
+    # Measured: x*a+b*c 1.20x, gelu chain 1.60x, layer norm 1.17x, rms norm 1.13x; tiny groups lose
     # to the custom call's fixed cost.
     assert cost.decline_reason("fused", [], {"bytes": 1 << 30, "n_cols": 8192}, "triton") is None
     assert "too small" in cost.decline_reason("fused", [], {"bytes": 1 << 20, "n_cols": 8192}, "triton")
@@ -376,7 +378,7 @@ def test_matmul_epilogue_batching_and_what_it_leaves_alone():
         return jnp.tanh(y) + 1.0, y  # y must be written anyway: no epilogue fusion
     assert not any("tl.dot" in m.source for m in xkern.explain(product_escapes)(x[0], w).matches)
     big = [ShapedArray((8192, 8192), jnp.bfloat16)] * 2
-    assert "1.00x forward+backward" in cost.decline_reason("matmul_epilogue", big, {}, "triton")
+    assert "training at best ties" in cost.decline_reason("matmul_epilogue", big, {}, "triton")
     # On a GPU the declined epilogue stays with XLA as a whole (cuBLASLt fuses it into the matmul):
     # no generated kernel may take the bias + gelu and read the product back.
     mlp = lambda x, w, b: jax.nn.gelu(x @ w + b)

@@ -181,7 +181,7 @@ def test_each_norm_spelling_is_found_and_equals_jax_jit(name):
 
 
 @pytest.mark.parametrize("name", ["layer_norm/flax.linen.LayerNorm", "layer_norm/ln_var*scale+bias/upcast",
-                                  "rms_norm/rms_square*scale/cast back first", "rms_norm/rms_pow*(1+scale)/plain"])
+                                  "rms_norm/rms_square*scale/cast back first", "rms_norm/rms_sqrt*(1+scale)/plain"])
 def test_norm_spellings_differentiate_through_the_kernels(name):
     pattern = next(p for p in norm_rules.PATTERNS if p.name == name)
     args = _pattern_args(pattern, seed=3)
@@ -194,6 +194,28 @@ def test_norm_spellings_differentiate_through_the_kernels(name):
     want = jax.jit(jax.grad(loss, argnums))(*args)
     for g, w in zip(got, want):
         close(g, w, args[0].dtype.type)
+
+
+def test_squares_and_repeated_subexpressions_are_found():
+    """As people write them: h - mean twice and ** 2 (layer norm), h * h (rms norm); canonicalization
+    makes them the templates' square of one h - mean."""
+    x, _, scale, bias, _ = make((4, 5, 40), jnp.bfloat16, seed=10)
+    scale, bias = scale.astype(jnp.float32), bias.astype(jnp.float32)
+
+    def layer_norm(x):
+        h = x.astype(jnp.float32)
+        mean = h.mean(-1, keepdims=True)
+        var = ((h - mean) ** 2).mean(-1, keepdims=True)
+        return ((h - mean) * jax.lax.rsqrt(var + 1e-6) * scale + bias).astype(x.dtype)
+
+    def rms_norm(x):
+        h = x.astype(jnp.float32)
+        return (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+
+    for f, name in ((layer_norm, "layer_norm/ln_square*scale+bias/upcast"),
+                    (rms_norm, "rms_norm/rms_square*scale/upcast")):
+        assert [m.pattern for m in xkern.explain(f)(x).matches] == [name]
+        close(xkern.jit(f)(x), jax.jit(f)(x), jnp.bfloat16)
 
 
 def test_scale_first_and_any_eps_are_found():

@@ -1,16 +1,28 @@
-"""Canonicalization: inline call wrappers so patterns see through them, and find dead equations.
+"""Canonicalization: one spelling for what people write several ways, so patterns see through it;
+and dead equations found.
 
-`jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation around its body;
-patterns would never see a body's equations next to their neighbours, so such calls are inlined by
-re-tracing an interpreter over the jaxpr (source info kept). Higher-order primitives with real
-semantics (cond, scan, while, remat, custom_jvp/vjp) are left alone: the rewrite recurses into them.
+- Calls inlined: `jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation
+  around its body; patterns would never see a body's equations next to their neighbours.
+- Squares: `x ** 2` and `x * x` become `square(x)` (XLA lowers all three to x * x).
+- Repeated elementwise equations merged: `(h - mean) * rsqrt(mean((h - mean) ** 2) + eps)` computes
+  h - mean twice as written; a template computes it once. Only elementwise ones: a repeated matmul
+  or reduction merged could become an intermediate shared by two patterns (softmax(x @ w) and
+  log_softmax(x @ w) would share max(x @ w)), and a pattern whose intermediate is used outside it
+  is declined.
+The program is re-traced through an interpreter that does all three (source info kept).
+Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp) are left
+alone: the rewrite recurses into them.
 """
 from __future__ import annotations
 
+import enum
+
 import jax
+import numpy as np
 from jax.extend.core import ClosedJaxpr, Literal
 
 from xkern import _compat
+from xkern.fusion.lowering import ELEMENTWISE
 
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 
@@ -18,31 +30,86 @@ INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 bind_equation = _compat.bind_equation
 
 
-def _inline_eval(jaxpr, consts, args, source_info=None) -> list:
-    """Evaluate `jaxpr`, inlining calls; inlined equations take the call's source info (the user's
-    line, where the body's own would point inside a library)."""
+def _squared(eqn):
+    """The operand x of an equation computing x ** 2 or x * x, else None."""
+    name, args = eqn.primitive.name, eqn.invars
+    if name == "integer_pow" and eqn.params.get("y") == 2:
+        return args[0]
+    if name == "mul" and not isinstance(args[0], Literal) and args[0] is args[1]:
+        return args[0]
+    return None
+
+
+def _plain(value) -> bool:
+    """Whether a param is plain data (so equal params mean the same computation), not a jaxpr or a
+    function."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (bool, int, float, str, np.dtype, enum.Enum))
+
+
+def _cse_key(eqn, operands):
+    """What identifies an elementwise `eqn`'s result among the program's (its primitive, params and
+    operands), or None (not elementwise, effects, params that are not plain data)."""
+    if (eqn.primitive.name not in ELEMENTWISE or eqn.effects
+            or not all(map(_plain, eqn.params.values()))):
+        return None
+    return (eqn.primitive, tuple(sorted(eqn.params.items())), operands)
+
+
+def _literal_key(v: Literal):
+    value = np.asarray(v.val)
+    return ("literal", value.dtype.str, value.shape, value.tobytes())
+
+
+def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
+    """Evaluate `jaxpr` canonically (calls inlined, squares as `square`, repeated equations computed
+    once); inlined equations take the call's source info (the user's line, where the body's own
+    would point inside a library)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
+    seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     for eqn in jaxpr.eqns:
+        squared = _squared(eqn)
+        if squared is not None:
+            eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive.name in INLINED:
             sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             body, body_consts = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, [])
-            outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info)
+            outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen)
+            env.update(zip(eqn.outvars, outs))
+            continue
+        key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else id(env[v])
+                                  for v in eqn.invars))
+        if key is not None and key in seen:
+            outs = seen[key][0]
         else:
             outs = bind_equation(eqn, invals, source_info=source_info)
+            if key is not None:
+                seen[key] = (outs, invals)  # invals kept alive: their ids are in the key
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 
 
-def has_calls(jaxpr) -> bool:
-    return any(e.primitive.name in INLINED for e in jaxpr.eqns)
+def _needs_rewriting(jaxpr) -> bool:
+    """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
+    keys = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in INLINED or _squared(eqn) is not None:
+            return True
+        key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else v for v in eqn.invars))
+        if key is not None:
+            if key in keys:
+                return True
+            keys.add(key)
+    return False
 
 
 def canonicalize(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """`closed` with its jit / call wrappers inlined (the same jaxpr when it has none)."""
-    if not has_calls(closed.jaxpr):
+    """`closed` in canonical form (the same jaxpr when it already is)."""
+    if not _needs_rewriting(closed.jaxpr):
         return closed
     avals = [v.aval for v in closed.jaxpr.invars]
     return jax.make_jaxpr(lambda *args: _inline_eval(closed.jaxpr, closed.consts, args))(*avals)

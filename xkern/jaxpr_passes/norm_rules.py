@@ -4,7 +4,8 @@ xkern.ops.layer_norm / rms_norm (float32 math, one rounding to the program's out
 A spelling is three choices, combined:
   statistics  layer norm: (h - mean) * rsqrt(mean(square(h - mean)) + eps), the same through
               jnp.var, or divided by sqrt(var + eps); rms norm: h * rsqrt(mean(square(h)) + eps),
-              with h ** 2, or divided by sqrt(...)
+              or divided by sqrt(...). `h ** 2` and `h * h` are `square(h)`, and h - mean written
+              twice is computed once, after canonicalization (canonicalize.py).
   affine      none, * scale, * scale + bias (layer norm), * (1 + scale) (rms norm, Gemma's form)
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
@@ -52,10 +53,6 @@ def ln_var_sqrt(h, eps):
 
 def rms_square(h, eps):
     return h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + eps)
-
-
-def rms_pow(h, eps):
-    return h * jax.lax.rsqrt(jnp.mean(h ** 2, -1, keepdims=True) + eps)
 
 
 def rms_sqrt(h, eps):
@@ -159,7 +156,7 @@ def _param_dtypes(x_dtypes):
 def _spellings():
     out = []
     for op, stats_fns, affines in (("layer_norm", (ln_square, ln_var, ln_var_sqrt), ("", "*scale", "*scale+bias")),
-                                   ("rms_norm", (rms_square, rms_pow, rms_sqrt), ("", "*scale", "*(1+scale)"))):
+                                   ("rms_norm", (rms_square, rms_sqrt), ("", "*scale", "*(1+scale)"))):
         for stats in stats_fns:
             for affine in affines:
                 for precision, x_dtypes in (("plain", ALL), ("upcast", HALF), ("cast back first", HALF)):
