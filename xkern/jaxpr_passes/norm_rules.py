@@ -2,8 +2,8 @@
 xkern.ops.layer_norm / rms_norm (float32 math, one rounding to the program's output dtype).
 
 A spelling is three choices, combined:
-  statistics  layer norm: (h - mean) * rsqrt(mean(square(h - mean)) + eps), the same through
-              jnp.var, or divided by sqrt(var + eps); rms norm: h * rsqrt(mean(square(h)) + eps),
+  statistics  layer norm: (h - mean) * rsqrt(mean(square(h - mean)) + eps), or divided by
+              sqrt(mean(square(h - mean)) + eps), each also through jnp.var; rms norm: h * rsqrt(mean(square(h)) + eps),
               or divided by sqrt(...). `h ** 2` and `h * h` are `square(h)`, and h - mean written
               twice is computed once, after canonicalization (canonicalize.py).
   affine      none, * scale, * scale + bias (layer norm), * (1 + scale) (rms norm, Gemma's form)
@@ -41,6 +41,11 @@ EXAMPLE_EPS = 0.0123  # distinctive, so params_of can find the eps literal in th
 def ln_square(h, eps):
     centered = h - jnp.mean(h, -1, keepdims=True)
     return centered * jax.lax.rsqrt(jnp.mean(jnp.square(centered), -1, keepdims=True) + eps)
+
+
+def ln_square_sqrt(h, eps):
+    centered = h - jnp.mean(h, -1, keepdims=True)
+    return centered / jnp.sqrt(jnp.mean(jnp.square(centered), -1, keepdims=True) + eps)
 
 
 def ln_var(h, eps):
@@ -155,7 +160,7 @@ def _param_dtypes(x_dtypes):
 
 def _spellings():
     out = []
-    for op, stats_fns, affines in (("layer_norm", (ln_square, ln_var, ln_var_sqrt), ("", "*scale", "*scale+bias")),
+    for op, stats_fns, affines in (("layer_norm", (ln_square, ln_square_sqrt, ln_var, ln_var_sqrt), ("", "*scale", "*scale+bias")),
                                    ("rms_norm", (rms_square, rms_sqrt), ("", "*scale", "*(1+scale)"))):
         for stats in stats_fns:
             for affine in affines:
