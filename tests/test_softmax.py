@@ -125,10 +125,24 @@ def test_nan_and_inf_behave_as_in_jax(config, op):
     rows[5, 0] = -inf
     rows[6, :] = 1e30
     x = jnp.asarray(rows, jnp.float32)
-    want = (jax.nn.log_softmax if log else jax.nn.softmax)(x)
-    got = fn(x, config=config)
+    want, want_vjp = jax.vjp(jax.nn.log_softmax if log else jax.nn.softmax, x)
+    got, got_vjp = jax.vjp(lambda x: fn(x, config=config), x)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    dy = jnp.asarray(np.cos(np.arange(7 * n)).reshape(7, n), jnp.float32)
+    (dx,), (want_dx,) = got_vjp(dy), want_vjp(dy)
+    np.testing.assert_array_equal(np.isnan(dx), np.isnan(want_dx))
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-5, atol=1e-6)
+
+
+def test_log_softmax_gradient_alone_runs_only_the_backward_kernel():
+    """log_softmax's backward recomputes softmax from x, so when only the gradient is used the
+    compiled program drops the forward kernel (three tensors moved, as XLA's own gradient); softmax's
+    reads its saved output."""
+    x, w = jnp.ones((8, 100)), jnp.arange(100.0)
+    for op, kernels in ((xkern.ops.log_softmax, 1), (xkern.ops.softmax, 2)):
+        grad = jax.jit(jax.grad(lambda x: jnp.sum(op(x) * w)))
+        assert grad.lower(x).compile().as_text().count("custom_call_target=") == kernels
 
 
 def test_empty_arrays():

@@ -6,7 +6,10 @@ The math the kernels must match (fp32 inside, whatever the input dtype), per row
     softmax      y = exp(x - max(x)) / sum(exp(x - max(x)))   dx = y * (dy - sum(y * dy))
     log_softmax  y = x - max(x) - log(sum(exp(x - max(x))))   dx = dy - exp(y) * sum(dy)
 
-Both backward passes read the saved output y alone. The LOG constexpr picks the variant.
+softmax's backward reads the saved output y; log_softmax's reads the saved input x and recomputes
+exp(y) = softmax(x), as XLA does: when only the gradient is used, XLA drops the forward kernel and
+a training step moves three tensors (x, dy, dx), not five (y written, then read back). The LOG
+constexpr picks the variant.
 
 Rows that fit in registers take the one-block kernels (BLOCK_M rows of BLOCK_N >= n columns per
 program: one read, one write). Longer rows take the online kernels: a pass that keeps a running max
@@ -60,14 +63,10 @@ def _fwd_rows(x_ptr,  # input: [n_rows, N_COLS] row-major
 
 
 @triton.jit
-def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
-                n_rows,  # size; the row length is the constexpr N_COLS
-                y_ptr,  # output: like x
-                N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    x_row, y_row = x_ptr + row * N_COLS, y_ptr + row * N_COLS
+def _row_max_and_sum(x_row, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(max, sum of exp(x - max)) of one row, streamed: per-lane running max and sum,
+    combined once at the end (no cross-lane reduction per block)."""
     cols = tl.arange(0, BLOCK_N)
-    # Per-lane running max and sum, combined once at the end: no cross-lane reduction per block.
     m = tl.full([BLOCK_N], -float("inf"), tl.float32)
     s = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, N_COLS, BLOCK_N):
@@ -79,7 +78,18 @@ def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
         m = m_new
     m_row = tl.max(m, axis=0)
     m_row_safe = tl.where(m_row == -float("inf"), 0.0, m_row)
-    total = tl.sum(s * tl.exp(m - m_row_safe), axis=0)
+    return m_row, tl.sum(s * tl.exp(m - m_row_safe), axis=0)
+
+
+@triton.jit
+def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
+                n_rows,  # size; the row length is the constexpr N_COLS
+                y_ptr,  # output: like x
+                N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = x_ptr + row * N_COLS, y_ptr + row * N_COLS
+    cols = tl.arange(0, BLOCK_N)
+    m_row, total = _row_max_and_sum(x_row, N_COLS, BLOCK_N)
     inv, log_total = 1.0 / total, tl.log(total)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
@@ -92,43 +102,55 @@ def _fwd_online(x_ptr,  # input: [n_rows, N_COLS] row-major
 
 
 @triton.jit
-def _bwd_rows(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
+def _bwd_rows(saved_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major; saved: y (softmax) or x (LOG)
               n_rows,  # size; the row length is the constexpr N_COLS
-              dx_ptr,  # output: like y
+              dx_ptr,  # output: like x
               N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < n_rows) & (cols < N_COLS)
     offs = rows.to(tl.int64) * N_COLS + cols
-    y = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    if LOG:
-        dx = dy - tl.exp(y) * tl.sum(dy, axis=1)[:, None]
+    if LOG:  # softmax(x) as the forward computes it (NaN rows where its y is NaN)
+        x = tl.load(saved_ptr + offs, mask=mask, other=-float("inf")).to(tl.float32)
+        e = tl.where(mask, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+        p = e * (1.0 / tl.sum(e, axis=1))[:, None]
+        dx = dy - p * tl.sum(dy, axis=1)[:, None]
     else:
+        y = tl.load(saved_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dx = y * (dy - tl.sum(y * dy, axis=1)[:, None])
     tl.store(dx_ptr + offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _bwd_online(y_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major
+def _bwd_online(saved_ptr, dy_ptr,  # inputs: [n_rows, N_COLS] row-major; saved: y (softmax) or x (LOG)
                 n_rows,  # size; the row length is the constexpr N_COLS
-                dx_ptr,  # output: like y
+                dx_ptr,  # output: like x
                 N_COLS: tl.constexpr, LOG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    y_row, dy_row, dx_row = y_ptr + row * N_COLS, dy_ptr + row * N_COLS, dx_ptr + row * N_COLS
+    saved_row, dy_row, dx_row = saved_ptr + row * N_COLS, dy_ptr + row * N_COLS, dx_ptr + row * N_COLS
     cols = tl.arange(0, BLOCK_N)
+    if LOG:
+        m_row, total = _row_max_and_sum(saved_row, N_COLS, BLOCK_N)
+        log_total = tl.log(total)
     acc = tl.zeros([BLOCK_N], tl.float32)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
-        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += dy if LOG else y * dy
+        if LOG:
+            acc += dy
+        else:
+            acc += tl.load(saved_row + start + cols, mask=mask, other=0.0).to(tl.float32) * dy
     dot = tl.sum(acc, axis=0)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
-        y = tl.load(y_row + start + cols, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_row + start + cols, mask=mask, other=0.0).to(tl.float32)
-        dx = dy - tl.exp(y) * dot if LOG else y * (dy - dot)
+        if LOG:
+            x = tl.load(saved_row + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            dx = dy - tl.exp((x - m_row) - log_total) * dot
+        else:
+            y = tl.load(saved_row + start + cols, mask=mask, other=0.0).to(tl.float32)
+            dx = y * (dy - dot)
         tl.store(dx_row + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -192,13 +214,13 @@ def _launch_fwd(x2, *, backend, config, constexprs, out_shapes, **_):
                     config=config, backend=backend, constexprs=dict(constexprs))
 
 
-def _launch_bwd(y2, dy2, *, backend, config, constexprs, out_shapes, **_):
-    """dx rows from y and dy, in out_shapes[0]'s dtype (x's)."""
-    n_rows, n_cols = y2.shape
+def _launch_bwd(saved2, dy2, *, backend, config, constexprs, out_shapes, **_):
+    """dx rows from dy and the saved y (softmax) or x (log_softmax), in out_shapes[0]'s dtype (x's)."""
+    n_rows, n_cols = saved2.shape
     fn = _bwd_online if config["BLOCK_N"] < n_cols else _bwd_rows
     name = "log_softmax_bwd" if dict(constexprs)["LOG"] else "softmax_bwd"
-    out = jax.ShapeDtypeStruct(y2.shape, out_shapes[0].dtype)
-    return L.launch(fn, y2, dy2, n_rows, kernel=name, out_shapes=[out],
+    out = jax.ShapeDtypeStruct(saved2.shape, out_shapes[0].dtype)
+    return L.launch(fn, saved2, dy2, n_rows, kernel=name, out_shapes=[out],
                     grid=_grid(n_rows, n_cols, config), config=config, backend=backend,
                     constexprs=dict(constexprs))
 
@@ -209,7 +231,7 @@ for _prefix in ("softmax", "log_softmax"):
 
 
 # --------------------------------------------------------------------------------------------------
-# Differentiation: the output is the only residual
+# Differentiation: one residual, the output (softmax) or the input (log_softmax)
 # --------------------------------------------------------------------------------------------------
 
 def _constexprs(n_cols: int, log: bool) -> tuple:
@@ -224,14 +246,15 @@ def _softmax_rows(x2, log, out_dtype, backend, fwd_config, bwd_config):
 def _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config):
     y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=_constexprs(x2.shape[1], log),
                      out_shapes=[jax.ShapeDtypeStruct(x2.shape, out_dtype)])[0]
-    return y2, (y2, jnp.zeros((0,), x2.dtype))  # the empty array only carries x's dtype
+    # log_softmax saves x (its backward recomputes softmax(x)), softmax its output
+    return y2, (x2 if log else y2, jnp.zeros((0,), x2.dtype))  # the empty array carries x's dtype
 
 
 def _softmax_rows_bwd(log, out_dtype, backend, fwd_config, bwd_config, residuals, dy2):
-    y2, x_dtype = residuals[0], residuals[1].dtype
-    return (_launch_bwd(y2, dy2.astype(y2.dtype), backend=backend, config=bwd_config,
-                        constexprs=_constexprs(y2.shape[1], log),
-                        out_shapes=[jax.ShapeDtypeStruct(y2.shape, x_dtype)])[0],)
+    saved, x_dtype = residuals[0], residuals[1].dtype
+    return (_launch_bwd(saved, dy2.astype(out_dtype), backend=backend, config=bwd_config,
+                        constexprs=_constexprs(saved.shape[1], log),
+                        out_shapes=[jax.ShapeDtypeStruct(saved.shape, x_dtype)])[0],)
 
 
 _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
@@ -324,5 +347,5 @@ def aot_cases():
             yield (f"{prefix}_fwd/{tag}", fwd,
                    {"x_ptr": f"*{dtype}", **sizes, "y_ptr": f"*{out}"}, fwd_config)
             yield (f"{prefix}_bwd/{tag}", bwd,
-                   {"y_ptr": f"*{out}", "dy_ptr": f"*{out}", **sizes, "dx_ptr": f"*{dtype}"},
+                   {"saved_ptr": f"*{dtype if log else out}", "dy_ptr": f"*{out}", **sizes, "dx_ptr": f"*{dtype}"},
                    bwd_config)
