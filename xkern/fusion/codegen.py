@@ -172,6 +172,16 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     return name, source
 
 
+def _uses(eqns) -> dict:
+    """Each value's consuming equations among `eqns`."""
+    uses: dict = {}
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                uses.setdefault(v, []).append(eqn)
+    return uses
+
+
 FOLDED = "folded into a later equation"
 LOG2E = 1.4426950408889634
 
@@ -183,11 +193,7 @@ def _tanh_as_sigmoid(eqns, outputs) -> dict:
     equations it absorbs, or (equation, operand index, coefficient, scale) for the one computing
     scale / (1 + 2^(coefficient * that operand)); the tanh and the add of 1 are absorbed when used
     only there, the mul by 0.5 and the constant scaling of z when present."""
-    uses: dict = {}
-    for eqn in eqns:
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                uses.setdefault(v, []).append(eqn)
+    uses = _uses(eqns)
     producer = {eqn.outvars[0]: eqn for eqn in eqns}
 
     def only_use(v):
@@ -226,11 +232,7 @@ def _tanh_added_to_constants(eqns, outputs) -> set:
     """The tanh equations whose result is only added to (or subtracted from) literals of magnitude
     0.5 or more, as in gelu's 1 + tanh(...): only their absolute error shows, so they may take the
     cheaper triton_math.tanh_absolute."""
-    uses: dict = {}
-    for eqn in eqns:
-        for v in eqn.invars:
-            if not isinstance(v, Literal):
-                uses.setdefault(v, []).append(eqn)
+    uses = _uses(eqns)
 
     def near_one(use, v):
         others = [a for a in use.invars if a is not v]
