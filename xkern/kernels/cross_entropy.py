@@ -61,50 +61,28 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _dx(x, cols, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-        N_COLS: tl.constexpr):
-    """dx of the float32 logits x at columns `cols` of one row, times `factor` (the reduction's
-    scale, or the row's cotangent); NaN for a label out of range, 0 for an ignored row, and, as XLA,
-    NaN across a row holding +inf. The softmax is exp((x - shift) - log_sum), lse's two parts kept
-    apart: their sum rounds away log_sum when the row's max is large (at 1e8, lse = max), which
-    would make every p at the max 1."""
+def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
+                  Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
+    NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf.
+    The softmax is exp((x - shift) - log_sum), lse's two parts kept apart: their sum rounds away
+    log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1."""
+    cols = tl.arange(0, BLOCK_N)
     in_range = (label >= 0) & (label < N_COLS)
     lse = shift + log_sum
     log_sum = tl.where(log_sum == float("inf"), float("nan"), log_sum)  # a row holding +inf
-    p = tl.exp((x - shift) - log_sum)
-    if Z_LOSS != 0.0:
-        p = p * (1.0 + 2.0 * Z_LOSS * lse)
-    dx = p - tl.where(cols == label, 1.0 - SMOOTHING, 0.0)
-    if SMOOTHING != 0.0:
-        dx -= SMOOTHING / N_COLS
-    dx = tl.where(valid, dx * factor, 0.0)
-    return tl.where(in_range | (not valid), dx, float("nan"))
-
-
-@triton.jit
-def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
-                  Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """_dx of one row, chunk by chunk, read from x_ptr and written to dx_ptr."""
-    cols = tl.arange(0, BLOCK_N)
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
         x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
-        dx = _dx(x, start + cols, label, shift, log_sum, valid, factor, SMOOTHING, Z_LOSS, N_COLS)
+        p = tl.exp((x - shift) - log_sum)
+        if Z_LOSS != 0.0:
+            p = p * (1.0 + 2.0 * Z_LOSS * lse)
+        dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
+        if SMOOTHING != 0.0:
+            dx -= SMOOTHING / N_COLS
+        dx = tl.where(valid, dx * factor, 0.0)
+        dx = tl.where(in_range | (not valid), dx, float("nan"))
         tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _loss(x_ptr, base, label, shift, log_sum, total, valid, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-          N_COLS: tl.constexpr):
-    """One row's loss from its lse's parts and the sum of its logits (`total`, for smoothing)."""
-    lse = log_sum + shift
-    in_range = (label >= 0) & (label < N_COLS)
-    picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
-    picked = tl.where(in_range, picked, float("nan"))
-    loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
-    if SMOOTHING != 0.0:
-        loss -= SMOOTHING / N_COLS * total
-    return tl.where(valid, loss, 0.0)
 
 
 @triton.jit
@@ -140,7 +118,14 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
         log_sum = tl.log(s)
-        tl.store(loss_ptr + row, _loss(x_ptr, base, label, ref, log_sum, total, valid, SMOOTHING, Z_LOSS, N_COLS))
+        lse = log_sum + ref
+        in_range = (label >= 0) & (label < N_COLS)
+        picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
+        picked = tl.where(in_range, picked, float("nan"))
+        loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
+        if SMOOTHING != 0.0:
+            loss -= SMOOTHING / N_COLS * total
+        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
         tl.store(lse_ptr + 2 * row, ref)
         tl.store(lse_ptr + 2 * row + 1, log_sum)
         if WRITE_DX:
