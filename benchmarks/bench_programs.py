@@ -62,6 +62,7 @@ def flax_programs(on_gpu: bool) -> list[Case]:
                 jax.random.randint(kl, (tokens,), 0, vocab))
 
     head_grads = lambda f: jax.value_and_grad(f, (0, 1))
+    gpt = gpt_block_cases(on_gpu)
     # Two blocks: the second LayerNorm normalizes the first block's residual sum, which it then
     # also passes on (xkern folds that add into the norm kernel).
     two = nn.Sequential([Block(), Block()])
@@ -81,6 +82,37 @@ def flax_programs(on_gpu: bool) -> list[Case]:
         Case("LM head + loss (flax Dense, optax)", (tokens, dim, vocab), "bfloat16", "fwd+bwd",
              head_grads(xkern.optimize(lm_head_loss)), head_grads(lm_head_loss), head_args, 0, 3e-2,
              memory=True),
+    ] + gpt
+
+
+def gpt_block_cases(on_gpu: bool) -> list[Case]:
+    """A decoder block as Flax users write one: pre-norm causal self-attention (Flax's
+    MultiHeadDotProductAttention with make_causal_mask), then a pre-norm gelu MLP, residual adds.
+    Forward, and a training step's gradient with respect to every parameter."""
+    import flax.linen as nn
+
+    batch, seq, dim, heads = (4, 2048, 2048, 16) if on_gpu else (1, 16, 32, 2)
+
+    class DecoderBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]), dtype=bool)
+            h = nn.LayerNorm(dtype=x.dtype)(x)
+            x = x + nn.MultiHeadDotProductAttention(num_heads=heads, dtype=x.dtype)(h, mask=mask)
+            h = nn.Dense(4 * dim, dtype=x.dtype)(nn.LayerNorm(dtype=x.dtype)(x))
+            return x + nn.Dense(dim, dtype=x.dtype)(nn.gelu(h))
+
+    block = DecoderBlock()
+    x0 = jnp.zeros((batch, seq, dim), jnp.bfloat16)
+    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), block.init(jax.random.key(2), x0))
+    apply = lambda p, x: block.apply(p, x)
+    loss = lambda p, x: jnp.mean(block.apply(p, x).astype(jnp.float32) ** 2)
+    args = lambda key: (params, jax.random.normal(key, (batch, seq, dim), jnp.bfloat16))
+    shape = (batch, seq, dim, heads)
+    return [
+        Case("decoder block (flax, causal)", shape, "bfloat16", "fwd", xkern.jit(apply), apply, args, 0, 3e-2),
+        Case("decoder block (flax, causal)", shape, "bfloat16", "fwd+bwd", jax.grad(xkern.optimize(loss)),
+             jax.grad(loss), args, 0, 3e-2),
     ]
 
 

@@ -499,7 +499,7 @@ def test_warp_specialized_forward_matches_the_reference(shape):
 
 
 @pytest.mark.parametrize("shape,dkdv_keys", [((2, 48, 48, 2, 2, 32), 16), ((1, 32, 32, 4, 2, 32), 32)],
-                         ids=["mha", "gqa, smaller diagonal tiles"])
+                         ids=["mha", "gqa, smaller diagonal tiles"])  # (the forward's: 16 of 32)
 def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys):
     """Causal: the warp-specialized loops take the blocks off the diagonal (forward: keys left of
     each query block's diagonal block; dk/dv: queries below each key block's), then _fwd_diagonal
@@ -510,7 +510,7 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     b, sq, sk, h, hk, d = shape
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=9)
     st = A.Static(True, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
-    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1),
+    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1, BLOCK_M=dkdv_keys),
                                           st.configs[1].replace(WS=1, BLOCK_N=dkdv_keys),
                                           st.configs[2].replace(WS=1, BLOCK_M=dkdv_keys)))
     o, lse = A._launch_fwd(q, k, v, None, None, None, ws)

@@ -317,11 +317,14 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
                   sq, sk,
                   o_ptr, lse_ptr,  # outputs, written over o_part and lse_part
                   QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SKIPPED: tl.constexpr):
     """Causal attention's diagonal blocks, after the warp-specialized forward did the keys left of
-    them (it cannot mask: see _fwd_warp_specialized). A query block resumes the online softmax from
-    that result: (o, lse) is the state acc = o, m = lse, l = 1 (rows with no key yet: l = 0), then
-    takes its diagonal keys [pid_m * BLOCK_M, (pid_m + 1) * BLOCK_M), masked. sq == sk."""
+    them (it cannot mask: see _fwd_warp_specialized) for its query blocks of SKIPPED rows. A query
+    block (BLOCK_M divides SKIPPED) resumes the online softmax from that result: (o, lse) is the
+    state acc = o, m = lse, l = 1 (rows with no key yet: l = 0), then takes the keys the
+    warp-specialized kernel skipped, from its block's first query to this block's last, masked.
+    sq == sk."""
     pid_m, bh = tl.program_id(0), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -329,7 +332,7 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     l_i = tl.where(m_i == -float("inf"), 0.0, 1.0)
     acc = _load_rows(o_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
-    for start in range(pid_m * BLOCK_M, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
+    for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask and bias (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
                                    k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, False, False, False, False, False,
@@ -751,7 +754,7 @@ WS_NOT_CAUSAL = {("dq", 128)}
 # Measured on the H200 (b4 s4096 d128 causal): forward 0.276 ms at (32, 4, 2) against 0.287-0.306 for
 # the others tried; dk/dv 0.390 ms at (64, 64, 4, 2) against 0.42-0.60, and 1.17 at the warp-specialized
 # kernel's own 128 keys with 8 warps.
-DIAGONAL_TILES = {("fwd", "cuda"): (32, 4, 2), ("fwd", "interpret"): (16, 4, 1),
+DIAGONAL_TILES = {("fwd", "cuda"): (64, 32, 4, 2), ("fwd", "interpret"): (16, 16, 4, 1),
                   ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1),
                   ("dq", "cuda"): (64, 32, 8, 2), ("dq", "interpret"): (16, 16, 4, 1)}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
@@ -959,19 +962,22 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
         return o, lse
     diagonal = _fwd_diagonal_config(config, "interpret" if st.backend == "interpret" else "cuda")
     return L.launch(_fwd_diagonal, q, k, v, o, lse, sq, k.shape[1], kernel="attention_fwd_diagonal",
-                    out_shapes=outs, grid=grid, config=diagonal, backend=st.backend, aliases={3: 0, 4: 1},
+                    out_shapes=outs, grid=(L.cdiv(sq, diagonal["BLOCK_M"]), b * heads), config=diagonal,
+                    backend=st.backend, aliases={3: 0, 4: 1},
                     constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
 
 
 def _fwd_diagonal_config(fwd: L.Config, gpu: str) -> L.Config:
-    """_fwd_diagonal's tile after the warp-specialized forward at `fwd` (the same query blocks).
-    Head dim 256 on a GPU: 8 warps, for its [BLOCK_M, 256] accumulator (H200, b2 s4096 h16: 0.147 ms
-    against 0.363 with 4 warps)."""
-    bn, warps, stages = DIAGONAL_TILES[("fwd", gpu)]
+    """_fwd_diagonal's tile after the warp-specialized forward at `fwd` (query blocks no larger than
+    its). H200, causal d128 (b4 s4096 h32 / b1 s16384 h32), forward in all: 64 queries and 32 keys a
+    step, 4 warps, 1.192 / 3.971 ms against 1.238 / 4.030 with the forward's 128 queries (the
+    diagonal kernel 0.19 ms against 0.23 at b4 s4096). Head dim 256: the forward's query blocks and 8
+    warps, for its [BLOCK_M, 256] accumulator (b2 s4096 h16: 0.147 ms against 0.363 with 4 warps)."""
+    bm, bn, warps, stages = DIAGONAL_TILES[("fwd", gpu)]
     if gpu != "interpret" and fwd["BLOCK_D"] > 128:
-        warps = 8
-    return L.Config.of(BLOCK_M=fwd["BLOCK_M"], BLOCK_N=bn, BLOCK_D=fwd["BLOCK_D"], num_warps=warps,
-                       num_stages=stages)
+        bm, warps = fwd["BLOCK_M"], 8
+    return L.Config.of(BLOCK_M=min(bm, fwd["BLOCK_M"]), BLOCK_N=bn, BLOCK_D=fwd["BLOCK_D"], SKIPPED=fwd["BLOCK_M"],
+                       num_warps=warps, num_stages=stages)
 
 
 def _dkdv_diagonal_config(dkdv: L.Config, gpu: str) -> L.Config:
