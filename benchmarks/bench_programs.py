@@ -62,7 +62,6 @@ def flax_programs(on_gpu: bool) -> list[Case]:
                 jax.random.randint(kl, (tokens,), 0, vocab))
 
     head_grads = lambda f: jax.value_and_grad(f, (0, 1))
-    gpt = gpt_block_cases(on_gpu)
     # Two blocks: the second LayerNorm normalizes the first block's residual sum, which it then
     # also passes on (xkern folds that add into the norm kernel).
     two = nn.Sequential([Block(), Block()])
@@ -82,18 +81,20 @@ def flax_programs(on_gpu: bool) -> list[Case]:
         Case("LM head + loss (flax Dense, optax)", (tokens, dim, vocab), "bfloat16", "fwd+bwd",
              head_grads(xkern.optimize(lm_head_loss)), head_grads(lm_head_loss), head_args, 0, 3e-2,
              memory=True),
-    ] + gpt
+    ] + decoder_block_cases(on_gpu)
 
 
-def gpt_block_cases(on_gpu: bool) -> list[Case]:
-    """A decoder block as Flax users write one: pre-norm causal self-attention (Flax's
-    MultiHeadDotProductAttention with make_causal_mask), then a pre-norm gelu MLP, residual adds.
-    Forward, and a training step's gradient with respect to every parameter."""
+def decoder_block_cases(on_gpu: bool) -> list[Case]:
+    """Decoder blocks as Flax users write them, forward and a training step's gradient with respect
+    to every parameter. GPT: pre-norm causal self-attention (Flax's MultiHeadDotProductAttention
+    with make_causal_mask), then a pre-norm gelu MLP. Llama: RMSNorm, grouped-query attention
+    (jax.nn.dot_product_attention, is_causal) on q and k rotated by HF-style RoPE, a SwiGLU MLP."""
     import flax.linen as nn
 
-    batch, seq, dim, heads = (4, 2048, 2048, 16) if on_gpu else (1, 16, 32, 2)
+    batch, seq, dim, heads, kv_heads = (4, 2048, 2048, 16, 4) if on_gpu else (1, 16, 32, 2, 1)
+    head_dim, hidden = dim // heads, (5632 if on_gpu else 48)
 
-    class DecoderBlock(nn.Module):
+    class GPTBlock(nn.Module):
         @nn.compact
         def __call__(self, x):
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2]), dtype=bool)
@@ -102,18 +103,38 @@ def gpt_block_cases(on_gpu: bool) -> list[Case]:
             h = nn.Dense(4 * dim, dtype=x.dtype)(nn.LayerNorm(dtype=x.dtype)(x))
             return x + nn.Dense(dim, dtype=x.dtype)(nn.gelu(h))
 
-    block = DecoderBlock()
+    def rotate(x, cos, sin):  # HF Llama: full-width tables, the halves rotated
+        half = x.shape[-1] // 2
+        turned = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+        return (x * cos[:, None, :] + turned * sin[:, None, :]).astype(x.dtype)
+
+    class LlamaBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            freqs = 10000.0 ** -(jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+            angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * freqs
+            cos, sin = jnp.cos(jnp.concatenate([angles, angles], -1)), jnp.sin(jnp.concatenate([angles, angles], -1))
+            dense = lambda *shape: nn.DenseGeneral(shape, use_bias=False, dtype=x.dtype)
+            h = nn.RMSNorm(dtype=x.dtype)(x)
+            q, k, v = dense(heads, head_dim)(h), dense(kv_heads, head_dim)(h), dense(kv_heads, head_dim)(h)
+            o = jax.nn.dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+            x = x + nn.DenseGeneral(dim, axis=(-2, -1), use_bias=False, dtype=x.dtype)(o)
+            h = nn.RMSNorm(dtype=x.dtype)(x)
+            return x + dense(dim)(nn.silu(dense(hidden)(h)) * dense(hidden)(h))
+
     x0 = jnp.zeros((batch, seq, dim), jnp.bfloat16)
-    params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), block.init(jax.random.key(2), x0))
-    apply = lambda p, x: block.apply(p, x)
-    loss = lambda p, x: jnp.mean(block.apply(p, x).astype(jnp.float32) ** 2)
-    args = lambda key: (params, jax.random.normal(key, (batch, seq, dim), jnp.bfloat16))
-    shape = (batch, seq, dim, heads)
-    return [
-        Case("decoder block (flax, causal)", shape, "bfloat16", "fwd", xkern.jit(apply), apply, args, 0, 3e-2),
-        Case("decoder block (flax, causal)", shape, "bfloat16", "fwd+bwd", jax.grad(xkern.optimize(loss)),
-             jax.grad(loss), args, 0, 3e-2),
-    ]
+    out = []
+    for name, block, key in (("decoder block (flax, GPT: causal MHA + gelu MLP)", GPTBlock(), 2),
+                             ("decoder block (flax, Llama: RoPE + causal GQA + SwiGLU)", LlamaBlock(), 3)):
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), block.init(jax.random.key(key), x0))
+        apply = lambda p, x, block=block: block.apply(p, x)
+        loss = lambda p, x, block=block: jnp.mean(block.apply(p, x).astype(jnp.float32) ** 2)
+        args = lambda key, params=params: (params, jax.random.normal(key, (batch, seq, dim), jnp.bfloat16))
+        shape = (batch, seq, dim, heads)
+        out += [Case(name, shape, "bfloat16", "fwd", xkern.jit(apply), apply, args, 0, 3e-2),
+                Case(name, shape, "bfloat16", "fwd+bwd", jax.grad(xkern.optimize(loss)), jax.grad(loss), args, 0,
+                     3e-2)]
+    return out
 
 
 def _vjp(f):
