@@ -29,10 +29,12 @@ def close(got, want, dtype):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
-@pytest.mark.parametrize("shape", [(1, 1), (7,), (3, 1000), (2, 3, 1025)], ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (7,), (3, 1000), (2, 3, 1025), (4, 1024)], ids=str)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_values_and_every_gradient(rms, shape, dtype, with_residual):
+    """Odd widths (masked tiles), whole tiles ((1, 1), (4, 1024): unmasked), and rows of 1000 and
+    more (the forward in halves, in the interpreter)."""
     x, r, scale, bias, dy = make(shape, dtype)
     b = None if rms else bias
     op = (lambda x, s, b, r: xkern.ops.rms_norm(x, s, residual=r)) if rms else \
