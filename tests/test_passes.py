@@ -127,8 +127,8 @@ def test_a_structural_match_with_other_params_is_not_taken_for_the_pattern():
                           for m in [P.unify(t, graph, len(graph.eqns) - 1, strict=False)] if m)
     match.pattern = pattern  # the structure alone says yes ...
     from xkern.jaxpr_passes.rewrite import _decide
-    params, reason = _decide(match, set(range(len(graph.eqns))), "interpret", lambda *a: None)
-    assert params is None and "differs from" in reason  # ... the exact check says no
+    params, reason, by_cost = _decide(match, set(range(len(graph.eqns))), "interpret", lambda *a: None)
+    assert params is None and "differs from" in reason and not by_cost  # ... the exact check says no
 
 
 def test_an_intermediate_used_elsewhere_blocks_the_rewrite_and_says_so():
@@ -309,6 +309,26 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     closed = jax.make_jaxpr(jax.nn.softmax)(jnp.ones((64, 128), jnp.bfloat16))
     plan = pipeline.plan(closed, "triton")  # planning launches nothing: it runs without a GPU
     assert not plan.rewrites and "too small" in plan.declined[0].reason
+
+
+@pytest.mark.cost_model
+def test_cost_model_counts_the_residual_add_a_norm_takes():
+    """A norm of x + r also reads r and writes x + r (four tensors): at 8192x2048 bf16, 128 MiB moved,
+    enough for the kernel, which takes the add too; the norm of x alone (64 MiB) stays with XLA."""
+    def layer_norm(h, s, b):
+        hf = h.astype(jnp.float32)
+        mean = hf.mean(-1, keepdims=True)
+        var = jnp.mean(jnp.square(hf - mean), -1, keepdims=True)
+        return ((hf - mean) * jax.lax.rsqrt(var + 1e-6) * s + b).astype(h.dtype)
+
+    x = jax.ShapeDtypeStruct((8192, 2048), jnp.bfloat16)
+    s = jax.ShapeDtypeStruct((2048,), jnp.float32)
+    pre_norm = lambda x, r, s, b: (layer_norm(x + r, s, b), x + r)
+    plan = pipeline.plan(jax.make_jaxpr(pre_norm)(x, x, s, s), "triton")
+    (rewrite,) = plan.rewrites.values()
+    assert rewrite.match.pattern.op == "layer_norm" and rewrite.residual_add is not None
+    plan = pipeline.plan(jax.make_jaxpr(layer_norm)(x, s, s), "triton")
+    assert not plan.rewrites and "too small: 64.0 MiB" in plan.declined[0].reason
 
 
 def test_unsupported_dtype_is_declined_with_its_reason():

@@ -24,6 +24,7 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import norms as kernels
@@ -137,7 +138,7 @@ def _pattern(name, op, fn, n_params, dtypes, affine=""):
         return (jax.ShapeDtypeStruct((4, 8), x_dtype),
                 *[jax.ShapeDtypeStruct((8,), param_dtype)] * n_params)
 
-    def replace(x, *params, backend, eps, residual=None):
+    def replace(x, *params, backend, eps, residual=None, residual_sum=False):
         out_dtype = jax.eval_shape(lambda *a: fn(*a, eps=eps), x, *params).dtype
         scale = params[0] if params else None
         if affine == "*(1+scale)":
@@ -150,7 +151,20 @@ def _pattern(name, op, fn, n_params, dtypes, affine=""):
 
     return Pattern(name=name, op=op, fn=fn, dtypes=dtypes, example=example,
                    example_params={"eps": EXAMPLE_EPS}, params_of=_eps, check=_check, replace=replace,
-                   folds_residual_add=True)
+                   facts_of=_residual_sum, folds_residual_add=True)
+
+
+def _residual_sum(match) -> dict:
+    """residual_sum: the normalized input is a sum of two arrays of its shape (a residual connection),
+    which the kernel will likely take too (rewrite._fold_residual_adds decides, after this): the
+    cost model then counts the four tensors it moves, as it does for a generated kernel there."""
+    h = match.inputs[0]
+    if h not in match.graph.producer:
+        return {}
+    eqn = match.graph.eqns[match.graph.producer[h][0]]
+    same = all(not isinstance(v, Literal) and (v.aval.shape, v.aval.dtype) == (h.aval.shape, h.aval.dtype)
+               for v in eqn.invars)
+    return {"residual_sum": True} if eqn.primitive.name == "add" and same else {}
 
 
 def _param_dtypes(x_dtypes):

@@ -121,29 +121,32 @@ def _escaping(match: Match, live: set[int]) -> str | None:
     return None
 
 
-def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None]:
-    """The params of an accepted match, or the reason it is declined."""
+def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None, bool]:
+    """The params of an accepted match, or the reason it is declined and whether the cost model
+    gave it."""
     escaped = _escaping(match, live)
     if escaped:
         return None, (f"an intermediate ({escaped}) is also used outside the pattern (in a program "
-                      "that is already a gradient, apply xkern.optimize inside jax.grad instead)")
+                      "that is already a gradient, apply xkern.optimize inside jax.grad instead)"), False
     pattern = match.pattern
     try:
         params = pattern.params_of(match)
         exact = retrace(pattern, match.input_avals, params)
     except Exception as e:  # a pattern that cannot be traced here is a near miss, not a crash
-        return None, f"the pattern does not apply at these inputs ({type(e).__name__}: {e})"
+        return None, f"the pattern does not apply at these inputs ({type(e).__name__}: {e})", False
     again = unify(exact, match.graph, match.anchor, strict=True)
     if again is None or any(a is not b for a, b in zip(again.inputs, match.inputs)):
         return None, (f"differs from {pattern.name} at these shapes and params "
-                      f"(e.g. reductions over other axes, other dtypes)")
+                      f"(e.g. reductions over other axes, other dtypes)"), False
     out = match.graph.eqns[match.anchor].outvars[0]
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])
     params = {**params, **pattern.facts_of(match)}
-    reason = pattern.check(match, params) or cost(pattern.op, match.input_avals, params, backend,
-                                                  consumers)
-    return (None, reason) if reason else (params, None)
+    reason = pattern.check(match, params)
+    if reason:
+        return None, reason, False
+    reason = cost(pattern.op, match.input_avals, params, backend, consumers)
+    return (None, reason, True) if reason else (params, None, False)
 
 
 def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
@@ -152,6 +155,10 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     plan = empty_plan(closed)
     by_anchor = registry().by_anchor
     claimed: set[int] = set()
+    # Equations of matches the cost model declined: a match inside one is not taken either (its
+    # estimate would count the intermediates the larger match keeps out of memory as gains, e.g. a
+    # norm's float32 upcast, as if they were inputs it must read anyway).
+    too_costly: list[frozenset[int]] = []
     # Latest anchors first, so a larger pattern (softmax with its casts) wins over one inside it.
     for i in reversed(range(len(graph.eqns))):
         if i not in plan.live or i in claimed:
@@ -161,9 +168,13 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
             if match is None or match.program_eqns & claimed:
                 continue
             match.pattern = pattern
-            params, reason = _decide(match, plan.live, backend, cost)
+            if any(match.program_eqns <= outer for outer in too_costly):
+                continue  # the larger match's reason stands for it
+            params, reason, by_cost = _decide(match, plan.live, backend, cost)
             if reason:
                 plan.declined.append(Declined(pattern.name, location(graph.eqns[i]), reason, i))
+                if by_cost:
+                    too_costly.append(frozenset(match.program_eqns))
                 continue
             plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]))
             claimed |= match.program_eqns
