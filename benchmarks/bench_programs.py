@@ -84,11 +84,11 @@ def flax_programs(on_gpu: bool) -> list[Case]:
     ] + decoder_block_cases(on_gpu)
 
 
-def decoder_block_cases(on_gpu: bool) -> list[Case]:
-    """Decoder blocks as Flax users write them, forward and a training step's gradient with respect
-    to every parameter. GPT: pre-norm causal self-attention (Flax's MultiHeadDotProductAttention
-    with make_causal_mask), then a pre-norm gelu MLP. Llama: RMSNorm, grouped-query attention
-    (jax.nn.dot_product_attention, is_causal) on q and k rotated by HF-style RoPE, a SwiGLU MLP."""
+def decoder_blocks(on_gpu: bool) -> list[tuple[str, object, jax.ShapeDtypeStruct, int]]:
+    """(name, Flax module, input, heads) of decoder blocks as Flax users write them. GPT: pre-norm causal
+    self-attention (Flax's MultiHeadDotProductAttention with make_causal_mask), then a pre-norm gelu
+    MLP. Llama: RMSNorm, grouped-query attention (jax.nn.dot_product_attention, is_causal) on q and k
+    rotated by HF-style RoPE, a SwiGLU MLP."""
     import flax.linen as nn
 
     batch, seq, dim, heads, kv_heads = (4, 2048, 2048, 16, 4) if on_gpu else (1, 16, 32, 2, 1)
@@ -122,15 +122,21 @@ def decoder_block_cases(on_gpu: bool) -> list[Case]:
             h = nn.RMSNorm(dtype=x.dtype)(x)
             return x + dense(dim)(nn.silu(dense(hidden)(h)) * dense(hidden)(h))
 
-    x0 = jnp.zeros((batch, seq, dim), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((batch, seq, dim), jnp.bfloat16)
+    return [("decoder block (flax, GPT: causal MHA + gelu MLP)", GPTBlock(), x, heads),
+            ("decoder block (flax, Llama: RoPE + causal GQA + SwiGLU)", LlamaBlock(), x, heads)]
+
+
+def decoder_block_cases(on_gpu: bool) -> list[Case]:
+    """The decoder blocks, forward and a training step's gradient with respect to every parameter."""
     out = []
-    for name, block, key in (("decoder block (flax, GPT: causal MHA + gelu MLP)", GPTBlock(), 2),
-                             ("decoder block (flax, Llama: RoPE + causal GQA + SwiGLU)", LlamaBlock(), 3)):
-        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), block.init(jax.random.key(key), x0))
+    for key, (name, block, x, heads) in enumerate(decoder_blocks(on_gpu)):
+        params = block.init(jax.random.key(key), jnp.zeros(x.shape, x.dtype))
+        params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
         apply = lambda p, x, block=block: block.apply(p, x)
         loss = lambda p, x, block=block: jnp.mean(block.apply(p, x).astype(jnp.float32) ** 2)
-        args = lambda key, params=params: (params, jax.random.normal(key, (batch, seq, dim), jnp.bfloat16))
-        shape = (batch, seq, dim, heads)
+        args = lambda key, params=params, x=x: (params, jax.random.normal(key, x.shape, x.dtype))
+        shape = (*x.shape, heads)
         out += [Case(name, shape, "bfloat16", "fwd", xkern.jit(apply), apply, args, 0, 3e-2),
                 Case(name, shape, "bfloat16", "fwd+bwd", jax.grad(xkern.optimize(loss)), jax.grad(loss), args, 0,
                      3e-2)]
