@@ -239,6 +239,22 @@ def test_jit_takes_static_args_pytrees_and_raises_the_users_errors():
         bad(jnp.ones((2, 4)))
 
 
+def test_jit_passes_jax_jits_other_keywords_through():
+    """donate_argnames, keep_unused and the rest are jax.jit's; an unknown keyword fails as there."""
+    def step(state, x, unused):
+        return state + jax.nn.softmax(x, axis=-1)
+    x = rand((4, 9))
+    jitted = xkern.jit(step, donate_argnames="state", keep_unused=True)
+    np.testing.assert_allclose(jitted(jnp.zeros((4, 9)), x, jnp.ones(3)), jax.nn.softmax(x, axis=-1), rtol=1e-5)
+    assert kernel_names(jax.make_jaxpr(jitted)(jnp.zeros((4, 9)), x, jnp.ones(3))) == ["softmax_fwd"]
+    lowered = jitted.lower(jnp.zeros((4, 9)), x, jnp.ones(3))
+    assert lowered.args_info[0][2].shape == (3,) and "tensor<3xf32>" in lowered.as_text()  # kept, though unused
+    as_decorator = xkern.jit(static_argnames="axis")(lambda x, axis: jax.nn.softmax(x, axis=axis))
+    np.testing.assert_allclose(as_decorator(x, axis=0), jax.nn.softmax(x, axis=0), rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match="not_a_jit_option"):
+        xkern.jit(step, not_a_jit_option=1)
+
+
 def test_bad_arguments_name_themselves():
     for api in (xkern.jit, xkern.optimize, xkern.explain):
         with pytest.raises(TypeError, match="fun must be callable; got int"):

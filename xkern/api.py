@@ -92,15 +92,16 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     return optimized
 
 
-def jit(fun: Callable | None = None, *, static_argnums=(), static_argnames=(), donate_argnums=(),
-        backend: str | None = None):
-    """A drop-in for `jax.jit` that rewrites the program with xkern's kernels before XLA sees it."""
+def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs):
+    """A drop-in for `jax.jit` that rewrites the program with xkern's kernels before XLA sees it.
+
+    Every other keyword (static_argnums / static_argnames, donate_argnums / donate_argnames,
+    keep_unused, in_shardings, ...) is jax.jit's, passed to it unchanged; the result is jax.jit's
+    (`.lower()`, `.trace()` and the rest work as there)."""
     if fun is None:
-        return functools.partial(jit, static_argnums=static_argnums, static_argnames=static_argnames,
-                                 donate_argnums=donate_argnums, backend=backend)
+        return functools.partial(jit, backend=backend, **jit_kwargs)
     _check_args("jit", fun, backend)
-    return jax.jit(optimize(fun, backend=backend), static_argnums=static_argnums,
-                   static_argnames=static_argnames, donate_argnums=donate_argnums)
+    return jax.jit(optimize(fun, backend=backend), **jit_kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
