@@ -69,6 +69,19 @@ def _normalize(h, mask, EPS: tl.constexpr, N_COLS: tl.constexpr, RMS: tl.constex
 
 
 @triton.jit
+def _normalize_halves(h_a, h_b, mask_a, mask_b, EPS: tl.constexpr, N_COLS: tl.constexpr, RMS: tl.constexpr):
+    """_normalize of a row held as two tiles: (h_a - mean), (h_b - mean) and rstd."""
+    if RMS:
+        centered_a, centered_b = h_a, h_b
+    else:
+        mean = (tl.sum(h_a, axis=1) + tl.sum(h_b, axis=1))[:, None] / N_COLS
+        centered_a = tl.where(mask_a, h_a - mean, 0.0)
+        centered_b = tl.where(mask_b, h_b - mean, 0.0)
+    squares = tl.sum(centered_a * centered_a, axis=1) + tl.sum(centered_b * centered_b, axis=1)
+    return centered_a, centered_b, tl.rsqrt(squares[:, None] / N_COLS + EPS)
+
+
+@triton.jit
 def _add2(a0, b0, a1, b1):
     return a0 + a1, b0 + b1
 
@@ -184,14 +197,7 @@ def _fwd(x_ptr, r_ptr, scale_ptr, bias_ptr,  # inputs: x, residual [n_rows, N_CO
         mask_a, mask_b = (rows < n_rows) & (cols_a < N_COLS), (rows < n_rows) & (cols_b < N_COLS)
         h_a = _input_tile(x_ptr, r_ptr, h_ptr, row_base + cols_a, mask_a, HAS_RESIDUAL, MASKED)
         h_b = _input_tile(x_ptr, r_ptr, h_ptr, row_base + cols_b, mask_b, HAS_RESIDUAL, MASKED)
-        if RMS:
-            centered_a, centered_b = h_a, h_b
-        else:
-            mean = (tl.sum(h_a, axis=1) + tl.sum(h_b, axis=1))[:, None] / N_COLS
-            centered_a = tl.where(mask_a, h_a - mean, 0.0)
-            centered_b = tl.where(mask_b, h_b - mean, 0.0)
-        squares = tl.sum(centered_a * centered_a, axis=1) + tl.sum(centered_b * centered_b, axis=1)
-        rstd = tl.rsqrt(squares[:, None] / N_COLS + EPS)
+        centered_a, centered_b, rstd = _normalize_halves(h_a, h_b, mask_a, mask_b, EPS, N_COLS, RMS)
         _output_tile(y_ptr, scale_ptr, bias_ptr, centered_a, rstd, row_base + cols_a, cols_a, mask_a, MASKED,
                      N_COLS, HAS_SCALE, HAS_BIAS)
         _output_tile(y_ptr, scale_ptr, bias_ptr, centered_b, rstd, row_base + cols_b, cols_b, mask_b, MASKED,
