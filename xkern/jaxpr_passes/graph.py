@@ -27,6 +27,19 @@ class Graph:
         self.operand_kinds: dict[int, tuple[str, ...]] = {}  # the pattern matcher's caches
         self.operands_fit: dict[tuple, bool] = {}
 
+    def residual_sum(self, var) -> int | None:
+        """The equation computing `var` as the sum of two arrays of its shape and dtype (a residual
+        connection, which a norm's kernel can take), or None."""
+        if var not in self.producer:
+            return None
+        i = self.producer[var][0]
+        eqn = self.eqns[i]
+        if eqn.primitive.name != "add" or any(
+                isinstance(v, Literal) or (v.aval.shape, v.aval.dtype) != (var.aval.shape, var.aval.dtype)
+                for v in eqn.invars):
+            return None
+        return i
+
     def escapes(self, var, inside: set[int]) -> bool:
         """Whether `var` is read outside the equations `inside` (or is an output of the jaxpr)."""
         return var in self.outvars or any(c not in inside for c in self.consumers.get(var, ()))

@@ -24,7 +24,6 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
 
 from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import norms as kernels
@@ -158,13 +157,7 @@ def _residual_sum(match) -> dict:
     """residual_sum: the normalized input is a sum of two arrays of its shape (a residual connection),
     which the kernel will likely take too (rewrite._fold_residual_adds decides, after this): the
     cost model then counts the four tensors it moves, as it does for a generated kernel there."""
-    h = match.inputs[0]
-    if h not in match.graph.producer:
-        return {}
-    eqn = match.graph.eqns[match.graph.producer[h][0]]
-    same = all(not isinstance(v, Literal) and (v.aval.shape, v.aval.dtype) == (h.aval.shape, h.aval.dtype)
-               for v in eqn.invars)
-    return {"residual_sum": True} if eqn.primitive.name == "add" and same else {}
+    return {"residual_sum": True} if match.graph.residual_sum(match.inputs[0]) is not None else {}
 
 
 def _param_dtypes(x_dtypes):

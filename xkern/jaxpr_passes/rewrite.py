@@ -208,13 +208,8 @@ def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
     where h is next used by the block's second residual add)."""
     for anchor, rewrite in plan.rewrites.items():
         h = rewrite.match.inputs[0]
-        if not rewrite.match.pattern.folds_residual_add or h not in graph.producer:
-            continue
-        add = graph.producer[h][0]
-        eqn = graph.eqns[add]
-        if (eqn.primitive.name != "add" or add in claimed or add not in plan.live
-                or any(isinstance(v, Literal) or (v.aval.shape, v.aval.dtype) != (h.aval.shape, h.aval.dtype)
-                       for v in eqn.invars)):
+        add = graph.residual_sum(h) if rewrite.match.pattern.folds_residual_add else None
+        if add is None or add in claimed or add not in plan.live:
             continue
         if any(c in plan.live and c < anchor and c not in rewrite.match.program_eqns
                for c in graph.consumers.get(h, ())):

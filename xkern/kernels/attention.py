@@ -748,12 +748,13 @@ WS_NOT_CAUSAL = {("dq", 128)}
 # two-loop kernels of the last session): b1 s16384 forward 584 vs 495 TFLOP/s (cuDNN 563),
 # forward+backward 460 vs 374 (cuDNN 536); b4 s4096 422 vs 428 and 373 vs 317 (the diagonal kernels'
 # extra pass, ~0.3 ms each, weighs more at 32 query blocks a row than at 128).
-# The causal diagonal's kernels after the warp-specialized ones: _fwd_diagonal (BLOCK_N, num_warps,
-# num_stages; its BLOCK_M is the forward's), _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps, num_stages)
-# and _dq_diagonal (BLOCK_M, BLOCK_N, num_warps, num_stages: the two-loop dq's d256 heuristic tile).
-# Measured on the H200 (b4 s4096 d128 causal): forward 0.276 ms at (32, 4, 2) against 0.287-0.306 for
-# the others tried; dk/dv 0.390 ms at (64, 64, 4, 2) against 0.42-0.60, and 1.17 at the warp-specialized
-# kernel's own 128 keys with 8 warps.
+# The causal diagonal's kernels after the warp-specialized ones: _fwd_diagonal (BLOCK_M, BLOCK_N,
+# num_warps, num_stages; BLOCK_M at most the forward's), _dkdv_diagonal (BLOCK_N, BLOCK_M, num_warps,
+# num_stages) and _dq_diagonal (BLOCK_M, BLOCK_N, num_warps, num_stages: the two-loop dq's d256
+# heuristic tile). Measured on the H200 (b4 s4096 d128 causal): forward, swept inside its launch
+# sequence (h200-session14-probes.json), 1.192 ms in all at (64, 32, 4, 2) against 1.238 with the
+# forward's 128 queries and 1.19-1.45 for the other 31 tiles; dk/dv 0.390 ms at (64, 64, 4, 2) against
+# 0.42-0.60, and 1.17 at the warp-specialized kernel's own 128 keys with 8 warps.
 DIAGONAL_TILES = {("fwd", "cuda"): (64, 32, 4, 2), ("fwd", "interpret"): (16, 16, 4, 1),
                   ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1),
                   ("dq", "cuda"): (64, 32, 8, 2), ("dq", "interpret"): (16, 16, 4, 1)}
