@@ -7,6 +7,9 @@ import pytest
 # Tests run wherever CI does (a CPU-only machine): kernels go through Triton's interpreter, where
 # every pattern match is rewritten (only the triton backend is costed).
 os.environ.setdefault("XKERN_BACKEND", "interpret")
+# Four CPU devices for the sharded programs of test_sharding.py (programs on one device are as before).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
 # On a GPU (XKERN_BACKEND=triton) tests check values, not speed: the heuristic tiles, no autotuning
 # of every small test problem (tests/test_autotune.py turns it back on for itself).
 if os.environ["XKERN_BACKEND"] == "triton":

@@ -31,7 +31,8 @@ def summarize_source(source_info) -> str:
     return _source_info.summarize(source_info)
 
 
-__all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source"]
+__all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source", "eval_context",
+           "partitioned_lowering", "manual_lowering", "require_devices_when_lowering", "spec_of"]
 
 
 def eval_context():
@@ -39,3 +40,45 @@ def eval_context():
     while the user's program is being traced; without this its timing runs would be staged into it)."""
     from jax._src import core
     return core.eval_context()
+
+
+def partitioned_lowering(ctx) -> bool:
+    """Whether the lowering context `ctx` is a program that XLA partitions over several devices
+    (jit over sharded arrays), not one device's view (shard_map, pmap, a single device)."""
+    from jax._src import sharding_impls
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, sharding_impls.ShardingContext):
+        return axis_context.num_devices > 1
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return set(axis_context.manual_axes) != set(axis_context.mesh.axis_names)
+    return False
+
+
+def manual_lowering(ctx) -> bool:
+    """Whether `ctx` lowers one device's share of a partitioned program (shard_map, or a share that
+    custom_partitioning builds)."""
+    from jax._src import sharding_impls
+    return isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext)
+
+
+def require_devices_when_lowering(primitive) -> None:
+    """jax passes the device assignment to lowering only for primitives that ask (custom_partitioning
+    needs it, and xkern's launches lower through it in sharded programs)."""
+    from jax._src import dispatch
+    dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+def spec_of(sharding, mesh):
+    """The PartitionSpec over `mesh` of an operand's sharding as the partitioner hands it to a
+    custom_partitioning rule, or None where it has none (a sharding on one device, unknown kinds)."""
+    from jax._src import sharding_impls
+    spec = getattr(sharding, "spec", None)
+    if spec is not None:
+        return spec
+    hlo = getattr(sharding, "_hlo_sharding", None)
+    if hlo is None or hlo.is_maximal():
+        return None
+    try:
+        return sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
+    except (AssertionError, ValueError):
+        return None

@@ -96,7 +96,19 @@ COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or", "xor", "eq", "
 def _same_params(a: dict, b: dict) -> bool:
     if a.keys() != b.keys():
         return False
-    return all(_same_param(a[k], b[k]) for k in a)
+    return all(_same_param(a[k], b[k]) or (k in _SHARDING_PARAMS and _unconstrained(a[k]) and
+                                           _unconstrained(b[k])) for k in a)
+
+
+_SHARDING_PARAMS = ("sharding", "out_sharding")
+
+
+def _unconstrained(sharding) -> bool:
+    """A sharding param that asks for nothing: None, or a mesh's sharding that splits no dim (jax
+    writes those on broadcasts and iotas when tracing over arrays sharded across devices; the
+    templates are traced without)."""
+    spec = getattr(sharding, "spec", None)
+    return sharding is None or (spec is not None and all(s is None for s in spec))
 
 
 def _same_param(a, b) -> bool:

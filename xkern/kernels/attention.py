@@ -1055,12 +1055,39 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
 
 
 # The array arguments of the kernels whose arrays differ from _batch's default
-ARGUMENTS = {"attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
+ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len"),
+             "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
              "attention_dq_diagonal": ("q", "k", "v", "do", "lse", "delta", "dq")}
+def _split(params) -> L.Split:
+    """The batch splits across devices: every per-example array (the outputs too) has it as dim 0;
+    a mask or bias shared by the batch, and absent operands' placeholders, are shared. Each device
+    launches the same kernel on its examples: the grid's second axis (batch x heads) shrinks."""
+    consts = dict(params["constexprs"])
+    names = ARGUMENTS.get(params["kernel"], ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta"))
+    roles = []
+    for name in names:
+        flag = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
+        per_batch = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B"}.get(name)
+        shared = (flag and not consts[flag]) or (per_batch and not consts[per_batch])
+        roles.append(L.SHARED if shared else L.ROWS)
+    return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch)
+
+
+def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, aliases, **_):
+    batch, local = out_shapes[0].shape[0], arrays[0].shape[0]
+    args = list(arrays)
+    for i, value in scalars:
+        args.insert(i, value)
+    outs = [jax.ShapeDtypeStruct((local, *s.shape[1:]), s.dtype) for s in out_shapes]
+    return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] // batch * local),
+                    config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases))
+
+
 for _name in ("attention_fwd", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
               "attention_bwd_dq", "attention_dq_diagonal"):
     L.def_batching(_name, _batch)
+    L.def_split(_name, _split)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -211,6 +211,21 @@ L.def_batching("cross_entropy_fwd", _batch_fwd)
 L.def_batching("cross_entropy_bwd", L.batch_rows(_launch_bwd))
 
 
+def _split(params) -> L.Split:
+    """Rows split across devices (the mean's 1 / valid rows is computed outside, over all rows);
+    the [1] dx placeholder of a forward that does not write dx is shared."""
+    in_place = bool(params["aliases"])
+    relaunch = _launch_fwd if params["kernel"].endswith("_fwd") else _launch_bwd
+    fwd = params["kernel"].endswith("_fwd")
+    dx = L.ROWS if not fwd or dict(params["constexprs"])["WRITE_DX"] else L.SHARED
+    return L.Split((L.ROWS,) * (3 if fwd else 4), (L.ROWS, L.ROWS, dx) if fwd else (L.ROWS,),
+                   functools.partial(relaunch, in_place=in_place))
+
+
+L.def_split("cross_entropy_fwd", _split)
+L.def_split("cross_entropy_bwd", _split)
+
+
 # --------------------------------------------------------------------------------------------------
 # Differentiation
 # --------------------------------------------------------------------------------------------------

@@ -63,12 +63,22 @@ class Fused:
         name, source = codegen.generate(group, None, matmul_out=product,
                                         exact_dot=np.dtype(self.input_vars[0].aval.dtype) == np.float32,
                                         eqns_in_order=self.eqns[1:])
-        return dataclasses.replace(self, name=name, source=source, group=group,
-                                   output_kinds=(*self.output_kinds, "full"),
-                                   output_avals=(*self.output_avals, product.aval))
+        return _registered(dataclasses.replace(self, name=name, source=source, group=group,
+                                               output_kinds=(*self.output_kinds, "full"),
+                                               output_avals=(*self.output_avals, product.aval)))
 
 
-_BATCHED: set[str] = set()  # kernel names with the batching rule registered
+_REGISTERED: set[str] = set()  # kernel names with their batching and split rules registered
+
+
+def _registered(fused: "Fused") -> "Fused":
+    """`fused`, its kernel's batching and split rules registered (one per kernel name: the launch's
+    `info` says which group)."""
+    if fused.name not in _REGISTERED:
+        _REGISTERED.add(fused.name)
+        L.def_batching(fused.name, _batch)
+        L.def_split(fused.name, _split)
+    return fused
 
 
 def build(group: Group, eqns, dot: int | None = None) -> Fused:
@@ -86,10 +96,7 @@ def build(group: Group, eqns, dot: int | None = None) -> Fused:
     fused = Fused(name, source, group, tuple(computed), tuple(v for v, _ in inputs),
                   tuple(kind for _, kind in inputs), tuple(kind for _, kind in group.outputs),
                   tuple(v.aval for v, _ in group.outputs), k)
-    if name not in _BATCHED:  # one rule per kernel name; the launch's `info` says which group
-        _BATCHED.add(name)
-        L.def_batching(name, _batch)
-    return fused
+    return _registered(fused)
 
 
 def default_config(n_rows: int, n_cols: int, backend: str, fused: Fused | None = None) -> L.Config:
@@ -269,6 +276,19 @@ def _batch(args, dims, *, info, backend, config, **params):
                 for o, k in zip(fused.reference(*shaped), fused.output_kinds)]
     outs = jax.vmap(on_views, in_axes=list(arr_dims))(*arrays)
     return outs, [0] * len(outs)
+
+
+def _split(params) -> L.Split:
+    """Rows split across devices: full, row and matmul-operand (a) inputs and every output have
+    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared."""
+    fused: Any = params["info"]
+    roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
+
+    def relaunch(*views, backend, config, aliases, **_):
+        return _launch_views(views, views[roles.index(L.ROWS)].shape[0], fused, backend, config,
+                             dict(aliases) or None)
+    return L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch,
+                   fits=lambda parts: L.ROWS in roles)
 
 
 

@@ -240,8 +240,23 @@ def _batch(args, dims, *, kernel, constexprs, backend, config, **params):
                                   config=config, **params)
 
 
+def _split(params) -> L.Split:
+    """Rows split across devices; the split form's [1] up / dup placeholders are shared."""
+    consts, kernel = dict(params["constexprs"]), params["kernel"]
+    split, fwd = consts["SPLIT"], kernel.endswith("_fwd")
+    up = L.SHARED if split else L.ROWS
+    kw = {"op": kernel.rsplit("_", 1)[0], "activation": consts["ACT"], "backend": params["backend"],
+          "config": params["config"]}
+    if fwd:
+        return L.Split((L.ROWS, up), (L.ROWS,),
+                       lambda gate, up2, **_: _launch_fwd(gate, None if split else up2, **kw))
+    return L.Split((L.ROWS, up, L.ROWS), (L.ROWS, up),
+                   lambda gate, up2, dout, **_: _launch_bwd(gate, None if split else up2, dout, **kw))
+
+
 for _name in ("swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd"):
     L.def_batching(_name, _batch)
+    L.def_split(_name, _split)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -168,6 +168,7 @@ def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], g
 
 
 xkern_kernel_p.def_impl(functools.partial(_compat.apply_primitive, xkern_kernel_p))
+_compat.require_devices_when_lowering(xkern_kernel_p)  # sharded programs partition launches
 
 
 def _abstract_eval(*avals, out_shapes, **_):
@@ -290,6 +291,13 @@ def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constex
 
 
 def _lower(ctx, *arrays, platform, **params):
+    rule = _SPLIT_RULES.get(params["kernel"])
+    if rule is not None and _compat.partitioned_lowering(ctx):
+        from xkern.kernels import partition  # each device launches on its own share (partition.py)
+        return partition.lower(ctx, arrays, params, rule)
+    if params["backend"] == "interpret" and platform == "cpu" and _compat.manual_lowering(ctx):
+        from xkern.kernels import partition  # a host callback cannot run in a device's share
+        return partition.lower_interpreted(ctx, arrays, params)
     if params["backend"] == "interpret":
         return mlir.lower_fun(functools.partial(_interpret_call, **params), multiple_results=True)(
             ctx, *arrays)
@@ -472,6 +480,46 @@ def batch_rows(relaunch):
         outs = relaunch(*folded, **params)
         return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
     return rule
+
+
+# --------------------------------------------------------------------------------------------------
+# Partitioning: each op family says how its kernels split in a sharded program (partition.py)
+# --------------------------------------------------------------------------------------------------
+
+ROWS = "rows"  # dim 0 is the split dim: each device holds (operand) or writes (output) its share
+SUMMED = "summed"  # an output of partial sums along dim 0, read only through their total
+SHARED = None  # the same on every device: a shared operand (a norm's scale), a placeholder output
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """How one launch splits along dim 0: a role (ROWS, SUMMED or SHARED) per array operand and per
+    output, and `relaunch(*arrays, **params)`, which launches the same kernel on one device's share
+    of the split operands (the shared ones whole) and returns that share of every output (SUMMED
+    outputs: any number of rows whose total is the device's part of the sum). `fits(parts)`: whether
+    the launch splits into that many equal shares (beyond dim 0 dividing evenly, which is checked)."""
+    args: tuple
+    outs: tuple
+    relaunch: Any
+    fits: Any = None
+
+
+_SPLIT_RULES: dict[str, Any] = {}
+
+
+def def_split(kernel: str, rule) -> None:
+    """Register `rule(params) -> Split` for the kernel named `kernel`."""
+    if kernel in _SPLIT_RULES and _SPLIT_RULES[kernel] is not rule:
+        raise ValueError(f"kernel {kernel!r} already has a split rule")
+    _SPLIT_RULES[kernel] = rule
+
+
+def split_rows(relaunch, n_args: int, n_outs: int, shared_args=(), shared_outs=()):
+    """A split rule for row kernels whose operands and outputs all have rows as dim 0, except the
+    operands and outputs at the indices given (shared)."""
+    split = Split(tuple(SHARED if i in shared_args else ROWS for i in range(n_args)),
+                  tuple(SHARED if i in shared_outs else ROWS for i in range(n_outs)), relaunch)
+    return lambda params: split
 
 
 # --------------------------------------------------------------------------------------------------

@@ -385,8 +385,30 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
             dbias.reshape(size, -1, n_cols)], [0] * 3
 
 
+def _split(params) -> L.Split:
+    """Rows split across devices; scale and bias are shared, and the backward's scale/bias partial
+    sums are SUMMED (jnp.sum reads them). A backward in segments (one per vmapped example) runs
+    whole: its partials are summed per segment."""
+    flags, fwd = dict(params["constexprs"]), params["kernel"].endswith("_fwd")
+    residual = L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED
+    opt = lambda a, flag: a if flags[flag] else None
+    if fwd:
+        def relaunch(x, r, scale, bias, **_):
+            return _launch_fwd(x, opt(r, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), opt(bias, "HAS_BIAS"),
+                               flags["EPS"], rms=flags["RMS"], backend=params["backend"],
+                               config=params["config"], out_dtype=params["out_shapes"][0].dtype)
+        return L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch)
+
+    def relaunch(h, dy, dh_out, scale, **_):
+        return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
+                           rms=flags["RMS"], backend=params["backend"], config=params["config"])
+    return L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
+                   fits=lambda parts: params["grid"][1] == 1)
+
+
 for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
     L.def_batching(_name, _batch)
+    L.def_split(_name, _split)
 
 
 # --------------------------------------------------------------------------------------------------

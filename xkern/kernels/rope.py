@@ -187,8 +187,29 @@ def _batch(args, dims, *, constexprs, scalars, out_shapes, backend, config, **_)
     return [y.reshape(x.shape)], [0]
 
 
+def _split(params) -> L.Split:
+    """Rows split across devices in whole sequences: one shared table when every row uses it (each
+    device's rows then start at position 0), else whole tables along with their rows."""
+    n_rows, seq, rows_per_table = (v for _, v in sorted(params["scalars"]))
+    one_table = rows_per_table == n_rows
+    flags = dict(params["constexprs"])
+
+    def relaunch(x, cos, sin, **_):
+        return [_launch(x, cos, sin, seq, x.shape[0] if one_table else rows_per_table,
+                        backward=flags["BACKWARD"], interleaved=flags["INTERLEAVED"],
+                        out_dtype=params["out_shapes"][0].dtype, backend=params["backend"],
+                        config=params["config"])]
+
+    if one_table:
+        return L.Split((L.ROWS, L.SHARED, L.SHARED), (L.ROWS,), relaunch,
+                       fits=lambda parts: (n_rows // parts) % seq == 0)
+    return L.Split((L.ROWS, L.ROWS, L.ROWS), (L.ROWS,), relaunch,
+                   fits=lambda parts: (n_rows // rows_per_table) % parts == 0)
+
+
 for _name in ("rope_fwd", "rope_bwd"):
     L.def_batching(_name, _batch)
+    L.def_split(_name, _split)
 
 
 # --------------------------------------------------------------------------------------------------

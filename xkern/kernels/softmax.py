@@ -228,6 +228,8 @@ def _launch_bwd(saved2, dy2, *, backend, config, constexprs, out_shapes, **_):
 for _prefix in ("softmax", "log_softmax"):
     L.def_batching(f"{_prefix}_fwd", L.batch_rows(_launch_fwd))
     L.def_batching(f"{_prefix}_bwd", L.batch_rows(_launch_bwd))
+    L.def_split(f"{_prefix}_fwd", L.split_rows(_launch_fwd, 1, 1))
+    L.def_split(f"{_prefix}_bwd", L.split_rows(_launch_bwd, 2, 1))
 
 
 # --------------------------------------------------------------------------------------------------

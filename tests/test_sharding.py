@@ -1,0 +1,151 @@
+"""Programs over several devices (conftest gives the CPU four): each launch splits along the batch as
+the arrays are sharded (kernels/partition.py), so xkern keeps jax.jit's shardings and collectives.
+
+The interpreter's launches run on the host while XLA's CPU client waits on them: each test takes
+every result before the next call (executions with collectives queued behind host-side kernels can
+stall XLA's CPU client on a two-core machine)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import xkern
+from xkern.jaxpr_passes import rope_rules
+from xkern.kernels import launch as L
+from xkern.kernels import partition
+from xkern.kernels.launch import kernel_names
+
+pytestmark = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs four devices (conftest's XLA_FLAGS)")
+COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return Mesh(np.array(jax.devices()[:4]), ("data",))
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _layer_norm(x, s, b):
+    m = x.mean(-1, keepdims=True)
+    v = ((x - m) ** 2).mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(v + 1e-5) * s + b
+
+
+def _rms_of_sum(x, r, s):
+    h = x + r
+    return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * s + h
+
+
+def _rope(x):
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * 0.1 ** jnp.arange(x.shape[-1] // 2)
+    angles = jnp.concatenate([angles, angles], -1)[:, None]
+    return rope_rules.rotate_half_form(x, jnp.cos(angles), jnp.sin(angles))
+
+
+def _cases(rng):
+    """(name, function, arguments, which are sharded on dim 0, kernels it must launch)."""
+    x, r = _normal(rng, (8, 6, 32)), _normal(rng, (8, 6, 32))
+    scale, bias = _normal(rng, (32,)), _normal(rng, (32,))
+    logits = _normal(rng, (16, 37), jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, 37, 16), jnp.int32)
+    q, k = _normal(rng, (4, 16, 4, 16), jnp.bfloat16), _normal(rng, (4, 16, 2, 16), jnp.bfloat16)
+    v = _normal(rng, (4, 16, 2, 16), jnp.bfloat16)
+    return [
+        ("layer_norm", _layer_norm, (x, scale, bias), (True, False, False), {"layer_norm_fwd", "layer_norm_bwd"}),
+        ("rms_norm of a sum", _rms_of_sum, (x, r, scale), (True, True, False), {"rms_norm_fwd", "rms_norm_bwd"}),
+        ("softmax", lambda x: jax.nn.softmax(x, -1), (x,), (True,), {"softmax_fwd", "softmax_bwd"}),
+        # per row: the mean over rows would be a generated kernel reducing across devices, which
+        # gathers its (row-count) input
+        ("cross_entropy", lambda lg, lb: optax.softmax_cross_entropy_with_integer_labels(lg, lb),
+         (logits, labels), (True, True), {"cross_entropy_fwd", "cross_entropy_bwd"}),
+        ("swiglu", lambda a, b: jax.nn.silu(a) * b, (x, r), (True, True), {"swiglu_fwd", "swiglu_bwd"}),
+        ("rope", _rope, (q,), (True,), {"rope_fwd", "rope_bwd"}),
+        ("attention, causal GQA", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+         (q, k, v), (True, True, True), {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
+        ("generated", lambda x: jnp.tanh(x * 1.5 + 0.5) * x, (x,), (True,), set()),
+    ]
+
+
+def _value_and_grads(f):
+    """The value and the gradient of every argument that is a float, in float32."""
+    def run(*args):
+        floats = tuple(i for i, a in enumerate(args) if jnp.issubdtype(a.dtype, jnp.floating))
+        loss = lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))
+        return f(*args), jax.grad(loss, argnums=floats)(*args)
+    return run
+
+
+@pytest.mark.parametrize("case", range(8), ids=[c[0] for c in _cases(np.random.default_rng(0))])
+def test_each_op_splits_along_the_batch_as_jax_jit_does(case, mesh):
+    name, f, args, split, kernels = _cases(np.random.default_rng(case))[case]
+    sharded = [jax.device_put(a, NamedSharding(mesh, P("data") if s else P())) for a, s in zip(args, split)]
+    ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+    launched = set(kernel_names(jax.make_jaxpr(ours)(*sharded)))
+    assert kernels <= launched and launched, (name, launched)
+    got, want = jax.block_until_ready(ours(*sharded)), jax.block_until_ready(theirs(*sharded))
+    one_device = jax.block_until_ready(ours(*args))  # the same kernels on the whole arrays
+    tol = 3e-2 if any(a.dtype == jnp.bfloat16 for a in args) else 2e-5
+    for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(one_device)):
+        assert g.sharding.spec == w.sharding.spec, name  # outputs keep jax.jit's shardings
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(o, np.float32), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+    hlo, xla_hlo = (fn.lower(*sharded).compile().as_text() for fn in (ours, theirs))
+    # each device launches on its own rows: no gathering beyond what jax.jit's own program does
+    assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], name
+
+
+def test_an_unsplittable_launch_runs_whole_on_every_device(mesh):
+    """Rows sharded on a dim the kernel reduces over: gathered, then the kernel runs on all of them."""
+    x = jax.device_put(_normal(np.random.default_rng(1), (4, 64)), NamedSharding(mesh, P(None, "data")))
+    got = jax.block_until_ready(jax.jit(xkern.optimize(lambda x: jax.nn.softmax(x, -1)))(x))
+    np.testing.assert_allclose(got, jax.nn.softmax(np.asarray(x), -1), rtol=1e-6, atol=1e-7)
+
+
+def test_the_split_decision(mesh):
+    """Split only when the first sharded row operand's axes divide every split dim and the family's
+    own condition (`fits`) holds; shared operands and SUMMED outputs are not counted."""
+    spec = lambda *s: jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P(*s)))
+    out = [jax.ShapeDtypeStruct((8, 4), jnp.float32), jax.ShapeDtypeStruct((3, 4), jnp.float32)]
+    split = L.Split((L.ROWS, L.SHARED), (L.ROWS, L.SUMMED), relaunch=None)
+    assert partition._split_axes(mesh, split, [spec("data"), spec()], out) == ("data",)
+    assert partition._split_axes(mesh, split, [spec(), spec("data")], out) == ()  # shared: not split
+    assert partition._split_axes(mesh, split, [spec(None, "data"), spec()], out) == ()
+    odd = [jax.ShapeDtypeStruct((6, 4), jnp.float32, sharding=NamedSharding(mesh, P("data")))]
+    assert partition._split_axes(mesh, L.Split((L.ROWS,), (L.ROWS,), None), odd, odd) == ()
+    never = L.Split((L.ROWS, L.SHARED), (L.ROWS, L.SUMMED), None, fits=lambda parts: False)
+    assert partition._split_axes(mesh, never, [spec("data"), spec()], out) == ()
+
+
+def test_rope_splits_in_whole_sequences(mesh):
+    """Rows of one shared table split only where each device's rows start a sequence."""
+    rule = L._SPLIT_RULES["rope_fwd"]
+    params = lambda n_rows, seq, per_table: {"scalars": ((3, n_rows), (4, seq), (5, per_table)),
+                                             "constexprs": (), "out_shapes": (), "backend": "interpret",
+                                             "config": None}
+    assert rule(params(32, 8, 32)).fits(4) and not rule(params(32, 16, 32)).fits(4)
+    assert rule(params(32, 4, 8)).fits(4) and not rule(params(32, 4, 16)).fits(4)  # per-example tables
+
+
+@pytest.mark.xfail(strict=True, reason="inside shard_map jax marks literals with pvary: the softmax "
+                   "pattern misses the max and the generated kernel that takes it fails (not yet handled)")
+def test_inside_shard_map_each_device_launches_on_its_shard(mesh):
+    x = jax.device_put(_normal(np.random.default_rng(2), (8, 32)), NamedSharding(mesh, P("data")))
+    f = jax.jit(jax.shard_map(xkern.optimize(lambda x: jax.nn.softmax(x, -1)), mesh=mesh,
+                              in_specs=P("data"), out_specs=P("data")))
+    assert "softmax_fwd" in kernel_names(jax.make_jaxpr(f)(x))
+    np.testing.assert_allclose(jax.block_until_ready(f(x)), jax.nn.softmax(np.asarray(x), -1),
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_patterns_match_over_sharded_arguments(mesh):
+    """jax writes mesh shardings on broadcasts traced over sharded arrays; a sharding that splits
+    nothing does not stop a pattern from matching."""
+    logits = jax.device_put(_normal(np.random.default_rng(3), (8, 37), jnp.bfloat16), NamedSharding(mesh, P("data")))
+    labels = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("data")))
+    report = xkern.explain(lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean())(logits, labels)
+    assert [m.pattern for m in report.matches if m.op == "cross_entropy"] == ["cross_entropy/optax_integer_labels"]

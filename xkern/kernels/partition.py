@@ -1,0 +1,200 @@
+"""Kernels in sharded programs: each launch splits along its arrays' leading dim, as they are sharded.
+
+A custom call is opaque to XLA's partitioner (Shardy or GSPMD): left alone, each launch in a program
+over several devices would gather its operands onto every device and compute the whole array there,
+and hand back a replicated result. So each op family says how its kernels split
+(`launch.def_split`): which operands and outputs have the split dim as dim 0 (the rows of a row
+kernel, the batch of attention), which are the same on every device (a norm's scale), and how to
+launch the kernel again on one device's share. A launch in a program over several devices is
+lowered through jax's custom_partitioning with that rule: the leading dim keeps the sharding it
+has (data parallelism: the batch), every other dim is gathered, and each device launches the kernel
+on its own rows. A launch that cannot split (no rule, the split dim not sharded, or not divisible
+by the device count) runs whole on every device, as before.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from xkern import _compat
+from xkern.kernels import launch as L
+
+
+def splits(ctx) -> bool:
+    """Whether a launch lowered in `ctx` is in a program that XLA will partition over several devices
+    (not inside shard_map, where each device already sees its own shard)."""
+    return _compat.partitioned_lowering(ctx)
+
+
+def lower(ctx, arrays, params, rule):
+    """Lower one launch through custom_partitioning with its family's split rule."""
+    def whole(*arrays):  # custom_partitioning reads the signature: no keywords
+        return _whole(*arrays, params=params)
+
+    call = custom_partitioning(whole)
+    call.def_partition(
+        partition=functools.partial(_partition, params=params, rule=rule),
+        infer_sharding_from_operands=functools.partial(_infer, params=params, rule=rule),
+        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+        sharding_rule=_sharding_rule(params, ctx.avals_in, rule),
+        decode_shardings=False)  # read by _split_axes, which also takes what jax cannot decode
+    return mlir.lower_fun(lambda *a: call(*a), multiple_results=True)(ctx, *arrays)
+
+
+def _whole(*arrays, params):
+    """The launch as written: what custom_partitioning traces for shapes, and runs on one device."""
+    return L.xkern_kernel_p.bind(*arrays, **params)
+
+
+def _sharding_rule(params, in_avals, rule) -> SdyShardingRule:
+    """For Shardy: dim 0 of every split operand and output is one factor ("rows"); every other dim
+    is a factor of its own that must be replicated (rows are whole in each kernel)."""
+    split = rule(params)
+    own = []
+
+    def mapping(kind, n, roles, shapes):
+        out = []
+        for i, (role, shape) in enumerate(zip(roles, shapes)):
+            dims = []
+            for d in range(len(shape)):
+                if d == 0 and role == L.ROWS:
+                    dims.append("rows")
+                else:
+                    own.append(f"{kind}{i}d{d}")
+                    dims.append(own[-1])
+            out.append(tuple(dims))
+        return tuple(out)
+
+    operands = mapping("in", len(in_avals), split.args, [a.shape for a in in_avals])
+    results = mapping("out", len(params["out_shapes"]), split.outs,
+                      [s.shape for s in params["out_shapes"]])
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(own))
+
+
+def _split_axes(mesh, split, arg_shapes, out_shapes) -> tuple:
+    """The mesh axes dim 0 is split over: those of the first split operand that is sharded there, if
+    every split dim divides evenly; () for a launch that runs whole."""
+    if mesh.empty:
+        return ()
+    axes = ()
+    for role, arg in zip(split.args, arg_shapes):
+        spec = _compat.spec_of(arg.sharding, mesh) if role == L.ROWS else None
+        if spec and spec[0] is not None:
+            axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+            break
+    parts = math.prod(mesh.shape[a] for a in axes)
+    dims = [a.shape[0] for role, a in zip(split.args, arg_shapes) if role == L.ROWS]
+    dims += [s.shape[0] for role, s in zip(split.outs, out_shapes) if role == L.ROWS]
+    if parts <= 1 or any(d % parts for d in dims) or (split.fits and not split.fits(parts)):
+        return ()
+    return axes
+
+
+def _sharding(mesh, axes, role):
+    split = role == L.ROWS and axes  # SUMMED outputs come back whole (_summed)
+    return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]) if split
+                         else PartitionSpec())
+
+
+def _partition(mesh, arg_shapes, result_shape, *, params, rule):
+    split = rule(params)
+    out_shapes = params["out_shapes"]
+    axes = _split_axes(mesh, split, arg_shapes, out_shapes)
+
+    def lower_fn(*local):
+        if not axes:
+            return _whole(*local, params=params)
+        outs = split.relaunch(*local, **params)
+        return [_summed(o, s.shape[0], axes) if role == L.SUMMED else o
+                for o, s, role in zip(outs, out_shapes, split.outs)]
+
+    arg_shardings = tuple(_sharding(mesh, axes, role) for role in split.args)
+    out_shardings = [_sharding(mesh, axes, role) for role in split.outs]
+    return mesh, lower_fn, out_shardings, arg_shardings
+
+
+def _infer(mesh, arg_shapes, result_shape, *, params, rule):
+    """GSPMD's propagation (Shardy uses the sharding rule instead): outputs split as the operands."""
+    split = rule(params)
+    axes = _split_axes(mesh, split, arg_shapes, params["out_shapes"])
+    return [_sharding(mesh, axes, role) for role in split.outs]
+
+
+def _summed(partials, rows: int, axes):
+    """Partial sums (only their total is read) as the whole launch's `rows` rows, the same on every
+    device: the devices' totals summed across them in the first row, zeros after. One all-reduce of
+    a row, where leaving the partials split would make XLA gather them all for the sum that reads
+    them (Shardy cannot tell that their rows split as the operands' do)."""
+    total = jax.lax.psum(jnp.sum(partials, 0, keepdims=True), axes)
+    return jnp.concatenate([total, jnp.zeros((rows - 1, *partials.shape[1:]), partials.dtype)])
+
+
+# --------------------------------------------------------------------------------------------------
+# The interpreter inside a partitioned program (CPU)
+# --------------------------------------------------------------------------------------------------
+# A host callback (jax.pure_callback) is registered with the module being lowered, and the module of
+# one device's share that custom_partitioning builds is not the program's: its callbacks never
+# reach the executable. So there, on CPU, the interpreter runs as a custom call of its own: a C
+# function (ctypes) that finds its launch by key and reads and writes XLA's buffers in place. It
+# cannot report an error to XLA: a kernel that raises prints its traceback and leaves NaN outputs.
+
+_LAUNCHES: dict[str, dict] = {}
+_LAUNCHES_LOCK = threading.Lock()
+_TARGET = "xkern_interpret_cpu"
+_SIGNATURE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                              ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p)
+
+
+def _host_array(pointer, aval) -> np.ndarray:
+    nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    if nbytes == 0:
+        return np.zeros(aval.shape, aval.dtype)
+    buffer = (ctypes.c_char * nbytes).from_address(pointer)
+    return np.frombuffer(buffer, np.dtype(aval.dtype)).reshape(aval.shape)
+
+
+def _run_custom_call(out, ins, opaque, opaque_len, status):
+    params = _LAUNCHES[ctypes.string_at(opaque, opaque_len).decode()]
+    in_avals, out_shapes = params["in_avals"], params["launch"]["out_shapes"]
+    arrays = [_host_array(ins[i], a).copy() for i, a in enumerate(in_avals)]
+    pointers = [out] if len(out_shapes) == 1 else [ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[i]
+                                                   for i in range(len(out_shapes))]
+    results = [_host_array(p, s) for p, s in zip(pointers, out_shapes)]
+    try:
+        values = L._run_interpreted(*arrays, **params["launch"])
+    except Exception:  # noqa: BLE001 (nothing can be raised through XLA from here: see above)
+        import traceback
+        traceback.print_exc()
+        values = [np.full(s.shape, np.nan, s.dtype) if np.issubdtype(s.dtype, np.floating)
+                  else np.zeros(s.shape, s.dtype) for s in out_shapes]
+    for result, value in zip(results, values):
+        result[...] = value
+
+
+@functools.cache
+def _register_target() -> None:
+    function = _SIGNATURE(_run_custom_call)
+    _register_target.keep = function  # the C pointer lives as long as the Python object
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype, new_capsule.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_char_p,
+                                                                   ctypes.c_void_p)
+    capsule = new_capsule(ctypes.cast(function, ctypes.c_void_p).value, b"xla._CUSTOM_CALL_TARGET", None)
+    jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu", api_version=0)
+
+
+def lower_interpreted(ctx, arrays, params):
+    """One launch through the interpreter as a CPU custom call (see above)."""
+    _register_target()
+    with _LAUNCHES_LOCK:
+        key = f"{params['kernel']}:{len(_LAUNCHES)}"
+        _LAUNCHES[key] = {"in_avals": list(ctx.avals_in), "launch": params}
+    return jax.ffi.ffi_lowering(_TARGET, api_version=3, backend_config=key)(ctx, *arrays)
