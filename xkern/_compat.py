@@ -3,6 +3,7 @@
 jax's public API covers most of what xkern needs; what it lacks is imported here, so that a jax
 upgrade that moves something breaks this file alone.
 """
+import jax
 from jax._src import source_info_util as _source_info
 from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
 
@@ -31,7 +32,37 @@ def summarize_source(source_info) -> str:
     return _source_info.summarize(source_info)
 
 
+def varying_axes(aval) -> frozenset:
+    """The mesh axes over which a value inside shard_map varies (its 'vma'); empty outside."""
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def shaped_array_like(shape, dtype, avals):
+    """A ShapedArray of `shape` and `dtype` that varies over every mesh axis one of `avals` varies
+    over (shard_map's type of a value computed on each device from those), on their mesh."""
+    from jax._src import core
+    varying = frozenset().union(*map(varying_axes, avals))
+    if not varying:
+        return core.ShapedArray(shape, dtype)
+    mesh = next(a.sharding.mesh for a in avals if varying_axes(a))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if hasattr(core, "ManualAxisType"):
+        return core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=core.ManualAxisType(varying=varying))
+    return core.ShapedArray(shape, dtype, sharding=sharding, vma=varying)
+
+
+def vary(x, axes: tuple):
+    """x typed as varying over the mesh axes `axes` too (inside shard_map)."""
+    if not axes:
+        return x
+    if hasattr(jax.lax, "pcast"):
+        return jax.lax.pcast(x, axes, to="varying")
+    return jax.lax.pvary(x, axes)
+
+
 __all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source", "eval_context",
+           "varying_axes", "shaped_array_like", "vary",
            "partitioned_lowering", "manual_lowering", "require_devices_when_lowering", "spec_of"]
 
 

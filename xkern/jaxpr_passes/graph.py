@@ -77,10 +77,34 @@ def constant_value(graph: Graph, var, max_elements: int):
     try:
         with jax.ensure_compile_time_eval():  # concrete values even while the caller traces
             for eqn in (graph.eqns[i] for i in order):
-                env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars])))
+                values = [read(v) for v in eqn.invars]
+                env.update(zip(eqn.outvars, values if eqn.primitive.name in MARKS else bind_equation(eqn, values)))
             return jax.numpy.asarray(read(var))
     except Exception:  # noqa: BLE001 - an equation that cannot run eagerly here: the value is unknown
         return None
+
+
+MARKS = frozenset({"pvary"})  # equations that only retype a value (inside shard_map), never change it
+
+
+def unmarked(graph: Graph, atom) -> tuple:
+    """(the value `atom` is a retyping of, the marking equations passed): inside shard_map jax
+    writes `pvary` where a replicated value (a literal, a constant mask) meets a per-device one,
+    so `max(-inf, m)` is traced as `max(pvary(-inf), m)`. Patterns match through such marks."""
+    marks = []
+    while not isinstance(atom, Literal) and atom in graph.producer:
+        i = graph.producer[atom][0]
+        if graph.eqns[i].primitive.name not in MARKS:
+            break
+        marks.append(i)
+        atom = graph.eqns[i].invars[0]
+    return atom, marks
+
+
+def as_literal(graph: Graph, atom):
+    """`atom` if it is a literal, or the literal it marks as varying across devices; else None."""
+    atom, _ = unmarked(graph, atom)
+    return atom if isinstance(atom, Literal) else None
 
 
 def literal_value(atom):

@@ -28,7 +28,7 @@ import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
-from xkern.jaxpr_passes.graph import Graph, same_literal
+from xkern.jaxpr_passes.graph import Graph, as_literal, same_literal, unmarked
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -70,6 +70,7 @@ class Match:
     eqns: dict[int, int]  # template equation index -> program equation index
     inputs: list  # program vars bound to the pattern's inputs, in order
     template: Jaxpr
+    marks: frozenset = frozenset()  # pvary equations between matched ones (inside shard_map)
 
     def eqn(self, primitive: str, nth: int = 0):
         """The program equation matched to the template's nth `primitive` equation."""
@@ -82,7 +83,7 @@ class Match:
 
     @property
     def program_eqns(self) -> set[int]:
-        return set(self.eqns.values())
+        return set(self.eqns.values()) | self.marks
 
 
 # --------------------------------------------------------------------------------------------------
@@ -145,10 +146,11 @@ def _operand_kinds(graph: Graph, eqn: int) -> tuple[str, ...]:
     anchored at a primitive asks at each of its equations."""
     kinds = graph.operand_kinds.get(eqn)
     if kinds is None:
-        kinds = graph.operand_kinds[eqn] = tuple(
-            "literal" if isinstance(v, Literal) else
-            graph.eqns[graph.producer[v][0]].primitive.name if v in graph.producer else "input"
-            for v in graph.eqns[eqn].invars)
+        def kind(v):
+            v = unmarked(graph, v)[0]
+            return ("literal" if isinstance(v, Literal) else
+                    graph.eqns[graph.producer[v][0]].primitive.name if v in graph.producer else "input")
+        kinds = graph.operand_kinds[eqn] = tuple(kind(v) for v in graph.eqns[eqn].invars)
     return kinds
 
 
@@ -179,8 +181,12 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
     t_inputs = list(template.invars)
     binding: dict = {}
     eqn_map: dict[int, int] = {}
+    marks: set[int] = set()  # the program's pvary equations matched through (see graph.unmarked)
 
     def match(tv, pv) -> bool:
+        if tv not in t_inputs:  # a template input binds the program's value as it is
+            pv, passed = unmarked(graph, pv)
+            marks.update(passed)
         if isinstance(tv, Literal):
             # Structurally any scalar literal will do: literals are often sizes (a mean divides by
             # the row length; take_along_axis wraps negative indices by adding it) or params (a
@@ -215,12 +221,12 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
             return all(match(a, b) for a, b in zip(te.invars, pe.invars))
         # `scale * x` is `x * scale`: try the program's operands in both orders (undoing the
         # bindings of a failed first try; the choice is local, which suffices for small patterns).
-        saved = dict(binding), dict(eqn_map)
+        saved = dict(binding), dict(eqn_map), set(marks)
         for operands in (pe.invars, pe.invars[::-1]):
             if all(match(a, b) for a, b in zip(te.invars, operands)):
                 return True
-            binding.clear(), eqn_map.clear()
-            binding.update(saved[0]), eqn_map.update(saved[1])
+            binding.clear(), eqn_map.clear(), marks.clear()
+            binding.update(saved[0]), eqn_map.update(saved[1]), marks.update(saved[2])
         return False
 
     p_out = graph.eqns[anchor].outvars
@@ -228,7 +234,7 @@ def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | N
         return None
     if len(eqn_map) != len(t_graph.eqns) or any(v not in binding for v in t_inputs):
         return None
-    return Match(None, graph, anchor, eqn_map, [binding[v] for v in t_inputs], template)
+    return Match(None, graph, anchor, eqn_map, [binding[v] for v in t_inputs], template, frozenset(marks))
 
 
 def literal_at(match: Match, example_value: float) -> float:
@@ -240,7 +246,7 @@ def literal_at(match: Match, example_value: float) -> float:
             value = getattr(v, "val", None)
             if value is not None and np.ndim(value) == 0 and np.isclose(float(value), example_value,
                                                                         rtol=1e-2):
-                return float(match.graph.eqns[match.eqns[ti]].invars[i].val)
+                return float(as_literal(match.graph, match.graph.eqns[match.eqns[ti]].invars[i]).val)
     raise ValueError(f"no literal like {example_value} in the matched program")
 
 

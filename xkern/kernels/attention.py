@@ -1094,6 +1094,7 @@ for _name in ("attention_fwd", "attention_fwd_diagonal", "attention_bwd_dkdv", "
 # Differentiation: residuals are o and lse (per query row), never the probabilities
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q, k, v, mask, bias, kv_len, st: Static):
     return _attention_fwd(q, k, v, mask, bias, kv_len, st)[0]

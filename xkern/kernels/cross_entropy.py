@@ -253,6 +253,7 @@ def _reduce(loss, labels, ignore_index, reduction):
     return total if reduction == "sum" else total / jnp.maximum(jnp.sum(valid), 1)
 
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config):
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)

@@ -227,6 +227,7 @@ def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = Non
     it, or else XLA's vjp), then the two gradient matmuls (no matmul is recomputed).
     aliases {input: output}: outputs written over inputs that die here (the memory plan's), when
     not differentiated (the backward pass would keep those inputs)."""
+    @L.varying_alike
     @jax.custom_vjp
     def fused_op(*inputs):
         return run(fused, inputs, backend, aliases)

@@ -263,6 +263,7 @@ for _name in ("swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd"):
 # Differentiation: the residuals are the inputs; the backward recomputes the activation
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _glu_rows(gate2, up2, op, activation, backend, config):
     return _launch_fwd(gate2, up2, op=op, activation=activation, backend=backend, config=config)[0]

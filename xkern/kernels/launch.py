@@ -24,7 +24,6 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -172,7 +171,9 @@ _compat.require_devices_when_lowering(xkern_kernel_p)  # sharded programs partit
 
 
 def _abstract_eval(*avals, out_shapes, **_):
-    return [ShapedArray(s.shape, s.dtype) for s in out_shapes]
+    """Inside shard_map a launch works on each device's own values: its outputs vary over every
+    mesh axis an input varies over."""
+    return [_compat.shaped_array_like(s.shape, s.dtype, avals) for s in out_shapes]
 
 
 xkern_kernel_p.def_abstract_eval(_abstract_eval)
@@ -443,6 +444,25 @@ def _interpret_call(*arrays, **params):
 # --------------------------------------------------------------------------------------------------
 # Batching: each op family registers a rule for its kernels
 # --------------------------------------------------------------------------------------------------
+
+def varying_alike(op):
+    """`op` (a custom_vjp function) with its array arguments made to vary alike inside shard_map:
+    each over every mesh axis one of them varies over (jax's pvary; its transpose sums a replicated
+    argument's gradient over the devices, as jax does where such an argument meets a per-device one).
+    Without it the backward kernels' cotangents, computed from per-device values, would not have
+    their replicated primals' type. Outside shard_map nothing changes."""
+    @functools.wraps(op)
+    def alike(*args):
+        arrays = [a for a in args if isinstance(a, (jax.Array, jax.core.Tracer))]
+        varying = frozenset().union(*(_compat.varying_axes(jax.typeof(a)) for a in arrays))
+        if varying:
+            args = [_compat.vary(a, tuple(sorted(varying - _compat.varying_axes(jax.typeof(a)))))
+                    if isinstance(a, (jax.Array, jax.core.Tracer)) else a for a in args]
+        return op(*args)
+
+    alike.defvjp = op.defvjp
+    return alike
+
 
 _BATCHING_RULES: dict[str, Any] = {}
 

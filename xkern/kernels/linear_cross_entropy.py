@@ -90,6 +90,7 @@ def _losses(h2, w, labels, options, chunk, backend, config):
 # mean / sum: sum(weights * loss), gradients computed in the forward
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
     loss, _ = _losses(h2, w, labels, options, chunk, backend, config)
@@ -125,6 +126,7 @@ _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 # none: per-row losses, gradients recomputed chunk by chunk in the backward
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _rows(h2, w, labels, options, chunk, backend, config):
     return _losses(h2, w, labels, options, chunk, backend, config)[0]

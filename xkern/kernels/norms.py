@@ -323,6 +323,7 @@ def _launch_bwd(h2, dy2, dh_out2, scale, eps, *, rms, backend, config, segments=
 # Differentiation: residuals are h, mean and rstd (per row), never the normalized values
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _norm_rows(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config, out_dtype):
     return _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_config, out_dtype)[0]

@@ -216,6 +216,7 @@ for _name in ("rope_fwd", "rope_bwd"):
 # Differentiation: residuals are cos and sin (and x only when cos or sin is differentiated)
 # --------------------------------------------------------------------------------------------------
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _rope_rows(x3, cos, sin, interleaved, dtypes, backend, config):
     return _rope_rows_fwd(x3, cos, sin, interleaved, dtypes, backend, config)[0]

@@ -240,6 +240,7 @@ def _constexprs(n_cols: int, log: bool) -> tuple:
     return (("LOG", log), ("N_COLS", n_cols))
 
 
+@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _softmax_rows(x2, log, out_dtype, backend, fwd_config, bwd_config):
     return _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config)[0]
