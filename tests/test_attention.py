@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import xkern
 from xkern.kernels.attention import attention, reference
+from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
@@ -480,6 +481,7 @@ def test_attention_near_misses_are_not_rewritten():
         close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
 
 
+@pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")
 @pytest.mark.parametrize("shape", [(2, 40, 48, 2, 2, 32), (1, 37, 32, 4, 2, 32), (2, 16, 64, 2, 1, 64)],
                          ids=["odd queries", "gqa", "mqa"])
 def test_warp_specialized_forward_matches_the_reference(shape):
@@ -498,6 +500,7 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")
 @pytest.mark.parametrize("shape,dkdv_keys", [((2, 48, 48, 2, 2, 32), 16), ((1, 32, 32, 4, 2, 32), 32)],
                          ids=["mha", "gqa, smaller diagonal tiles"])  # (the forward's: 16 of 32)
 def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys):
@@ -570,6 +573,7 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
         assert dataclasses.replace(plain, **other).fit(q, k)["unmasked_keys"] == 0, other
 
 
+@pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")
 def test_warp_specialized_backward_matches_the_reference():
     """dk/dv with the query heads of a group and their blocks flattened into one warp-specialized
     loop, and dq with one (TMA loads; lse and delta as 1-D views), through the interpreter: dq, dk
@@ -588,3 +592,26 @@ def test_warp_specialized_backward_matches_the_reference():
         for got, want in zip((dq, dk, dv), vjp(do)):
             close(got, want, jnp.float32)
 
+
+
+@pytest.mark.skipif(not L.tma_supported(), reason="needs a GPU with TMA (Hopper): the tiles the H200 runs")
+@pytest.mark.parametrize("shape,causal", [((1, 256, 256, 4, 2, 128), False), ((1, 256, 256, 4, 2, 128), True),
+                                          ((1, 256, 256, 2, 2, 256), False), ((1, 256, 256, 2, 1, 256), True)],
+                         ids=["d128", "d128 causal", "d256", "d256 causal mqa"])
+def test_warp_specialized_kernels_on_hopper(shape, causal):
+    """On a Hopper GPU the public op picks the warp-specialized kernels at the tiles measured there
+    (the interpreter tests above run their source at 16-wide tiles): values and every gradient
+    against the float32 reference, and the launches' configs say which kernels ran."""
+    b, sq, sk, h, hk, d = shape
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.bfloat16, seed=11)
+    f = lambda q, k, v: attention(q, k, v, causal=causal)
+    want_o, vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), causal=causal), q, k, v)
+    got_o, got_vjp = jax.vjp(f, q, k, v)
+    close(got_o, want_o, jnp.bfloat16)
+    for got, want in zip(got_vjp(do), vjp(do.astype(jnp.float32))):
+        close(got, want, jnp.bfloat16)
+    ran = {e.params["kernel"]: dict(e.params["config"].meta)
+           for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
+    assert ran["attention_fwd"]["WS"] and ran["attention_bwd_dq"]["WS"] == (d == 256 or not causal)
+    assert ran["attention_bwd_dkdv"]["WS"] == (d == 128)
+    assert ("attention_fwd_diagonal" in ran) == causal

@@ -142,6 +142,7 @@ def launch(fn, *args, kernel: str, out_shapes: Sequence[jax.ShapeDtypeStruct], g
     """
     if backend not in ("triton", "interpret"):
         raise ValueError(f"launch needs backend 'triton' or 'interpret'; got {backend!r}")
+    resolve_backend(backend)  # one Triton fixed in the other mode at import: say so now, not in a callback
     grid = tuple(int(g) for g in grid)
     if not 1 <= len(grid) <= 3 or min(grid) < 1:
         raise ValueError(f"{kernel}: grid must be 1 to 3 program counts, each >= 1; got {grid}")
@@ -546,15 +547,20 @@ def split_rows(relaunch, n_args: int, n_outs: int, shared_args=(), shared_outs=(
 # Reading launches back out of a jaxpr
 # --------------------------------------------------------------------------------------------------
 
-def kernel_names(jaxpr) -> list[str]:
-    """The `kernel` param of every xkern launch in `jaxpr` (a Jaxpr or ClosedJaxpr), sub-jaxprs included."""
+def launches(jaxpr) -> list:
+    """Every xkern launch equation in `jaxpr` (a Jaxpr or ClosedJaxpr), sub-jaxprs included."""
     from jax.extend.core import jaxprs_in_params
 
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    names = []
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive is xkern_kernel_p:
-            names.append(eqn.params["kernel"])
+            found.append(eqn)
         for sub in jaxprs_in_params(eqn.params):
-            names.extend(kernel_names(sub))
-    return names
+            found.extend(launches(sub))
+    return found
+
+
+def kernel_names(jaxpr) -> list[str]:
+    """The `kernel` param of every xkern launch in `jaxpr` (a Jaxpr or ClosedJaxpr), sub-jaxprs included."""
+    return [eqn.params["kernel"] for eqn in launches(jaxpr)]
