@@ -612,6 +612,7 @@ def test_warp_specialized_kernels_on_hopper(shape, causal):
         close(got, want, jnp.bfloat16)
     ran = {e.params["kernel"]: dict(e.params["config"].meta)
            for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
-    assert ran["attention_fwd"]["WS"] and ran["attention_bwd_dq"]["WS"] == (d == 256 or not causal)
-    assert ran["attention_bwd_dkdv"]["WS"] == (d == 128)
+    ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
+    assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
+    assert ws["attention_bwd_dkdv"] == (d == 128)
     assert ("attention_fwd_diagonal" in ran) == causal

@@ -16,7 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 from xkern import _compat
 from xkern.fusion import grouping
 from xkern.kernels import generated
-from xkern.jaxpr_passes.canonicalize import bind_equation, live_equations
+from xkern.jaxpr_passes.canonicalize import bind_equation, canonicalize, live_equations
 from xkern.jaxpr_passes.graph import Graph, aval_bytes
 from xkern.jaxpr_passes.patterns import Match, registry, retrace, unify
 
@@ -402,7 +402,9 @@ def _epilogue_derivative(fused, backend: str, cost) -> Plan:
         return jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
 
     avals = [fused.eqns[0].outvars[0].aval, *(v.aval for v in fused.input_vars[2:]), *fused.output_avals]
-    closed = jax.make_jaxpr(derivative)(*specs(avals))
+    # Calls inlined as in the program's own plan: jax 0.11 traces the vjp with its jit wrappers
+    # (gelu's among them), which would hide every equation from the grouping.
+    closed = canonicalize(jax.make_jaxpr(derivative)(*specs(avals)))
     plan = empty_plan(closed)
     plan.role = "epilogue derivative"
     return fuse_groups(plan, backend, cost)
