@@ -201,6 +201,18 @@ def test_gradients_and_vmap_through_a_generated_kernel():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_backward_program_is_one_generated_kernel():
+    """A program that takes a gradient itself (seen by xkern.jit after differentiation): tanh's
+    derivative (jax 0.11 writes 1 - t * t as one_minus_square) and the sum of a value's two
+    cotangents (add_any) stay inside the group, so the whole backward is one kernel."""
+    f = jax.grad(lambda x: jnp.sum(jnp.tanh(x * 1.5) * x))  # x is used twice: add_any
+    x = edge_input()
+    (name,) = fused_kernels(f, x)
+    source = next(m.source for m in xkern.explain(f)(x).matches if m.kernels == [name])
+    assert "add_any" in source
+    assert_matches_xla(f, x, rtol=2e-6, atol=1e-6)
+
+
 def test_source_is_cached_on_disk_and_shown_by_explain(tmp_path, monkeypatch):
     monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
     x, s = jnp.ones((4, 9)), jnp.ones(9)

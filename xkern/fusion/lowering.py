@@ -80,6 +80,7 @@ def _clamp(a, eqn):
 
 ELEMENTWISE = {
     "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "div": _div,
+    "add_any": _binary("+"),  # the sum of cotangents in a backward pass
     "max": _max, "min": _min, "clamp": _clamp,
     "neg": lambda a, e: f"(-{a[0]})", "abs": _call("tl.abs"), "sign": _sign,
     "exp": _call("tl.exp"), "exp2": _call("tl.exp2"), "log": _call("tl.log"),
@@ -89,6 +90,7 @@ ELEMENTWISE = {
     "sin": _call("tl.sin"), "cos": _call("tl.cos"),
     "floor": _call("tl.floor"), "ceil": _call("tl.ceil"),
     "integer_pow": _integer_pow, "square": lambda a, e: f"({a[0]} * {a[0]})",
+    "one_minus_square": lambda a, e: f"(1.0 - {a[0]} * {a[0]})",  # jax 0.11's tanh derivative
     "convert_element_type": _convert, "select_n": _select_n,
     "lt": _binary("<"), "le": _binary("<="), "gt": _binary(">"), "ge": _binary(">="),
     "eq": _binary("=="), "ne": _binary("!="),
@@ -97,7 +99,7 @@ ELEMENTWISE = {
     "is_finite": lambda a, e: f"(tl.abs({a[0]}) < float('inf'))",
     "stop_gradient": lambda a, e: a[0], "copy": lambda a, e: a[0], "copy_p": lambda a, e: a[0],
 }
-FLOAT_ONLY = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic",
+FLOAT_ONLY = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "one_minus_square",
                         "erf", "erfc", "sin", "cos", "floor", "ceil", "is_finite"})
 REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
