@@ -10,6 +10,7 @@ It needs compiled (not interpreted) kernels, so run it in its own process:
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -85,6 +86,11 @@ def all_cases():
 def main(argv: list[str]) -> int:
     from xkern.kernels import launch
 
+    if os.environ.get("TRITON_CACHE_DIR") == "":
+        # jax_triton sets it empty on import (it keeps no Triton cache); a process started from one
+        # that imported it inherits that, and on a GPU machine Triton's driver then cannot build
+        # its launcher ("Could not create or locate cache dir"): use Triton's default cache here.
+        del os.environ["TRITON_CACHE_DIR"]
     if launch.INTERPRET:
         print("aot: kernels are interpreted in this process; run with XKERN_BACKEND=triton",
               file=sys.stderr)
