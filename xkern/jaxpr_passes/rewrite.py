@@ -402,8 +402,8 @@ def _epilogue_derivative(fused, backend: str, cost) -> Plan:
         return jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
 
     avals = [fused.eqns[0].outvars[0].aval, *(v.aval for v in fused.input_vars[2:]), *fused.output_avals]
-    # Calls inlined as in the program's own plan: jax 0.11 traces the vjp with its jit wrappers
-    # (gelu's among them), which would hide every equation from the grouping.
+    # Canonical as the program's own plan is (calls inlined, squares as square, repeats merged), so
+    # the grouping sees the same spellings there.
     closed = canonicalize(jax.make_jaxpr(derivative)(*specs(avals)))
     plan = empty_plan(closed)
     plan.role = "epilogue derivative"
