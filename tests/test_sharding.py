@@ -152,6 +152,20 @@ def test_inside_shard_map_each_device_launches_on_its_shard(case, mesh):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
 
 
+def test_ops_called_inside_shard_map_sum_replicated_gradients(mesh):
+    """xkern.ops called directly on a device's shard, with a replicated scale and a numpy bias: the
+    scale's gradient is the sum over devices, as for the same norm written in jax.numpy."""
+    x = jax.device_put(_normal(np.random.default_rng(4), (8, 32)), NamedSharding(mesh, P("data")))
+    scale, bias = jnp.linspace(0.5, 1.5, 32), np.linspace(-1, 1, 32).astype(np.float32)
+    grads = lambda norm: jax.jit(jax.shard_map(
+        jax.grad(lambda x, s: jnp.sum(jnp.sin(norm(x, s, bias))), argnums=(0, 1)), mesh=mesh,
+        in_specs=(P("data"), P()), out_specs=(P("data"), P())))
+    got = jax.block_until_ready(grads(lambda x, s, b: xkern.ops.layer_norm(x, s, b, eps=1e-5))(x, scale))
+    want = jax.block_until_ready(grads(_layer_norm)(x, scale))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
 def test_patterns_match_over_sharded_arguments(mesh):
     """jax writes mesh shardings on broadcasts traced over sharded arrays; a sharding that splits
     nothing does not stop a pattern from matching."""

@@ -452,13 +452,15 @@ def varying_alike(op):
     argument's gradient over the devices, as jax does where such an argument meets a per-device one).
     Without it the backward kernels' cotangents, computed from per-device values, would not have
     their replicated primals' type. Outside shard_map nothing changes."""
+    arrays = (jax.Array, jax.core.Tracer, np.ndarray, np.generic)  # static arguments are neither
+
     @functools.wraps(op)
     def alike(*args):
-        arrays = [a for a in args if isinstance(a, (jax.Array, jax.core.Tracer))]
-        varying = frozenset().union(*(_compat.varying_axes(jax.typeof(a)) for a in arrays))
+        varying = frozenset().union(*(_compat.varying_axes(jax.typeof(a)) for a in args
+                                      if isinstance(a, arrays)))
         if varying:
-            args = [_compat.vary(a, tuple(sorted(varying - _compat.varying_axes(jax.typeof(a)))))
-                    if isinstance(a, (jax.Array, jax.core.Tracer)) else a for a in args]
+            args = [_compat.vary(jax.numpy.asarray(a), tuple(sorted(varying - _compat.varying_axes(jax.typeof(a)))))
+                    if isinstance(a, arrays) else a for a in args]
         return op(*args)
 
     alike.defvjp = op.defvjp
