@@ -99,8 +99,8 @@ ELEMENTWISE = {
     "is_finite": lambda a, e: f"(tl.abs({a[0]}) < float('inf'))",
     "stop_gradient": lambda a, e: a[0], "copy": lambda a, e: a[0], "copy_p": lambda a, e: a[0],
 }
-FLOAT_ONLY = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic", "one_minus_square",
-                        "erf", "erfc", "sin", "cos", "floor", "ceil", "is_finite"})
+FLOAT_ONLY = frozenset({"exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "logistic",
+                        "one_minus_square", "erf", "erfc", "sin", "cos", "floor", "ceil", "is_finite"})
 REDUCTIONS = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 SHAPE_OPS = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims"})
 

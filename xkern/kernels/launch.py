@@ -180,6 +180,27 @@ def _abstract_eval(*avals, out_shapes, **_):
 xkern_kernel_p.def_abstract_eval(_abstract_eval)
 
 
+def varying_alike(op):
+    """`op` (a custom_vjp function) with its array arguments made to vary alike inside shard_map:
+    each over every mesh axis one of them varies over (jax's pvary; its transpose sums a replicated
+    argument's gradient over the devices, as jax does where such an argument meets a per-device one).
+    Without it the backward kernels' cotangents, computed from per-device values, would not have
+    their replicated primals' type. Outside shard_map nothing changes."""
+    arrays = (jax.Array, jax.core.Tracer, np.ndarray, np.generic)  # static arguments are neither
+
+    @functools.wraps(op)
+    def alike(*args):
+        varying = frozenset().union(*(_compat.varying_axes(jax.typeof(a)) for a in args
+                                      if isinstance(a, arrays)))
+        if varying:
+            args = [_compat.vary(jax.numpy.asarray(a), tuple(sorted(varying - _compat.varying_axes(jax.typeof(a)))))
+                    if isinstance(a, arrays) else a for a in args]
+        return op(*args)
+
+    alike.defvjp = op.defvjp
+    return alike
+
+
 def _no_jvp(primals, tangents, *, kernel, **_):
     raise NotImplementedError(
         f"xkern kernel {kernel!r} is differentiated by its op's custom_vjp, not by forward mode; "
@@ -445,27 +466,6 @@ def _interpret_call(*arrays, **params):
 # --------------------------------------------------------------------------------------------------
 # Batching: each op family registers a rule for its kernels
 # --------------------------------------------------------------------------------------------------
-
-def varying_alike(op):
-    """`op` (a custom_vjp function) with its array arguments made to vary alike inside shard_map:
-    each over every mesh axis one of them varies over (jax's pvary; its transpose sums a replicated
-    argument's gradient over the devices, as jax does where such an argument meets a per-device one).
-    Without it the backward kernels' cotangents, computed from per-device values, would not have
-    their replicated primals' type. Outside shard_map nothing changes."""
-    arrays = (jax.Array, jax.core.Tracer, np.ndarray, np.generic)  # static arguments are neither
-
-    @functools.wraps(op)
-    def alike(*args):
-        varying = frozenset().union(*(_compat.varying_axes(jax.typeof(a)) for a in args
-                                      if isinstance(a, arrays)))
-        if varying:
-            args = [_compat.vary(jax.numpy.asarray(a), tuple(sorted(varying - _compat.varying_axes(jax.typeof(a)))))
-                    if isinstance(a, arrays) else a for a in args]
-        return op(*args)
-
-    alike.defvjp = op.defvjp
-    return alike
-
 
 _BATCHING_RULES: dict[str, Any] = {}
 
