@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import xkern
-from benchmarks import (bench_attention, bench_cross_entropy, bench_generated, bench_glu, bench_matmul,
+from benchmarks import (bench_attention, bench_cross_entropy, bench_decode, bench_generated, bench_glu, bench_matmul,
                         bench_norms, bench_passes, bench_programs, bench_rope, bench_sharded, bench_softmax,
                         harness)
 from xkern.kernels.launch import kernel_names
@@ -33,8 +33,8 @@ def demo() -> None:
 
 
 SUITES = {"softmax": bench_softmax, "norms": bench_norms, "cross_entropy": bench_cross_entropy,
-          "glu": bench_glu, "rope": bench_rope, "attention": bench_attention, "programs": bench_programs,
-          "generated": bench_generated, "matmul": bench_matmul, "sharded": bench_sharded}
+          "glu": bench_glu, "rope": bench_rope, "attention": bench_attention, "decode": bench_decode,
+          "programs": bench_programs, "generated": bench_generated, "matmul": bench_matmul, "sharded": bench_sharded}
 
 
 def main(argv: list[str]) -> int:

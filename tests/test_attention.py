@@ -616,3 +616,102 @@ def test_warp_specialized_kernels_on_hopper(shape, causal):
     assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)
     assert ("attention_fwd_diagonal" in ran) == causal
+
+
+# Decoding against a cache: few queries, many keys, one program per chunk of the keys and key head.
+DECODE_CASES = {  # name: ((b, sq, sk, h, hk, d), dtype, options)
+    "gqa 8/2, one query": ((2, 1, 100, 8, 2, 32), jnp.float32, {}),
+    "mha, lengths with an empty cache": ((2, 1, 97, 4, 4, 32), jnp.bfloat16, {"kv_lengths": np.array([37, 0])}),
+    "mqa, 3 queries, lengths": ((2, 3, 70, 4, 1, 32), jnp.float16, {"kv_lengths": np.array([70, 5])}),
+    "causal (top-left), 2 queries": ((1, 2, 50, 4, 2, 64), jnp.float32, {"causal": True}),
+    "key padding mask": ((2, 1, 90, 4, 2, 32), jnp.bfloat16, {"mask": (2, 1, 1, 90)}),
+    "mask per head, 2 queries": ((1, 2, 77, 4, 2, 32), jnp.float32, {"mask": (1, 4, 2, 77)}),
+    "bias per head, scale": ((2, 2, 90, 4, 2, 32), jnp.float32, {"bias": (2, 4, 2, 90), "scale": 0.3}),
+    "head dim 40 (padded), 128 keys": ((1, 1, 128, 2, 1, 40), jnp.bfloat16, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_split_key_forward_values_and_gradients(case):
+    """The split-key forward (several chunks merged by XLA) against the float32 reference, with the
+    usual backward kernels after it; the forward launch is the split-key kernel with > 1 chunk."""
+    shape, dtype, opts = DECODE_CASES[case]
+    q, k, v, do = make(*shape, dtype, seed=7)
+    kw = _options(opts, seed=8)
+    bias = kw.pop("bias", None)
+    args = (q, k, v) + (() if bias is None else (bias,))
+    ours = lambda q, k, v, *b: attention(q, k, v, bias=b[0] if b else None, **kw)
+    ref = lambda q, k, v, *b: reference(q, k, v, bias=b[0] if b else None, **kw)
+    (forward,) = [e for e in L.launches(jax.make_jaxpr(ours)(*args)) if e.params["kernel"].startswith("attention")]
+    assert forward.params["kernel"] == "attention_fwd_split_kv" and forward.params["grid"][0] > 1
+    out, vjp = jax.vjp(ours, *args)
+    want, vjp_ref = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+    assert out.dtype == dtype
+    close(out, want, dtype)
+    for g, w, a in zip(vjp(do), vjp_ref(do.astype(jnp.float32)), args):
+        assert g.dtype == a.dtype
+        close(g, w, dtype)
+
+
+def test_split_key_forward_edge_values_and_vmap():
+    """A NaN query stays NaN in its own row only; a row whose keys are all hidden gets zeros (or the
+    mean of the values, masked_rows="average"); inf and large magnitudes in k and v as the reference;
+    vmap folds into the batch of the split-key launch."""
+    q, k, v, do = make(2, 1, 80, 4, 2, 32, jnp.float32, seed=9)
+    q = q.at[0, 0, 1, 3].set(jnp.nan)
+    got, want = np.asarray(attention(q, k, v)), np.asarray(reference(q, k, v))
+    assert np.array_equal(np.isnan(got), np.isnan(want)) and np.isnan(got[0, 0, 1]).all()
+    close(np.nan_to_num(got), np.nan_to_num(want), jnp.float32)
+    q = q.at[0, 0, 1, 3].set(1e4)
+    mask = jnp.ones((2, 1, 1, 80), bool).at[1].set(False)  # batch entry 1 sees no key
+    for rows in ("zeros", "average"):
+        got = attention(q, k, v, mask=mask, masked_rows=rows)
+        close(got, reference(q, k, v, mask=mask, masked_rows=rows), jnp.float32)
+    assert np.all(np.asarray(attention(q, k, v, mask=mask))[1] == 0)
+    big = v.at[0, 5].set(3e4)
+    close(attention(q, k, big), reference(q, k, big), jnp.float32)
+    qs = jnp.stack([q, -q, q * 0.1])
+    lengths = jnp.array([80, 33], jnp.int32)
+    f = lambda q: attention(q, k, v, kv_lengths=lengths)
+    r = lambda q: reference(q, k, v, kv_lengths=lengths)
+    assert any(e.params["kernel"] == "attention_fwd_split_kv" for e in L.launches(jax.make_jaxpr(jax.vmap(f))(qs)))
+    close(jax.vmap(f)(qs), jax.vmap(r)(qs), jnp.float32)
+    g = jax.vmap(jax.grad(lambda q: jnp.sum(f(q) * do)))(qs)
+    close(g, jax.vmap(jax.grad(lambda q: jnp.sum(r(q) * do)))(qs), jnp.float32)
+
+
+def test_split_key_forward_is_offered_only_for_decoding():
+    """Few query rows per key head (queries x group <= SPLIT_KV_ROWS) and many more keys than
+    queries: the split-key tiles come first (on both vendors, within shared memory); otherwise the
+    usual forward's. The chunk count fills the GPU: more chunks for fewer (batch x key head)s."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    plain = A.Static(False, 0.1, None, None, False, "triton", ())
+    fit = lambda sq, sk, h, hk, b=8: plain.fit(jnp.zeros((b, sq, h, 128), jnp.bfloat16),
+                                               jnp.zeros((b, sk, hk, 128), jnp.bfloat16))["split_kv"]
+    assert fit(1, 8192, 32, 8) == (4, 64, 8192) and fit(4, 8192, 32, 8) == (16, 64, 8192)
+    assert fit(1, 8192, 128, 1) is None and fit(2048, 8192, 32, 32) is None and fit(16, 48, 4, 4) is None
+    assert dataclasses.replace(plain, causal=True, has_kv_len=True).fit(
+        jnp.zeros((1, 1, 4, 64)), jnp.zeros((1, 64, 4, 64)))["split_kv"] == (1, 4, 64)
+    for gpu, limit in (("cuda", 232448), ("rocm", 65536)):
+        for d in (64, 128, 256):
+            few = A.candidates("fwd", d, "triton", gpu, limit=limit, split_kv=(4, 8, 32768))
+            many = A.candidates("fwd", d, "triton", gpu, limit=limit, split_kv=(4, 512, 32768))
+            assert "SPLITS" in dict(few[0].meta) and all(A.shared_bytes("fwd", c, 2, False, False, gpu) <= limit
+                                                         for c in few)
+            assert few[0]["SPLITS"] > many[0]["SPLITS"] >= 1 and few[0]["BLOCK_M"] == 16
+            assert "SPLITS" not in dict(A.candidates("fwd", d, "triton", gpu, limit=limit)[0].meta)
+    assert A.candidates("fwd", 128, "triton", "cuda", split_kv=(4, 8, 300))[0]["SPLITS"] == 2  # >= 256 keys a chunk
+
+
+def test_jax_nn_decoding_takes_the_split_key_kernel():
+    """A decode step as jax.nn spells it (one query against a cache, a key padding mask) is rewritten
+    to the split-key kernel and equals jax.jit's result."""
+    q, k, v, _ = make(2, 1, 96, 8, 2, 32, jnp.bfloat16, seed=10)
+    lengths = jnp.array([40, 96], jnp.int32)
+    for step in (lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+                 lambda q, k, v: jax.nn.dot_product_attention(
+                     q, k, v, mask=(jnp.arange(96) < lengths[:, None])[:, None, None, :])):
+        report = xkern.explain(step)(q, k, v)
+        assert "attention_fwd_split_kv" in report.kernels, report
+        close(xkern.jit(step)(q, k, v), jax.jit(step)(q, k, v), jnp.bfloat16)

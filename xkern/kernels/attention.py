@@ -340,6 +340,92 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
+# Decoding: a few queries (one per step) against a long key/value cache. The kernels above give a
+# program one query block of one head, so a decode step runs batch x heads programs, each walking
+# the whole cache with a 16-to-128-row tile holding one real row. The split-key kernel instead gives
+# a program every query of every query head sharing one key head (their rows stacked: k and v are
+# read once per key head) over one chunk of the keys; XLA then merges the chunks' (o, lse) pairs,
+# as one softmax over every key (FlashDecoding).
+
+@triton.jit
+def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
+                     QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                     MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                     BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, N_ROWS):
+    """As _scores, for the split-key kernel's rows (each its own query and head): -inf where a key
+    is past `end` (the chunk's or the length's), after the query (causal) or hidden by the mask."""
+    s = _dot(q, k_t, DOT_F32) * QK_SCALE
+    visible = (cols[None, :] < end) & (rows[:, None] < N_ROWS)
+    if CAUSAL:
+        visible = visible & (cols[None, :] <= queries[:, None])
+    in_bounds = (rows[:, None] < N_ROWS) & (cols[None, :] < sk)
+    if HAS_MASK:
+        row_base = ((b * MASK_B * (HEADS if MASK_H else 1) + heads * MASK_H).to(tl.int64) * sq + queries) * sk
+        visible = visible & (tl.load(mask_ptr + row_base[:, None] + cols[None, :], mask=in_bounds, other=0) != 0)
+    if HAS_BIAS:
+        row_base = ((b * BIAS_B * (HEADS if BIAS_H else 1) + heads * BIAS_H).to(tl.int64) * sq + queries) * sk
+        bias = tl.load(bias_ptr + row_base[:, None] + cols[None, :], mask=in_bounds, other=0.0)
+        s += bias.to(tl.float32) * 1.4426950408889634
+    return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
+def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
+                  sq, sk,
+                  o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
+                  QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
+    r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
+    chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
+    split, bhk = tl.program_id(0), tl.program_id(1)
+    b, hk = bhk // KV_HEADS, bhk % KV_HEADS
+    group = HEADS // KV_HEADS
+    n_rows = sq * group
+    rows, dims = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+    queries, heads = rows // group, hk * group + rows % group
+    q_offs = ((b.to(tl.int64) * sq + queries) * HEADS + heads)[:, None] * D + dims[None, :]
+    q = _load_rows(q_ptr, q_offs, rows, n_rows, dims, D, BLOCK_D, True)
+    kv_len = tl.minimum(tl.load(kv_len_ptr + b), sk) if HAS_KV_LEN else sk
+    chunk = tl.cdiv(tl.cdiv(sk, SPLITS), BLOCK_N) * BLOCK_N
+    first = split * chunk
+    end = tl.minimum(kv_len, first + chunk)
+    if CAUSAL:  # no query of these rows sees a key past the last one's position
+        end = tl.minimum(end, sq)
+    interior = first
+    if not (HAS_MASK or HAS_BIAS or CAUSAL):
+        interior = tl.maximum(first, first + (end - first) // BLOCK_N * BLOCK_N)
+    k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
+                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, False, False, False, False, False,
+                                   False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+    for start in range(interior, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+        k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
+        s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
+                             QK_SCALE, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                             n_rows)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.exp2(s - shift[:, None])
+        alpha = tl.exp2(m_i - shift)
+        v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    part = bhk.to(tl.int64) * SPLITS + split
+    _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
+               dims, part, n_rows, D)
+
+
 @triton.jit
 def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
                    QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
@@ -407,7 +493,7 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
     heads and query blocks flattened into that one loop. On the H200 (b4 s4096 d128) 3.35 ms
     against 6.09 for the two-loop kernel."""
     batch = tl.num_programs(1) // KV_HEADS
-    group: tl.constexpr = HEADS // KV_HEADS
+    group = HEADS // KV_HEADS
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _backward_descriptors(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, batch, sq, sk, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_N, BLOCK_D)
     k = k_desc.load([free_dead_barriers(b * sk + pid_n * BLOCK_N, WS), hk * D])
@@ -759,6 +845,19 @@ DIAGONAL_TILES = {("fwd", "cuda"): (64, 32, 4, 2), ("fwd", "interpret"): (16, 16
                   ("dkdv", "cuda"): (64, 64, 4, 2), ("dkdv", "interpret"): (16, 16, 4, 1),
                   ("dq", "cuda"): (64, 32, 8, 2), ("dq", "interpret"): (16, 16, 4, 1)}
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
+# The split-key forward (_fwd_split_kv) takes problems with at most SPLIT_KV_ROWS query rows per
+# key head (queries x grouped heads) and SPLIT_KV_KEYS_PER_QUERY times as many keys as queries at
+# least: decoding against a cache. Tiles (BLOCK_N, num_warps,
+# num_stages) per vendor and width; the key chunks are split so that about SPLIT_KV_WAVES programs
+# per SM run, each with at least SPLIT_KV_MIN_KEYS keys.
+SPLIT_KV_ROWS, SPLIT_KV_KEYS_PER_QUERY = 64, 4
+SPLIT_KV_TILES = {("cuda", "narrow"): [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 2), (32, 4, 4)],
+                  ("cuda", "wide"): [(32, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 4)],
+                  ("rocm", "narrow"): [(64, 4, 1), (128, 4, 1), (32, 4, 1)],
+                  ("rocm", "wide"): [(32, 4, 1), (64, 4, 1)]}
+SPLIT_KV_WAVES = 4
+SPLIT_KV_MIN_KEYS = 256
+SMS = {"cuda": 132, "rocm": 304}  # an H200's SMs, an MI300X's CUs: for a vendor named ahead of time
 
 
 vendor = L.vendor
@@ -800,7 +899,7 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
                tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
-               causal_square: int = 0) -> list[L.Config]:
+               causal_square: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
@@ -808,10 +907,14 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     masking (see Static.fit; 0 otherwise), multiples of the tile's BLOCK_N (and, for dk/dv, BLOCK_M);
     or `causal_square`, the length of a causal problem with as many queries as keys and no other
     masking, a multiple of the tile's program block (the diagonal blocks then take _fwd_diagonal /
-    _dkdv_diagonal)."""
+    _dkdv_diagonal). `split_kv`: (query rows per key head, batch x key heads, keys) of a problem the
+    split-key forward takes (Static.fit), whose tiles then come first."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
+    split = _split_kv_candidates(kernel, block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
     if backend == "interpret":
+        if split:
+            return split
         return [L.Config.of(BLOCK_M=INTERPRET_TILE, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d, **loads)]
     width = "wide" if block_d > 128 else "narrow"
     limit = limit or shared_memory_limit(gpu)  # of this process's device, unless `gpu` names a vendor
@@ -829,10 +932,28 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
             return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
                                                                     unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
-    every = [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
-                         WS=t[3] if len(t) > 4 else 0) for t in tiles]
+    every = split + [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
+                                 WS=t[3] if len(t) > 4 else 0) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
     return [c for c in every if size(c) <= limit] or [min(every, key=size)]
+
+
+def _split_kv_candidates(kernel: str, block_d: int, backend: str, gpu: str | None, split_kv: tuple) -> list[L.Config]:
+    """The split-key forward's configs: the heuristic tile at the heuristic chunk count, at half
+    and twice as many chunks, then the other tiles. In the interpreter, chunks of two 16-key blocks
+    (up to 8 of them), so that small tests merge several."""
+    rows, programs, sk = split_kv
+    bm = max(INTERPRET_TILE, L.next_pow2(rows))
+    if backend == "interpret":
+        return [L.Config.of(BLOCK_M=bm, BLOCK_N=INTERPRET_TILE, BLOCK_D=block_d,
+                            SPLITS=max(1, min(8, L.cdiv(sk, 2 * INTERPRET_TILE))))]
+    sms = SMS[gpu] if gpu else getattr(jax.devices()[0], "core_count", SMS[vendor()])
+    most = max(1, L.cdiv(sk, SPLIT_KV_MIN_KEYS))
+    splits = max(1, min(most, L.cdiv(SPLIT_KV_WAVES * sms, programs)))
+    tiles = SPLIT_KV_TILES[(gpu or vendor(), "wide" if block_d > 128 else "narrow")]
+    first = [(*tiles[0], n) for n in dict.fromkeys((splits, max(1, splits // 2), min(most, 2 * splits)))]
+    return [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, SPLITS=n, num_warps=warps, num_stages=stages)
+            for bn, warps, stages, n in first + [(*t, splits) for t in tiles[1:]]]
 
 
 def default_configs(head_dim: int, backend: str, gpu: str | None = None,
@@ -856,7 +977,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
             step = jax.jit(lambda *a: (_launch_fwd(*a[:6], trial) if i == 0 else _launch_bwd(*a, trial)))
             return time_pipelined(step, *(args[:6] if i == 0 else args), min_seconds=0.02)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
-                                    st.backend, version=autotune.version_of(_fwd, _bwd_dkdv, _bwd_dq))
+                                    st.backend, version=autotune.version_of(_fwd, _fwd_split_kv, _bwd_dkdv, _bwd_dq))
     return tuple(configs)
 
 
@@ -895,9 +1016,12 @@ class Static:
         plain = not (self.has_kv_len or self.mask_bh or self.bias_bh)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
         plain = plain and not self.causal
+        rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
+        decode = rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
         return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
-                "causal_square": q.shape[1] if causal_square else 0}
+                "causal_square": q.shape[1] if causal_square else 0,
+                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -953,6 +1077,8 @@ def _dummies(mask, kinds, bias, kv_len):
 def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
     b, sq, heads, _ = q.shape
     config = st.configs[0]
+    if "SPLITS" in dict(config.meta):
+        return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st)
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
     grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), st.constexprs(q, k)
@@ -966,6 +1092,40 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
                     out_shapes=outs, grid=(L.cdiv(sq, diagonal["BLOCK_M"]), b * heads), config=diagonal,
                     backend=st.backend, aliases={3: 0, 4: 1},
                     constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+
+
+def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
+    """The split-key forward, then the merge of its chunks by XLA (their partial results are small:
+    batch x key heads x chunks x rows x head dim floats)."""
+    b, sq, heads, d = q.shape
+    config, kv_heads = st.configs[0], k.shape[2]
+    rows, splits = sq * (heads // kv_heads), config["SPLITS"]
+    outs = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)]
+    mask_, _, bias_, kv_len_ = _dummies(mask, None, bias, kv_len)
+    consts = st.constexprs(q, k)
+    o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, kv_len_, sq, k.shape[1],
+                                kernel="attention_fwd_split_kv", out_shapes=outs, grid=(splits, b * kv_heads),
+                                config=config, backend=st.backend, constexprs=consts)
+    return _merge_splits(o_part, lse_part, heads, q.dtype)
+
+
+def _merge_splits(o_part, lse_part, heads: int, dtype):
+    """o [batch, sq, heads, d] and its lse [batch, heads, sq] from the chunks' own: one softmax over
+    every key, each chunk weighted by exp2(its lse - the largest). A row no chunk saw a key for gets
+    o = 0 and lse = -inf, as from _fwd_store; a NaN in any chunk stays NaN."""
+    b, kv_heads, _, rows, d = o_part.shape
+    group = heads // kv_heads
+    top = jnp.max(lse_part, axis=2, keepdims=True)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    weights = jnp.exp2(lse_part - shift)  # [b, kv_heads, splits, rows]
+    total = jnp.sum(weights, axis=2)
+    o = jnp.sum(weights[..., None] * o_part, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
+    lse = jnp.where(total == 0, -jnp.inf, shift[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
+    sq = rows // group
+    o = o.reshape(b, kv_heads, sq, group, d).transpose(0, 2, 1, 3, 4).reshape(b, sq, heads, d)
+    lse = lse.reshape(b, kv_heads, sq, group).transpose(0, 1, 3, 2).reshape(b, heads, sq)
+    return o.astype(dtype), lse
 
 
 def _fwd_diagonal_config(fwd: L.Config, gpu: str) -> L.Config:
@@ -1056,6 +1216,7 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
 
 # The array arguments of the kernels whose arrays differ from _batch's default
 ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len"),
+             "attention_fwd_split_kv": ("q", "k", "v", "mask", "bias", "kv_len"),
              "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
              "attention_dq_diagonal": ("q", "k", "v", "do", "lse", "delta", "dq")}
@@ -1084,7 +1245,7 @@ def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs
                     config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases))
 
 
-for _name in ("attention_fwd", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
+for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
               "attention_bwd_dq", "attention_dq_diagonal"):
     L.def_batching(_name, _batch)
     L.def_split(_name, _split)
@@ -1275,6 +1436,21 @@ def aot_cases():
         for target in targets:
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
                 yield from _aot_problem(gpu, target, SHARED_MEMORY[target], d, dtype, options)
+            for d, options in [(128, {"HAS_KV_LEN": True}), (256, {})] + (
+                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True})] if target == targets[0] else []):
+                yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
+
+
+def _aot_split_kv(gpu, target, limit, d, options):
+    """The split-key forward of a decode step (one query, GQA 32/8, 32768 keys) at its heuristic tile."""
+    q, k = jax.ShapeDtypeStruct((8, 1, 32, d), jnp.bfloat16), jax.ShapeDtypeStruct((8, 32768, 8, d), jnp.bfloat16)
+    st = Static(False, d ** -0.5, None, None, False, "triton", ())
+    config = candidates("fwd", d, "triton", gpu, limit=limit, split_kv=(4, 64, 32768))[0]
+    arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8", "bias_ptr": "*fp32",
+              "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}
+    tag = "options" if len(options) > 1 else ("kv-len" if options else "plain")
+    return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays,
+            config.replace(**{**st.constexprs(q, k), **options}), (target,))
 
 
 def _aot_problem(gpu, target, limit, d, dtype, options):

@@ -1,0 +1,38 @@
+"""Decoding: one step of a few queries against a key/value cache, xkern.ops.attention (the split-key
+forward) against jax.nn.dot_product_attention's XLA implementation (what jax.jit runs), forward
+only (inference). Effective TB/s counts q, the keys and values inside each sequence's length, and
+o, read or written once; a ragged batch (lengths drawn at random) passes kv_lengths to xkern and the
+same lengths as a key padding mask to jax.nn.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import xkern
+from benchmarks.harness import Case
+
+
+def cases(on_gpu: bool) -> list[Case]:
+    shapes = [(8, 1, 8192, 32, 8, 128, False), (8, 1, 32768, 32, 8, 128, False), (1, 1, 131072, 32, 8, 128, False),
+              (8, 1, 8192, 32, 32, 128, False), (8, 4, 8192, 32, 8, 128, False), (32, 1, 32768, 32, 8, 128, True),
+              (8, 1, 16384, 16, 2, 256, False)] if on_gpu else [(2, 1, 64, 4, 2, 32, False), (2, 1, 64, 4, 2, 32, True)]
+    out = []
+    for b, sq, sk, h, hk, d, ragged in shapes:
+        lengths = (np.random.default_rng(0).integers(1, sk + 1, b) if ragged else np.full(b, sk)).astype(np.int32)
+        lens = jnp.asarray(lengths)
+        mask = (jnp.arange(sk) < lens[:, None])[:, None, None, :] if ragged else None
+
+        def make(key, b=b, sq=sq, sk=sk, h=h, hk=hk, d=d):
+            kq, kk, kv, kd = jax.random.split(key, 4)
+            return (jax.random.normal(kq, (b, sq, h, d), jnp.bfloat16), jax.random.normal(kk, (b, sk, hk, d), jnp.bfloat16),
+                    jax.random.normal(kv, (b, sk, hk, d), jnp.bfloat16), jax.random.normal(kd, (b, sq, h, d), jnp.bfloat16))
+
+        ours = (lambda q, k, v, do, lens=lens: xkern.ops.attention(q, k, v, kv_lengths=lens)) if ragged else \
+            (lambda q, k, v, do: xkern.ops.attention(q, k, v))
+        ref = lambda q, k, v, do, mask=mask: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        nbytes = 2 * (2 * b * sq * h * d + 2 * int(lengths.sum()) * hk * d)
+        name = f"decode, {h}/{hk} heads{', ragged lengths' if ragged else ''} vs jax.jit (xla)"
+        out.append(Case(name, (b, sq, sk, h, hk, d), "bfloat16", "fwd", ours, ref, make, nbytes, 2e-2))
+    return out
