@@ -35,4 +35,24 @@ def cases(on_gpu: bool) -> list[Case]:
         nbytes = 2 * (2 * b * sq * h * d + 2 * int(lengths.sum()) * hk * d)
         name = f"decode, {h}/{hk} heads{', ragged lengths' if ragged else ''} vs jax.jit (xla)"
         out.append(Case(name, (b, sq, sk, h, hk, d), "bfloat16", "fwd", ours, ref, make, nbytes, 2e-2))
+    return out + _jit_cases(on_gpu)
+
+
+def _jit_cases(on_gpu: bool) -> list[Case]:
+    """A decode step as jax.nn spells it (key_value_seq_lengths: a padded cache) under xkern.jit, where
+    the cost model decides: small caches stay with XLA."""
+    shapes = [(8, 2048, 32, 8), (8, 8192, 32, 8), (1, 8192, 32, 8), (8, 1024, 32, 32)] if on_gpu else [(2, 64, 4, 2)]
+    d, out = 128 if on_gpu else 32, []
+    for b, sk, h, hk in shapes:
+        lens = jnp.asarray(np.random.default_rng(1).integers(sk // 2, sk + 1, b), jnp.int32)
+
+        def make(key, b=b, sk=sk, h=h, hk=hk):
+            kq, kk, kv = jax.random.split(key, 3)
+            return (jax.random.normal(kq, (b, 1, h, d), jnp.bfloat16), jax.random.normal(kk, (b, sk, hk, d), jnp.bfloat16),
+                    jax.random.normal(kv, (b, sk, hk, d), jnp.bfloat16))
+
+        step = lambda q, k, v, lens=lens: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens)
+        nbytes = 2 * (2 * b * h * d + 2 * int(lens.sum()) * hk * d)
+        out.append(Case(f"decode step (jax.nn, key_value_seq_lengths), {h}/{hk} heads: xkern.jit vs jax.jit",
+                        (b, 1, sk, h, hk, d), "bfloat16", "fwd", xkern.jit(step), step, make, nbytes, 2e-2))
     return out

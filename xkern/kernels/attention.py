@@ -847,16 +847,21 @@ DIAGONAL_TILES = {("fwd", "cuda"): (64, 32, 4, 2), ("fwd", "interpret"): (16, 16
 INTERPRET_TILE = 16  # tl.dot's smallest; the interpreter runs programs one after another
 # The split-key forward (_fwd_split_kv) takes problems with at most SPLIT_KV_ROWS query rows per
 # key head (queries x grouped heads) and SPLIT_KV_KEYS_PER_QUERY times as many keys as queries at
-# least: decoding against a cache. Tiles (BLOCK_N, num_warps,
-# num_stages) per vendor and width; the key chunks are split so that about SPLIT_KV_WAVES programs
-# per SM run, each with at least SPLIT_KV_MIN_KEYS keys.
+# least: decoding against a cache. Tiles (BLOCK_N, num_warps, num_stages) per vendor and width; the
+# keys are split into chunks so that at most SPLIT_KV_WAVES programs per SM run (two fit at the
+# heuristic tiles: a whole wave, not one and a bit), each with at least SPLIT_KV_MIN_KEYS keys, and
+# into SPLIT_KV_MIN_CHUNKS at least where that allows. Measured on the H200 (d128 bf16, GQA 32/8
+# unless said; h200-decode-probe-session16.json, h200-decode-session16.json): b8 s8192 0.072 ms at 4
+# chunks (256 programs), 0.078 at 5 and 9 (3.7 / 3.5 TB/s); b1 s131072 0.135 at 33, 0.152 at 66; b64
+# s4096 0.288 at 1, 0.265 at 2, 0.260 at 4; MHA b8 s8192 0.293 at 2, 0.254 at 3; d256 (16/2 heads) b8
+# s16384 0.081 at 16, 0.088 at 33, 0.46 at 1; b8 s2048 0.049 at 1, 0.076 at 8. BLOCK_N 32-128, 4-8
+# warps and 2-4 stages were within 4% of each other.
 SPLIT_KV_ROWS, SPLIT_KV_KEYS_PER_QUERY = 64, 4
 SPLIT_KV_TILES = {("cuda", "narrow"): [(64, 4, 3), (128, 4, 3), (64, 4, 4), (128, 8, 2), (32, 4, 4)],
                   ("cuda", "wide"): [(32, 4, 3), (64, 4, 2), (64, 8, 3), (32, 4, 4)],
                   ("rocm", "narrow"): [(64, 4, 1), (128, 4, 1), (32, 4, 1)],
                   ("rocm", "wide"): [(32, 4, 1), (64, 4, 1)]}
-SPLIT_KV_WAVES = 4
-SPLIT_KV_MIN_KEYS = 256
+SPLIT_KV_WAVES, SPLIT_KV_MIN_KEYS, SPLIT_KV_MIN_CHUNKS = 2, 1024, 3
 SMS = {"cuda": 132, "rocm": 304}  # an H200's SMs, an MI300X's CUs: for a vendor named ahead of time
 
 
@@ -949,7 +954,7 @@ def _split_kv_candidates(kernel: str, block_d: int, backend: str, gpu: str | Non
                             SPLITS=max(1, min(8, L.cdiv(sk, 2 * INTERPRET_TILE))))]
     sms = SMS[gpu] if gpu else getattr(jax.devices()[0], "core_count", SMS[vendor()])
     most = max(1, L.cdiv(sk, SPLIT_KV_MIN_KEYS))
-    splits = max(1, min(most, L.cdiv(SPLIT_KV_WAVES * sms, programs)))
+    splits = min(most, max(SPLIT_KV_MIN_CHUNKS, SPLIT_KV_WAVES * sms // programs))
     tiles = SPLIT_KV_TILES[(gpu or vendor(), "wide" if block_d > 128 else "narrow")]
     first = [(*tiles[0], n) for n in dict.fromkeys((splits, max(1, splits // 2), min(most, 2 * splits)))]
     return [L.Config.of(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, SPLITS=n, num_warps=warps, num_stages=stages)

@@ -97,9 +97,12 @@ def _attention(avals, params) -> str | None:
     the kernels run at 430-500 TFLOP/s forward, XLA at 47-150 (it writes and re-reads the scores).
     So only a problem small enough for the custom call's fixed cost to dominate is left to XLA. The
     key length is the larger of k's axes 1 and 2 (sequence and heads, in either layout the patterns
-    accept): sequences are longer than head counts wherever the estimate matters."""
+    accept): sequences are longer than head counts wherever the estimate matters. Decoding (few
+    queries against a cache) is bound by reading the cache instead: see _decoding."""
     q, k = avals[0], avals[1]
     d = q.shape[-1]
+    if (reason := _decoding(q, k)) != "not decoding":
+        return reason
     flops = 4 * (int(np.prod(q.shape)) // d) * max(k.shape[1], k.shape[2]) * d
     ours, xla = CUSTOM_CALL_US + flops / ATTENTION_TFLOPS["xkern"] / 1e6, \
         XLA_FUSION_US + flops / ATTENTION_TFLOPS["xla"] / 1e6
@@ -107,6 +110,31 @@ def _attention(avals, params) -> str | None:
         return None
     return (f"too small: {flops / 1e9:.2f} GFLOP; estimated {ours:.1f} us as a kernel vs {xla:.1f} us "
             f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
+
+
+# Reading a key/value cache (TB/s, effective), H200 bf16 (h200-decode-session16.json): the split-key
+# kernel 3.1-4.2; XLA 0.9-1.3 where k/v heads are grouped and the batch > 1 (b8 GQA 32/8), 3.4-3.5
+# with one k/v head per q head or a batch of 1.
+DECODE_TBPS = {"xkern": 3.8, "xla grouped": 1.2, "xla": 3.4}
+
+
+def _decoding(q, k) -> str | None:
+    """The split-key forward (xkern.kernels.attention: few query rows per key head, many more keys
+    than queries) against XLA's einsums, both bound by the bytes of q, k, v and o; "not decoding"
+    where the kernel does not apply. The merge of its chunks costs two XLA fusions."""
+    from xkern.kernels.attention import SPLIT_KV_KEYS_PER_QUERY, SPLIT_KV_ROWS
+    sq, heads = sorted(q.shape[1:3])  # either layout: queries x heads is what counts
+    kv_heads, sk = sorted(k.shape[1:3])
+    if sq * heads // max(kv_heads, 1) > SPLIT_KV_ROWS or SPLIT_KV_KEYS_PER_QUERY * sq > sk:
+        return "not decoding"
+    nbytes = q.dtype.itemsize * 2 * (int(np.prod(q.shape)) + int(np.prod(k.shape)))
+    xla_rate = DECODE_TBPS["xla grouped" if heads > kv_heads and q.shape[0] > 1 else "xla"]
+    ours = CUSTOM_CALL_US + 2 * XLA_FUSION_US + nbytes / DECODE_TBPS["xkern"] / 1e6
+    xla = 3 * XLA_FUSION_US + nbytes / xla_rate / 1e6
+    if ours < xla:
+        return None
+    return (f"decoding, too small: {nbytes / 2**20:.1f} MiB of cache read; estimated {ours:.1f} us as a kernel "
+            f"vs {xla:.1f} us in XLA")
 
 
 def _glu(avals, params) -> str | None:
