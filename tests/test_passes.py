@@ -319,13 +319,15 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     assert "too small" in cost.decline_reason("attention", [ShapedArray((1, 16, 2, 64), jnp.bfloat16)] * 3,
                                               {"scale": 0.125}, "triton")
     # decoding by the cache's bytes: XLA reads a grouped cache at ~1.2 TB/s, one k/v head per q head
-    # (or a batch of 1) at ~3.4; a small cache stays with XLA
+    # (or a batch of 1) at ~3.4; a small cache stays with XLA (h200-decode-session16.json)
     step = lambda b, h, hk, sk: [ShapedArray((b, 1, h, 128), jnp.bfloat16)] + [ShapedArray((b, sk, hk, 128),
                                                                                               jnp.bfloat16)] * 2
     assert cost.decline_reason("attention", step(8, 32, 8, 8192), {}, "triton") is None
     assert cost.decline_reason("attention", step(8, 32, 32, 8192), {}, "triton") is None
     assert "decoding, too small" in cost.decline_reason("attention", step(1, 32, 8, 1024), {}, "triton")
     assert "decoding, too small" in cost.decline_reason("attention", step(8, 32, 32, 256), {}, "triton")
+    assert "decoding, too small" in cost.decline_reason("attention", step(8, 32, 8, 2048), {}, "triton")  # 0.91x
+    assert cost.decline_reason("attention", step(1, 32, 8, 131072), {}, "triton") is None  # 1.20x
     assert "XLA fuses" in cost.decline_reason("swiglu", big * 2, {}, "triton")
     loss = lambda x, y: -jnp.take_along_axis(jax.nn.softmax(x), y[:, None], axis=-1).sum()
     closed = jax.make_jaxpr(loss)(jnp.ones((16384, 8192), jnp.bfloat16), jnp.ones(16384, jnp.int32))
