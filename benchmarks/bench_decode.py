@@ -35,7 +35,7 @@ def cases(on_gpu: bool) -> list[Case]:
         nbytes = 2 * (2 * b * sq * h * d + 2 * int(lengths.sum()) * hk * d)
         name = f"decode, {h}/{hk} heads{', ragged lengths' if ragged else ''} vs jax.jit (xla)"
         out.append(Case(name, (b, sq, sk, h, hk, d), "bfloat16", "fwd", ours, ref, make, nbytes, 2e-2))
-    return out + _jit_cases(on_gpu)
+    return out + _jit_cases(on_gpu) + _flax_decode_cases(on_gpu) + _padded_prefill_cases(on_gpu)
 
 
 def _jit_cases(on_gpu: bool) -> list[Case]:
@@ -56,3 +56,38 @@ def _jit_cases(on_gpu: bool) -> list[Case]:
         out.append(Case(f"decode step (jax.nn, key_value_seq_lengths), {h}/{hk} heads: xkern.jit vs jax.jit",
                         (b, 1, sk, h, hk, d), "bfloat16", "fwd", xkern.jit(step), step, make, nbytes, 2e-2))
     return out
+
+
+def _flax_decode_cases(on_gpu: bool) -> list[Case]:
+    """flax.linen.MultiHeadDotProductAttention(decode=True): one token's step against its cache (the
+    projections, the cache update and attention with the cache-position mask), xkern.jit vs jax.jit.
+    The cache is not donated, so both copy it when updating it (as a step without donation does)."""
+    import flax.linen as nn
+    b, cache, heads, d = (8, 8192, 32, 128) if on_gpu else (2, 64, 4, 16)
+    module = nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=heads * d, decode=True,
+                                             dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    variables = jax.jit(module.init)(jax.random.key(0), jnp.zeros((b, cache, heads * d), jnp.bfloat16))
+
+    def make(key):
+        return (variables["params"], variables["cache"], jax.random.normal(key, (b, 1, heads * d), jnp.bfloat16))
+
+    step = lambda params, cache, token: module.apply({"params": params, "cache": cache}, token, mutable=["cache"])[0]
+    return [Case("decode step (flax MultiHeadDotProductAttention, decode=True): xkern.jit vs jax.jit",
+                 (b, 1, cache, heads, heads, d), "bfloat16", "fwd", xkern.jit(step), step, make, 0, 2e-2)]
+
+
+def _padded_prefill_cases(on_gpu: bool) -> list[Case]:
+    """A causal prefill of a padded batch as jax.nn spells it (key_value_seq_lengths), xkern.jit vs
+    jax.jit, forward (FLOPs counted as if unpadded)."""
+    b, s, h, hk, d = (4, 4096, 32, 8, 128) if on_gpu else (2, 40, 4, 2, 16)
+    lens = jnp.asarray(np.random.default_rng(2).integers(s // 2, s + 1, b), jnp.int32)
+
+    def make(key):
+        kq, kk, kv = jax.random.split(key, 3)
+        return (jax.random.normal(kq, (b, s, h, d), jnp.bfloat16), jax.random.normal(kk, (b, s, hk, d), jnp.bfloat16),
+                jax.random.normal(kv, (b, s, hk, d), jnp.bfloat16))
+
+    prefill = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens, is_causal=True)
+    return [Case(f"causal prefill (jax.nn, key_value_seq_lengths), {h}/{hk} heads: xkern.jit vs jax.jit",
+                 (b, s, s, h, hk, d), "bfloat16", "fwd", xkern.jit(prefill), prefill, make, 0, 2e-2,
+                 flops=2 * b * h * s * s * d)]

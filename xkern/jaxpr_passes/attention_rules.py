@@ -2,8 +2,8 @@
 attention: the scores never exist in memory).
 
 Spellings: jax.nn.dot_product_attention (implementation None or "xla"; causal or not; with an
-additive bias, a boolean mask, both or neither, or key_value_seq_lengths (not causal); GQA through
-its k/v head grouping);
+additive bias, a boolean mask, both or neither, or key_value_seq_lengths; GQA through its k/v head
+grouping);
 flax.linen.dot_product_attention (with a mask or not); and by
 hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype),
 an optional causal mask from tril / iota applied with a -inf
@@ -64,11 +64,19 @@ def _lengths_as_jax_nn(q, k, lengths):
     """(q, kv_lengths) for the kernels that give jax.nn's result: a batch entry whose
     key_value_seq_length is 0 (or less) has every score filled alike there, so it gets the mean of
     every value (padding included), and no gradient reaches its q and k. With its queries zeroed and
-    every key visible the kernels compute exactly that (without causal masking: jax.nn's causal
-    variant would average every value where the kernels average the keys before each query)."""
+    every key visible the kernels compute exactly that, without causal masking."""
     empty = lengths <= 0
     return (jnp.where(empty[:, None, None, None], jnp.zeros((), q.dtype), q),
             jnp.where(empty, k.shape[1], lengths).astype(jnp.int32))
+
+
+def _causal_empty_as_jax_nn(out, v, lengths):
+    """The same under causal masking, which the kernels would apply to an empty entry too (each
+    query averaging the keys up to it): the mean of every value is put there instead. It reads v once
+    more, which a causal problem (prefill: bound by its FLOPs) hardly notices."""
+    mean = jnp.mean(v.astype(jnp.float32), axis=1)  # [b, kv_heads, d]
+    mean = jnp.repeat(mean, out.shape[2] // v.shape[2], axis=1)[:, None].astype(out.dtype)
+    return jnp.where((lengths <= 0)[:, None, None, None], mean, out)
 
 
 def flax_attention(mask: str | None):
@@ -207,13 +215,15 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else None
-        lengths = None
-        if with_lengths:
-            q, lengths = _lengths_as_jax_nn(q, k, extras[-1])
+        lengths = extras[-1] if with_lengths else None
+        if with_lengths and not causal:
+            q, lengths = _lengths_as_jax_nn(q, k, lengths)
         average = mask is not None and (fill is None or np.isfinite(fill))
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
                                 kv_lengths=lengths, masked_rows="average" if average else "zeros")
+        if with_lengths and causal:
+            out = _causal_empty_as_jax_nn(out, v, lengths)
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {})}
@@ -226,8 +236,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
             for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)
             for grouped in ((True, False) if mask and mask != "[b,h,q,k]" else (True,))]
-PATTERNS += [_pattern(nn_attention(False, False, None, grouped, lengths=True), ALL, with_lengths=True)
-             for grouped in (True, False)]  # not causal: see _lengths_as_jax_nn
+PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), ALL, causal=causal, with_lengths=True)
+             for causal in (False, True) for grouped in (True, False)]
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
