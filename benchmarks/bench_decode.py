@@ -60,8 +60,10 @@ def _jit_cases(on_gpu: bool) -> list[Case]:
 
 def _flax_decode_cases(on_gpu: bool) -> list[Case]:
     """flax.linen.MultiHeadDotProductAttention(decode=True): one token's step against its cache (the
-    projections, the cache update and attention with the cache-position mask), xkern.jit vs jax.jit.
-    The cache is not donated, so both copy it when updating it (as a step without donation does)."""
+    projections, the cache update and attention with the cache-position mask), returning the output
+    and the updated cache, xkern.jit vs jax.jit. The cache is not donated, so both write a new one.
+    (A step that dropped the new cache let XLA fuse the update into its attention and never write
+    it, where the kernel needs it in memory: 1.30 ms against 0.71 on the H200.)"""
     import flax.linen as nn
     b, cache, heads, d = (8, 8192, 32, 128) if on_gpu else (2, 64, 4, 16)
     module = nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=heads * d, decode=True,
@@ -71,7 +73,7 @@ def _flax_decode_cases(on_gpu: bool) -> list[Case]:
     def make(key):
         return (variables["params"], variables["cache"], jax.random.normal(key, (b, 1, heads * d), jnp.bfloat16))
 
-    step = lambda params, cache, token: module.apply({"params": params, "cache": cache}, token, mutable=["cache"])[0]
+    step = lambda params, cache, token: module.apply({"params": params, "cache": cache}, token, mutable=["cache"])
     return [Case("decode step (flax MultiHeadDotProductAttention, decode=True): xkern.jit vs jax.jit",
                  (b, 1, cache, heads, heads, d), "bfloat16", "fwd", xkern.jit(step), step, make, 0, 2e-2)]
 

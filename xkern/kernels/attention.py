@@ -370,6 +370,28 @@ def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_pt
 
 
 @triton.jit
+def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims, b, sq, sk, end,
+                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
+                    DOT_F32: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
+    """One key block of the split-key kernel's online softmax, with its masks (_split_kv_scores);
+    BOUNDED: its keys may run past sk."""
+    cols = start + tl.arange(0, BLOCK_N)
+    kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
+    k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, BOUNDED)
+    s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE,
+                         CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, N_ROWS)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
+    p = tl.exp2(s - shift[:, None])
+    alpha = tl.exp2(m_i - shift)
+    v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, BOUNDED)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    return acc, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
@@ -406,21 +428,19 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
                                    k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, False, False, False, False, False,
                                    False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
-    for start in range(interior, end, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
-        k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
-        s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
-                             QK_SCALE, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                             n_rows)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
-        p = tl.exp2(s - shift[:, None])
-        alpha = tl.exp2(m_i - shift)
-        v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
+    # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
+    whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
+    for start in range(interior, whole, BLOCK_N):
+        acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                        MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N,
+                                        BLOCK_D, n_rows)
+    for start in range(whole, end, BLOCK_N):
+        acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                        MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                                        BLOCK_D, n_rows)
     part = bhk.to(tl.int64) * SPLITS + split
     _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
                dims, part, n_rows, D)
