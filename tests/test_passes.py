@@ -328,6 +328,9 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     assert "decoding, too small" in cost.decline_reason("attention", step(8, 32, 32, 256), {}, "triton")
     assert "decoding, too small" in cost.decline_reason("attention", step(8, 32, 8, 2048), {}, "triton")  # 0.91x
     assert cost.decline_reason("attention", step(1, 32, 8, 131072), {}, "triton") is None  # 1.20x
+    cache_mask = [ShapedArray((8, 1, 1, 8192), jnp.bool_)]  # flax's decode=True mask: a tie for MHA
+    assert "with a mask" in cost.decline_reason("attention", step(8, 32, 32, 8192) + cache_mask, {}, "triton")
+    assert cost.decline_reason("attention", step(8, 32, 8, 8192) + cache_mask, {}, "triton") is None
     assert "XLA fuses" in cost.decline_reason("swiglu", big * 2, {}, "triton")
     loss = lambda x, y: -jnp.take_along_axis(jax.nn.softmax(x), y[:, None], axis=-1).sum()
     closed = jax.make_jaxpr(loss)(jnp.ones((16384, 8192), jnp.bfloat16), jnp.ones(16384, jnp.int32))

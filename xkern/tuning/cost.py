@@ -101,7 +101,7 @@ def _attention(avals, params) -> str | None:
     queries against a cache) is bound by reading the cache instead: see _decoding."""
     q, k = avals[0], avals[1]
     d = q.shape[-1]
-    if (reason := _decoding(q, k)) != "not decoding":
+    if (reason := _decoding(q, k, avals[3:])) != "not decoding":
         return reason
     flops = 4 * (int(np.prod(q.shape)) // d) * max(k.shape[1], k.shape[2]) * d
     ours, xla = CUSTOM_CALL_US + flops / ATTENTION_TFLOPS["xkern"] / 1e6, \
@@ -122,17 +122,22 @@ DECODE_TBPS = {"xkern": 3.8, "xla grouped": 1.2, "xla": 3.4}
 DECODE_FLOOR_US = 70.0
 
 
-def _decoding(q, k) -> str | None:
+def _decoding(q, k, extras) -> str | None:
     """The split-key forward (xkern.kernels.attention: few query rows per key head, many more keys
     than queries) against XLA's einsums, both bound by the bytes of q, k, v and o; "not decoding"
-    where the kernel does not apply. The merge of its chunks costs two XLA fusions."""
+    where the kernel does not apply. The merge of its chunks costs two XLA fusions. `extras`: the
+    match's other inputs (a boolean mask among them: the masked kernel)."""
     from xkern.kernels.attention import SPLIT_KV_KEYS_PER_QUERY, SPLIT_KV_ROWS
     sq, heads = sorted(q.shape[1:3])  # either layout: queries x heads is what counts
     kv_heads, sk = sorted(k.shape[1:3])
     if sq * heads // max(kv_heads, 1) > SPLIT_KV_ROWS or SPLIT_KV_KEYS_PER_QUERY * sq > sk:
         return "not decoding"
+    grouped = heads > kv_heads and q.shape[0] > 1
+    if not grouped and any(a.ndim == 4 and a.dtype == np.bool_ for a in extras):
+        return ("decoding with a mask and one k/v head per q head (or a batch of 1): measured at a tie with "
+                "XLA, 0.307 against 0.311 ms (b8 s8192 h32, H200), and a Flax decode=True step at 0.88x")
     nbytes = q.dtype.itemsize * 2 * (int(np.prod(q.shape)) + int(np.prod(k.shape)))
-    xla_rate = DECODE_TBPS["xla grouped" if heads > kv_heads and q.shape[0] > 1 else "xla"]
+    xla_rate = DECODE_TBPS["xla grouped" if grouped else "xla"]
     ours = CUSTOM_CALL_US + 2 * XLA_FUSION_US + nbytes / DECODE_TBPS["xkern"] / 1e6
     xla = 3 * XLA_FUSION_US + nbytes / xla_rate / 1e6
     if ours < xla and xla > DECODE_FLOOR_US:
