@@ -655,6 +655,27 @@ def test_split_key_forward_values_and_gradients(case):
         close(g, w, dtype)
 
 
+@settings(max_examples=8, deadline=None)
+@given(sq=st.integers(1, 4), sk=st.integers(1, 160), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 8]),
+       d=st.sampled_from([16, 24, 64]), option=st.sampled_from(["none", "lengths", "mask", "causal"]),
+       seed=st.integers(0, 2**16))
+def test_split_key_forward_on_random_decode_shapes(sq, sk, kv_heads, group, d, option, seed):
+    """Random decode problems (any cache length, some shorter than a chunk or a block; odd head dims;
+    lengths of 0 to past the end; random key masks) against the float32 reference, forward and dq."""
+    sk = max(sk, 4 * sq)  # the split-key kernel's problems
+    rng = np.random.default_rng(seed)
+    q, k, v, do = make(2, sq, sk, kv_heads * group, kv_heads, d, jnp.float32, seed=seed)
+    kw = {"lengths": {"kv_lengths": jnp.asarray(rng.integers(0, sk + 3, 2), jnp.int32)},
+          "mask": {"mask": jnp.asarray(rng.random((2, 1, 1, sk)) < 0.6)}, "causal": {"causal": True},
+          "none": {}}[option]
+    ours = lambda q: attention(q, k, v, **kw)
+    assert "attention_fwd_split_kv" in kernel_names(jax.make_jaxpr(ours)(q))
+    out, vjp = jax.vjp(ours, q)
+    want, vjp_ref = jax.vjp(lambda q: reference(q, k, v, **kw), q)
+    close(out, want, jnp.float32)
+    close(vjp(do)[0], vjp_ref(do)[0], jnp.float32)
+
+
 def test_split_key_forward_edge_values_and_vmap():
     """A NaN query stays NaN in its own row only; a row whose keys are all hidden gets zeros (or the
     mean of the values, masked_rows="average"); inf and large magnitudes in k and v as the reference;

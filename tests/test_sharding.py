@@ -68,7 +68,13 @@ def _cases(rng):
         ("attention, causal GQA", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
          (q, k, v), (True, True, True), {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
         ("generated", lambda x: jnp.tanh(x * 1.5 + 0.5) * x, (x,), (True,), set()),
+        ("decode step, key_value_seq_lengths",
+         lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
+         (q[:, :1], _normal(rng, (4, 64, 2, 16), jnp.bfloat16), _normal(rng, (4, 64, 2, 16), jnp.bfloat16),
+          jnp.asarray([64, 0, 17, 40], jnp.int32)), (True, True, True, True),
+         {"attention_fwd_split_kv", "attention_bwd_dkdv", "attention_bwd_dq"}),
     ]
+CASES = len(_cases(np.random.default_rng(0)))
 
 
 def _value_and_grads(f):
@@ -80,7 +86,7 @@ def _value_and_grads(f):
     return run
 
 
-@pytest.mark.parametrize("case", range(8), ids=[c[0] for c in _cases(np.random.default_rng(0))])
+@pytest.mark.parametrize("case", range(CASES), ids=[c[0] for c in _cases(np.random.default_rng(0))])
 def test_each_op_splits_along_the_batch_as_jax_jit_does(case, mesh):
     name, f, args, split, kernels = _cases(np.random.default_rng(case))[case]
     sharded = [jax.device_put(a, NamedSharding(mesh, P("data") if s else P())) for a, s in zip(args, split)]
@@ -131,7 +137,7 @@ def test_rope_splits_in_whole_sequences(mesh):
     assert rule(params(32, 4, 8)).fits(4) and not rule(params(32, 4, 16)).fits(4)  # per-example tables
 
 
-@pytest.mark.parametrize("case", range(8), ids=[c[0] for c in _cases(np.random.default_rng(0))])
+@pytest.mark.parametrize("case", range(CASES), ids=[c[0] for c in _cases(np.random.default_rng(0))])
 def test_inside_shard_map_each_device_launches_on_its_shard(case, mesh):
     """Inside shard_map every value is one device's share, typed as varying over the mesh (jax
     marks literals that meet such values with pvary): the patterns match through those marks, each
