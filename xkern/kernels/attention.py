@@ -20,6 +20,8 @@ gradient (then XLA computes dbias, the size of the bias itself).
 On Hopper, 16-bit problems that need no masking take warp-specialized forward and dk/dv kernels
 (TMA loads, one loop: Triton's pass admits no masking in it); causal ones with as many queries as
 keys take them too, off the diagonal, and the diagonal blocks then take two small masked kernels.
+Decoding (a few query rows per key head against many keys) takes a split-key forward instead: one
+program per chunk of the keys and key head, merged by XLA (see _fwd_split_kv).
 """
 from __future__ import annotations
 
