@@ -6,6 +6,8 @@ same lengths as a key padding mask to jax.nn.
 """
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,8 @@ def cases(on_gpu: bool) -> list[Case]:
         nbytes = 2 * (2 * b * sq * h * d + 2 * int(lengths.sum()) * hk * d)
         name = f"decode, {h}/{hk} heads{', ragged lengths' if ragged else ''} vs jax.jit (xla)"
         out.append(Case(name, (b, sq, sk, h, hk, d), "bfloat16", "fwd", ours, ref, make, nbytes, 2e-2))
-    return out + _jit_cases(on_gpu) + _flax_decode_cases(on_gpu) + _padded_prefill_cases(on_gpu)
+    flax = _flax_decode_cases(on_gpu) if importlib.util.find_spec("flax") else []  # a test dependency only
+    return out + _jit_cases(on_gpu) + flax + _padded_prefill_cases(on_gpu)
 
 
 def _jit_cases(on_gpu: bool) -> list[Case]:
