@@ -655,8 +655,8 @@ def test_split_key_forward_values_and_gradients(case):
         close(g, w, dtype)
 
 
-@settings(max_examples=8, deadline=None)
-@given(sq=st.integers(1, 4), sk=st.integers(1, 160), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 8]),
+@settings(max_examples=6, deadline=None)
+@given(sq=st.integers(1, 4), sk=st.integers(1, 120), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 8]),
        d=st.sampled_from([16, 24, 64]), option=st.sampled_from(["none", "lengths", "mask", "causal"]),
        seed=st.integers(0, 2**16))
 def test_split_key_forward_on_random_decode_shapes(sq, sk, kv_heads, group, d, option, seed):
