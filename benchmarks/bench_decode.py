@@ -27,13 +27,12 @@ def cases(on_gpu: bool) -> list[Case]:
         mask = (jnp.arange(sk) < lens[:, None])[:, None, None, :] if ragged else None
 
         def make(key, b=b, sq=sq, sk=sk, h=h, hk=hk, d=d):
-            kq, kk, kv, kd = jax.random.split(key, 4)
-            return (jax.random.normal(kq, (b, sq, h, d), jnp.bfloat16), jax.random.normal(kk, (b, sk, hk, d), jnp.bfloat16),
-                    jax.random.normal(kv, (b, sk, hk, d), jnp.bfloat16), jax.random.normal(kd, (b, sq, h, d), jnp.bfloat16))
+            shapes = ((b, sq, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            return tuple(jax.random.normal(kk, s, jnp.bfloat16) for kk, s in zip(jax.random.split(key, 3), shapes))
 
-        ours = (lambda q, k, v, do, lens=lens: xkern.ops.attention(q, k, v, kv_lengths=lens)) if ragged else \
-            (lambda q, k, v, do: xkern.ops.attention(q, k, v))
-        ref = lambda q, k, v, do, mask=mask: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+        ours = (lambda q, k, v, lens=lens: xkern.ops.attention(q, k, v, kv_lengths=lens)) if ragged else \
+            (lambda q, k, v: xkern.ops.attention(q, k, v))
+        ref = lambda q, k, v, mask=mask: jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
         nbytes = 2 * (2 * b * sq * h * d + 2 * int(lengths.sum()) * hk * d)
         name = f"decode, {h}/{hk} heads{', ragged lengths' if ragged else ''} vs jax.jit (xla)"
         out.append(Case(name, (b, sq, sk, h, hk, d), "bfloat16", "fwd", ours, ref, make, nbytes, 2e-2))
@@ -50,9 +49,8 @@ def _jit_cases(on_gpu: bool) -> list[Case]:
         lens = jnp.asarray(np.random.default_rng(1).integers(sk // 2, sk + 1, b), jnp.int32)
 
         def make(key, b=b, sk=sk, h=h, hk=hk):
-            kq, kk, kv = jax.random.split(key, 3)
-            return (jax.random.normal(kq, (b, 1, h, d), jnp.bfloat16), jax.random.normal(kk, (b, sk, hk, d), jnp.bfloat16),
-                    jax.random.normal(kv, (b, sk, hk, d), jnp.bfloat16))
+            shapes = ((b, 1, h, d), (b, sk, hk, d), (b, sk, hk, d))
+            return tuple(jax.random.normal(kk, s, jnp.bfloat16) for kk, s in zip(jax.random.split(key, 3), shapes))
 
         step = lambda q, k, v, lens=lens: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lens)
         nbytes = 2 * (2 * b * h * d + 2 * int(lens.sum()) * hk * d)

@@ -724,7 +724,8 @@ def test_split_key_forward_is_offered_only_for_decoding():
                                                          for c in few)
             assert few[0]["SPLITS"] > many[0]["SPLITS"] >= 1 and few[0]["BLOCK_M"] == 16
             assert "SPLITS" not in dict(A.candidates("fwd", d, "triton", gpu, limit=limit)[0].meta)
-    chunks = lambda programs, keys: A.candidates("fwd", 128, "triton", "cuda", split_kv=(4, programs, keys))[0]["SPLITS"]
+    chunks = lambda programs, keys: A.candidates("fwd", 128, "triton", "cuda",
+                                                 split_kv=(4, programs, keys))[0]["SPLITS"]
     assert chunks(8, 3000) == 3 and chunks(8, 1000) == 1  # >= SPLIT_KV_MIN_KEYS keys a chunk
     assert chunks(512, 32768) == 3 and chunks(8, 32768) == 32 and chunks(64, 8192) == 4
 

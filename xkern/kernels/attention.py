@@ -938,7 +938,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     split-key forward takes (Static.fit), whose tiles then come first."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
-    split = _split_kv_candidates(kernel, block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
+    split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
     if backend == "interpret":
         if split:
             return split
@@ -965,7 +965,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     return [c for c in every if size(c) <= limit] or [min(every, key=size)]
 
 
-def _split_kv_candidates(kernel: str, block_d: int, backend: str, gpu: str | None, split_kv: tuple) -> list[L.Config]:
+def _split_kv_candidates(block_d: int, backend: str, gpu: str | None, split_kv: tuple) -> list[L.Config]:
     """The split-key forward's configs: the heuristic tile at the heuristic chunk count, at half
     and twice as many chunks, then the other tiles. In the interpreter, chunks of two 16-key blocks
     (up to 8 of them), so that small tests merge several."""
@@ -1272,8 +1272,8 @@ def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs
                     config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases))
 
 
-for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal", "attention_bwd_dkdv", "attention_dkdv_diagonal",
-              "attention_bwd_dq", "attention_dq_diagonal"):
+for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal", "attention_bwd_dkdv",
+              "attention_dkdv_diagonal", "attention_bwd_dq", "attention_dq_diagonal"):
     L.def_batching(_name, _batch)
     L.def_split(_name, _split)
 
