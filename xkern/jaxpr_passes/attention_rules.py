@@ -74,9 +74,8 @@ def _causal_empty_as_jax_nn(out, v, lengths):
     """The same under causal masking, which the kernels would apply to an empty entry too (each
     query averaging the keys up to it): the mean of every value is put there instead. It reads v once
     more, which a causal problem (prefill: bound by its FLOPs) hardly notices."""
-    mean = jnp.mean(v.astype(jnp.float32), axis=1)  # [b, kv_heads, d]
-    mean = jnp.repeat(mean, out.shape[2] // v.shape[2], axis=1)[:, None].astype(out.dtype)
-    return jnp.where((lengths <= 0)[:, None, None, None], mean, out)
+    mean = kernels._mean_values(v, None, out.shape[2])  # masked_rows="average"'s, over every key
+    return jnp.where((lengths <= 0)[:, None, None, None], mean.astype(out.dtype), out)
 
 
 def flax_attention(mask: str | None):
