@@ -90,3 +90,47 @@ def _document_cases(on_gpu: bool) -> list[Case]:
     name = f"attention, {docs} causal documents (block-diagonal mask) vs jax.jit (xla)"
     return [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 0, 2e-2, flops),
             Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(ours), bwd(ref), make, 0, 3e-2, int(3.5 * flops))]
+
+
+def _window_visible(s: int, left: int, right: int) -> int:
+    """Scores inside a (left, right) window of an s x s problem: FLOPs count only those."""
+    offsets = range(-min(left, s - 1), min(right, s - 1) + 1)
+    return sum(s - abs(o) for o in offsets)
+
+
+def window_cases(on_gpu: bool) -> list[Case]:
+    """Sliding-window attention (jax.nn's local_window_size): causal windows as Mistral (4096) and
+    Gemma's local layers (1024) use them, with GQA, and a two-sided window, against
+    jax.nn.dot_product_attention's XLA implementation (it computes every score, then masks) and,
+    for causal windows on an NVIDIA GPU, cuDNN's sliding window. FLOPs count the visible scores, so
+    the rate says how well the kernels skip what the window hides. Batch 1: XLA's training step at
+    b2 s8192 h32 ran out of the H200's memory (its float32 scores). (The "window" suite.)"""
+    problems = ([((1, 8192, 32, 8, 128), (1024, 0)), ((1, 16384, 32, 8, 128), (4096, 0)),
+                 ((1, 8192, 16, 16, 128), (256, 256))] if on_gpu else [((1, 40, 2, 1, 64), (8, 0)),
+                                                                        ((1, 40, 2, 2, 64), (5, 3))])
+    cudnn = on_gpu and jax.devices()[0].platform == "gpu" and "NVIDIA" in jax.devices()[0].device_kind.upper()
+    out = []
+    for (b, s, h, hk, d), window in problems:
+        def make(key, b=b, s=s, h=h, hk=hk, d=d):
+            keys = jax.random.split(key, 4)
+            return (jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16),
+                    *(jax.random.normal(k, (b, s, hk, d), jnp.bfloat16) for k in keys[1:3]),
+                    jax.random.normal(keys[3], (b, s, h, d), jnp.bfloat16))
+        causal = window[1] == 0
+        flops = 4 * b * h * d * _window_visible(s, *window)
+        ours = lambda q, k, v, window=window, causal=causal: xkern.ops.attention(q, k, v, causal=causal,
+                                                                                 local_window_size=window)
+        refs = [("jax.jit (xla)", "xla")] if s <= 8192 else []
+        refs += [("cuDNN", "cudnn")] if cudnn and causal else []
+        for ref_name, implementation in refs:
+            ref = (lambda q, k, v, window=window, causal=causal, implementation=implementation:
+                   jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window,
+                                                implementation=implementation))
+            fwd = lambda f: (lambda q, k, v, do: f(q, k, v))
+            bwd = lambda f: (lambda q, k, v, do: jax.vjp(f, q, k, v)[1](do))
+            name = f"attention, {'causal ' if causal else ''}window {window} vs {ref_name}"
+            shape = (b, s, f"{h}/{hk}", d)
+            out.append(Case(name, shape, "bfloat16", "fwd", fwd(ours), fwd(ref), make, 0, 2e-2, flops))
+            out.append(Case(name, shape, "bfloat16", "fwd+bwd", bwd(ours), bwd(ref), make, 0, 3e-2, int(3.5 * flops),
+                            memory=True))
+    return out

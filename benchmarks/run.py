@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +35,8 @@ def demo() -> None:
 
 SUITES = {"softmax": bench_softmax, "norms": bench_norms, "cross_entropy": bench_cross_entropy,
           "glu": bench_glu, "rope": bench_rope, "attention": bench_attention, "decode": bench_decode,
-          "programs": bench_programs, "generated": bench_generated, "matmul": bench_matmul, "sharded": bench_sharded}
+          "programs": bench_programs, "generated": bench_generated, "matmul": bench_matmul, "sharded": bench_sharded,
+          "window": types.SimpleNamespace(cases=bench_attention.window_cases)}
 
 
 def main(argv: list[str]) -> int:

@@ -35,6 +35,9 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
                                                        "attention/sm_90/d128/bf16/plain/bwd_dq",
                                                        "attention/sm_90/d256/bf16/causal-gqa/bwd_dq")]
     assert len(specialized) == 4 and all(r["detail"].endswith(", 12 warps") for r in specialized), specialized
+    # The sliding-window kernels (forward, dk/dv, dq) on every target
+    window = {r["target"] for r in results if "/window/" in r["case"]}
+    assert window == set(aot.TARGETS), window
     # The split-key (decoding) forward on every target
     split = {r["target"] for r in results if "/split-kv-" in r["case"]}
     assert split == set(aot.TARGETS), split

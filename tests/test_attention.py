@@ -42,6 +42,11 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
     "head dim 64": ((1, 20, 20, 2, 1, 64), {"causal": True}),
     "head dim 128": ((1, 17, 17, 1, 1, 128), {}),
     "head dim 40 (padded)": ((1, 17, 17, 2, 2, 40), {"causal": True}),
+    "sliding window, causal, gqa": ((1, 50, 50, 4, 2, 16), {"causal": True, "local_window_size": (20, 5)}),
+    "window both sides, longer keys": ((1, 33, 50, 2, 1, 16), {"local_window_size": (7, 18)}),
+    "window, kv_lengths, bias": ((2, 40, 40, 2, 2, 16), {"local_window_size": 9, "kv_lengths": np.array([13, 40]),
+                                                         "bias": (1, 2, 40, 40)}),
+    "window and mask": ((2, 24, 30, 2, 2, 16), {"local_window_size": (3, None), "mask": (2, 1, 24, 30)}),
 }
 
 
@@ -230,7 +235,9 @@ def test_bad_input_names_the_argument():
              ((q, k, v), {"mask": jnp.ones((3, 8, 8), bool)}, ValueError, "mask must broadcast"),
              ((q, k, v), {"bias": jnp.ones((8, 9))}, ValueError, "bias must broadcast"),
              ((q, k, v), {"scale": float("nan")}, ValueError, "scale must be"),
-             ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be")]
+             ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be"),
+             *(((q, k, v), {"local_window_size": w}, ValueError, "local_window_size must be an int >= 0")
+               for w in (-1, (1, 2, 3), (4, -2), "8", True, 2.5))]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             attention(*args, **kw)
@@ -317,8 +324,8 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
-def _launch_flags(f, *args) -> list[dict]:
-    """CAUSAL / HAS_MASK of each attention forward launch in xkern.optimize(f)'s program."""
+def _constexprs(f, *args) -> list[dict]:
+    """The constexprs of each attention forward launch in xkern.optimize(f)'s program."""
     from jax.extend.core import jaxprs_in_params
 
     from xkern.kernels.launch import xkern_kernel_p
@@ -329,7 +336,12 @@ def _launch_flags(f, *args) -> list[dict]:
                 yield dict(e.params["constexprs"])
             for sub in jaxprs_in_params(e.params):
                 yield from launches(sub)
-    return [{n: c[n] for n in ("CAUSAL", "HAS_MASK")} for c in launches(jax.make_jaxpr(xkern.optimize(f))(*args))]
+    return list(launches(jax.make_jaxpr(xkern.optimize(f))(*args)))
+
+
+def _launch_flags(f, *args) -> list[dict]:
+    """CAUSAL / HAS_MASK of each attention forward launch in xkern.optimize(f)'s program."""
+    return [{n: c[n] for n in ("CAUSAL", "HAS_MASK")} for c in _constexprs(f, *args)]
 
 
 def test_constant_causal_masks_take_the_causal_kernels():
@@ -762,3 +774,75 @@ def test_jax_nn_key_value_seq_lengths_are_kv_lengths(shape, causal):
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v, lengths) * do))
     for got, want in zip(jax.grad(loss(xkern.optimize(f)), (0, 1, 2))(q, k, v), jax.grad(loss(f), (0, 1, 2))(q, k, v)):
         close(got, want, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sliding windows (local_window_size)
+# --------------------------------------------------------------------------------------------------
+
+def test_windows_that_bound_nothing_take_the_plain_kernels():
+    """A window wider than the sequences is no window; (None, 0) and a causal window wider than the
+    queries are plain causal; the kernels get the window only where it hides a key. Each equals the
+    reference, and (0, 0) lets a query see only its own key."""
+    q, k, v, _ = make(1, 24, 24, 2, 2, 16, jnp.float32, seed=20)
+    cases = [({"local_window_size": 23}, (False, -1, -1)), ({"local_window_size": (None, 0)}, (True, -1, -1)),
+             ({"local_window_size": (30, 4), "causal": True}, (True, -1, -1)),
+             ({"local_window_size": (5, 30)}, (False, 5, -1)), ({"local_window_size": (0, 0)}, (False, 0, 0)),
+             ({"local_window_size": (6, 2), "causal": True}, (False, 6, 0))]
+    for kw, (causal, left, right) in cases:
+        [launch] = _constexprs(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
+        assert (launch["CAUSAL"], launch["WINDOW_L"], launch["WINDOW_R"]) == (causal, left, right), kw
+        close(attention(q, k, v, **kw), reference(q, k, v, **kw), jnp.float32)
+    close(attention(q, k, v, local_window_size=0), v, jnp.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("grouped", [True, False])
+def test_jax_nn_local_window_size_is_found(causal, grouped):
+    """jax.nn.dot_product_attention(local_window_size=...) runs as the windowed kernels (jax.nn builds
+    the window from two position constants, which the pattern matches by value); a query whose
+    window holds no key (more queries than keys) averages every value, as jax.nn's fill gives it.
+    Values and gradients equal jax.jit's."""
+    q, k, v, do = make(2, 40, 36, 4, 2 if grouped else 4, 16, jnp.bfloat16, seed=21)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    window = (9, 0) if causal else (3, 1)
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, local_window_size=window)
+    report = xkern.explain(f)(q, k, v)
+    assert [m.pattern for m in report.matches] == [
+        f"attention/jax.nn.dot_product_attention{'(causal)' if causal else ''}+local_window_size"]
+    assert report.matches[0].params["left"] == window[0] and report.matches[0].params["right"] == window[1]
+    [launch] = _constexprs(f, q, k, v)
+    assert (launch["CAUSAL"], launch["WINDOW_L"], launch["WINDOW_R"]) == (False, *window)
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v)
+    for g, w in zip(got, jax.jit(jax.grad(loss(f), (0, 1, 2)))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
+def test_constant_band_masks_run_as_windows():
+    """A sliding-window mask the program builds from constants (Flax users combine a causal mask with
+    a band) is read when planning and runs as the windowed kernels; a band that differs between
+    heads, or one that is not a band, stays a mask. Values equal jax.jit's."""
+    import flax.linen as nn
+
+    q, k, v, _ = make(2, 32, 32, 2, 2, 16, jnp.bfloat16, seed=22)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    i = np.arange(32)
+    band = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 12)
+    both_sides = (i[None, :] >= i[:, None] - 3) & (i[None, :] <= i[:, None] + 5)
+    per_head = np.stack([band, both_sides])[None]
+    strided = band & (i[None, :] % 2 == 0)
+    programs = {  # name: (mask, expected (mask_kind, left, right))
+        "flax, causal band": (band[None, None], ("window", 11, 0)),
+        "both sides": (both_sides[None, None], ("window", 3, 5)),
+        "per head": (per_head, (None, None, None)),
+        "not a band": (strided[None, None], (None, None, None)),
+    }
+    for name, (mask, want) in programs.items():
+        f = lambda q, k, v: nn.dot_product_attention(q, k, v, mask=jnp.asarray(mask))
+        [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.op == "attention"]
+        assert tuple(match.params.get(n) for n in ("mask_kind", "left", "right")) == want, name
+        [launch] = _constexprs(f, q, k, v)
+        assert launch["HAS_MASK"] == (want[0] is None), name
+        close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)

@@ -399,3 +399,32 @@ def test_constant_values_are_evaluated_only_when_the_program_fixes_them():
     traced = []
     jax.jit(lambda x: traced.append(constant_value(Graph(closed.jaxpr, closed.consts), causal, 100)) or x)(1.0)
     np.testing.assert_array_equal(traced[0], np.tril(np.ones((5, 5), bool)))
+
+
+def test_a_pattern_closing_over_constants_matches_only_their_values():
+    """Pattern.constants: the template's array constants (jax.nn builds a window's positions with
+    jnp.array(range(n))) become its last inputs; the exact step compares their values with the
+    program's, so the same program over other constants is not taken."""
+    import dataclasses
+
+    from xkern.jaxpr_passes.rewrite import _decide
+
+    positions = lambda n: jnp.array(range(n), jnp.float32)
+    pattern = P.Pattern(name="test/exp(x + positions)", op="test", fn=lambda x: jnp.exp(x + positions(x.shape[-1])),
+                        example=lambda dtype: (ShapedArray((4, 8), dtype),), dtypes=(jnp.float32,),
+                        params_of=lambda match: {}, replace=None, constants=1)
+    template = P.trace(pattern, pattern.example(jnp.float32), {})
+    assert len(template.invars) == 2 and P.template_constants(template)[0].tolist() == list(range(8))
+
+    def decide(program):
+        closed = jax.make_jaxpr(program)(jnp.ones((4, 33)))
+        graph = P.Graph(closed.jaxpr, closed.consts)
+        match = P.unify(template, graph, len(graph.eqns) - 1, strict=False)
+        match.pattern = pattern
+        return _decide(match, set(range(len(graph.eqns))), "interpret", lambda *a: None)[:2]
+
+    assert decide(lambda x: jnp.exp(x + np.arange(33, dtype=np.float32))) == ({}, None)
+    params, reason = decide(lambda x: jnp.exp(x + np.arange(33, dtype=np.float32)[::-1].copy()))
+    assert params is None and "constants differ" in reason
+    with pytest.raises(ValueError, match="closes over 1 array constants, not 0"):
+        P.trace(dataclasses.replace(pattern, constants=0), pattern.example(jnp.float32), {})

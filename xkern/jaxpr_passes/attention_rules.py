@@ -34,6 +34,7 @@ ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
 HALF = (jnp.bfloat16, jnp.float16)
 EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal in the template
 EXAMPLE_FILL = -98765.0  # likewise for a mask's fill value
+EXAMPLE_WINDOW = (777, 555)  # and for a sliding window's (left, right)
 # A fill that hides a key exactly: exp(fill - max) is 0 in float32 for any score the kernels see,
 # and a query whose keys are all hidden averages every value (masked_rows="average").
 MAX_FILL = -1e4
@@ -44,18 +45,21 @@ MAX_FILL = -1e4
 MASK_SHAPES = {"[b,h,q,k]": (2, 4, 8, 8), "[b,1,q,k]": (2, 1, 8, 8), "[1,1,q,k]": (1, 1, 8, 8)}
 
 
-def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = True, lengths: bool = False):
+def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = True, lengths: bool = False,
+                 window: bool = False):
     """jax.nn's attention, traced with grouped k/v heads (grouped) or as many k/v heads as q heads:
     a mask broadcast over heads traces one broadcast more when k/v heads are grouped, so those masks
     take a template of each kind. lengths: with key_value_seq_lengths (the last input), as a decode
-    step against a padded cache passes them."""
-    def fn(q, k, v, *extras, scale):
+    step against a padded cache passes them. window: with local_window_size=(left, right), params
+    (jax.nn builds the window from two position constants: the template's last inputs)."""
+    def fn(q, k, v, *extras, scale, left=None, right=None):
         return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
                                             mask=extras[-1] if mask else None, scale=scale, is_causal=causal,
-                                            key_value_seq_lengths=extras[-1] if lengths else None)
+                                            key_value_seq_lengths=extras[-1] if lengths else None,
+                                            local_window_size=(left, right) if window else None)
     fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
                    f"{'+mask' + mask if mask else ''}{'+key_value_seq_lengths' if lengths else ''}"
-                   f"{'' if grouped else ', one k/v head per q head'}")
+                   f"{'+local_window_size' if window else ''}{'' if grouped else ', one k/v head per q head'}")
     fn.grouped = grouped
     return fn
 
@@ -135,9 +139,11 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     return fn
 
 
-def _params_of(scale: bool, fill: bool):
+def _params_of(scale: bool, fill: bool, window: bool = False):
     def params_of(match) -> dict:
         params = {"scale": literal_at(match, EXAMPLE_SCALE)} if scale else {}
+        if window:
+            params.update(zip(("left", "right"), (int(literal_at(match, n)) for n in EXAMPLE_WINDOW)))
         return {**params, "fill": literal_at(match, EXAMPLE_FILL)} if fill else params
     return params_of
 
@@ -164,16 +170,18 @@ def _check(layout):
 
 
 # Masks the program computes from constants (a causal mask from iota or tril, as flax's
-# make_causal_mask builds it, batch axis included) are evaluated on the device when planning, up to
-# this many elements (b16 s4096), and a causal or all-true one is dropped for causal=True or no mask:
-# those take the unmasked kernels (the warp-specialized ones on Hopper) instead of the tile lists a
+# make_causal_mask builds it, batch axis included; a sliding window's band) are evaluated on the
+# device when planning, up to this many elements (b16 s4096), and a causal, banded or all-true one is
+# dropped for causal=True, local_window_size or no mask: those take the unmasked kernels (the
+# warp-specialized ones on Hopper; a window's visits only its blocks) instead of the tile lists a
 # mask needs.
 CONSTANT_MASK_ELEMENTS = 1 << 28
 
 
 def _mask_facts(match) -> dict:
     """{"mask_kind": "causal" | "none"} when the matched mask (the last input) is a constant of that
-    kind, else {}."""
+    kind, {"mask_kind": "window", "left": l, "right": r} for the same band of keys i - l ... i + r
+    in every batch entry and head, else {}."""
     mask = constant_value(match.graph, match.inputs[-1], CONSTANT_MASK_ELEMENTS)
     if mask is None or mask.ndim < 2:
         return {}
@@ -181,16 +189,24 @@ def _mask_facts(match) -> dict:
         if bool(jnp.all(mask)):
             return {"mask_kind": "none"}
         sq, sk = mask.shape[-2:]
-        if bool(jnp.all(mask == (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]))):
+        offset = jnp.arange(sk)[None, :] - jnp.arange(sq)[:, None]  # key position - query position
+        if bool(jnp.all(mask == (offset <= 0))):
             return {"mask_kind": "causal"}
-    return {}
+        first = mask.reshape(-1, sq, sk)[0]
+        if not bool(jnp.any(first)) or not bool(jnp.all(mask == first)):
+            return {}
+        left, right = (int(jnp.max(jnp.where(first, sign * offset, -sq - sk))) for sign in (-1, 1))
+        if left < 0 or right < 0 or not bool(jnp.all(first == ((offset >= -left) & (offset <= right)))):
+            return {}
+    return {"mask_kind": "window", "left": left, "right": right}
 
 
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
-             scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False):
+             scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False):
     """Inputs q, k, v, then the bias and the mask where the spelling has them (with_bias / with_mask:
     True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
-    bias is float32, or else in q's dtype."""
+    bias is float32, or else in q's dtype. window: jax.nn's local_window_size, whose two position
+    constants follow (unread by the replacement)."""
     shapes = shapes or MASK_SHAPES
 
     def example(dtype):
@@ -204,7 +220,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
         return (q, kv, kv, *bias, *mask, *lengths)
 
-    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None):
+    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None):
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -217,19 +233,24 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         lengths = extras[-1] if with_lengths else None
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
-        average = mask is not None and (fill is None or np.isfinite(fill))
+        banded = window or mask_kind == "window"  # a band can hide every key of a query
+        average = (mask is not None or banded) and (fill is None or np.isfinite(fill))
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
-                                kv_lengths=lengths, masked_rows="average" if average else "zeros")
+                                kv_lengths=lengths, masked_rows="average" if average else "zeros",
+                                local_window_size=(left, right) if banded else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
-    example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {})}
+    example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
+                      **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {})}
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
-                   example_params=example_params, params_of=_params_of(params, fill), check=_check(layout),
+                   example_params=example_params, params_of=_params_of(params, fill, window), check=_check(layout),
                    replace=replace, facts_of=_mask_facts if with_mask else (lambda match: {}),
-                   ignores=lambda params: {3 + bool(with_bias)} if params.get("mask_kind") else set())
+                   ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
+                                           {3, 4} if window else set()),
+                   constants=2 if window else 0)
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -237,6 +258,8 @@ PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=caus
             for grouped in ((True, False) if mask and mask != "[b,h,q,k]" else (True,))]
 PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), ALL, causal=causal, with_lengths=True)
              for causal in (False, True) for grouped in (True, False)]
+PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causal=causal, window=True)
+             for causal in (False, True)]  # (the same template with one k/v head per q head)
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)

@@ -45,6 +45,9 @@ class Pattern:
     the matched inputs, such as the kind of a mask it computes from constants.
     ignores(params): indices of inputs the replacement does not read at these params (it gets None
     for them, and what only they needed is dead).
+    constants: how many array constants the pattern closes over (jax.nn's window builds its
+    positions with jnp.array(range(n))): they become the template's last inputs, matched to the
+    program's constants, whose values the exact step then compares with the re-trace's.
     """
     name: str
     op: str
@@ -60,6 +63,7 @@ class Pattern:
     # The first input may be a sum x + r made just before: then replace(x, ..., residual=r) also
     # returns x + r, and the add is folded into the kernel (a norm after a residual connection).
     folds_residual_add: bool = False
+    constants: int = 0
 
 
 @dataclasses.dataclass
@@ -266,12 +270,34 @@ def same_jaxpr(a, b) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 def trace(pattern: Pattern, avals, params: dict) -> Jaxpr:
-    """The canonical jaxpr of `pattern.fn` at these input avals and params."""
+    """The canonical jaxpr of `pattern.fn` at these input avals and params, its constants (as many
+    as pattern.constants) lifted into its last inputs (see template_constants)."""
     closed = jax.make_jaxpr(functools.partial(pattern.fn, **params))(*avals)
     closed = dce(canonicalize(closed))
-    if closed.consts:
-        raise ValueError(f"pattern {pattern.name} closes over array constants; use Python scalars")
-    return closed.jaxpr
+    if len(closed.consts) != pattern.constants:
+        raise ValueError(f"pattern {pattern.name} closes over {len(closed.consts)} array constants, not "
+                         f"{pattern.constants} (its `constants`); use Python scalars")
+    if not closed.consts:
+        return closed.jaxpr
+    jaxpr = closed.jaxpr.replace(constvars=[], invars=[*closed.jaxpr.invars, *closed.jaxpr.constvars])
+    _CONSTANTS[id(jaxpr)] = (jaxpr, [np.asarray(c) for c in closed.consts])
+    return jaxpr
+
+
+_CONSTANTS: dict[int, tuple] = {}  # id -> (template, values): only the few patterns with constants
+
+
+def template_constants(template: Jaxpr) -> list:
+    """The values of the constants `trace` lifted into `template`'s last inputs."""
+    entry = _CONSTANTS.get(id(template))
+    return list(entry[1]) if entry is not None and entry[0] is template else []
+
+
+def same_constants(graph: Graph, program_vars, values) -> bool:
+    """Whether each program var is a constant of the program holding that value."""
+    program_vars = list(program_vars)
+    return len(program_vars) == len(values) and all(v in graph.consts and np.shape(graph.consts[v]) == np.shape(value)
+               and bool(np.all(np.asarray(graph.consts[v]) == value)) for v, value in zip(program_vars, values))
 
 
 _trace_cached = functools.lru_cache(maxsize=4096)(

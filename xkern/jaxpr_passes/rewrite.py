@@ -18,7 +18,7 @@ from xkern.fusion import grouping
 from xkern.kernels import generated
 from xkern.jaxpr_passes.canonicalize import bind_equation, canonicalize, live_equations
 from xkern.jaxpr_passes.graph import Graph, aval_bytes
-from xkern.jaxpr_passes.patterns import Match, registry, retrace, unify
+from xkern.jaxpr_passes.patterns import Match, registry, retrace, same_constants, template_constants, unify
 
 # Higher-order primitives whose bodies are not rewritten: xkern's own ops are custom_vjp calls, and
 # a custom_vjp's body is only the un-differentiated path of a function that has its own rules.
@@ -131,13 +131,16 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     pattern = match.pattern
     try:
         params = pattern.params_of(match)
-        exact = retrace(pattern, match.input_avals, params)
+        exact = retrace(pattern, match.input_avals[:len(match.inputs) - pattern.constants], params)
     except Exception as e:  # a pattern that cannot be traced here is a near miss, not a crash
         return None, f"the pattern does not apply at these inputs ({type(e).__name__}: {e})", False
     again = unify(exact, match.graph, match.anchor, strict=True)
     if again is None or any(a is not b for a, b in zip(again.inputs, match.inputs)):
         return None, (f"differs from {pattern.name} at these shapes and params "
                       f"(e.g. reductions over other axes, other dtypes)"), False
+    lifted = again.inputs[len(again.inputs) - pattern.constants:]
+    if not same_constants(match.graph, lifted, template_constants(exact)):
+        return None, f"its constants differ from {pattern.name}'s at these shapes and params", False
     out = match.graph.eqns[match.anchor].outvars[0]
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])

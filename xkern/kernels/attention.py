@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
 
@@ -47,7 +48,7 @@ LOG2E = 1.4426950408889634
 
 
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
-              masked_rows="zeros"):
+              masked_rows="zeros", local_window_size=None):
     """The definition (and the `xla` backend), float32 math: scores materialized."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -56,7 +57,7 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0])
+    visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0], _window_of(local_window_size))
     s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
     m = jnp.max(s, -1, keepdims=True)
@@ -65,11 +66,16 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
 
 
-def _visible(sq, sk, causal, mask, kv_lengths, batch):
-    """Which keys each query sees, broadcastable to [batch, heads, sq, sk]."""
+def _visible(sq, sk, causal, mask, kv_lengths, batch, window=None):
+    """Which keys each query sees, broadcastable to [batch, heads, sq, sk]; window: (left, right),
+    -1 unbounded."""
     visible = jnp.ones((1, 1, sq, sk), bool)
     if causal:
         visible = visible & (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None])
+    if window is not None:
+        offset = jnp.arange(sk)[None, :] - jnp.arange(sq)[:, None]  # key position - query position
+        left, right = window
+        visible = visible & ((left < 0) | (offset >= -left)) & ((right < 0) | (offset <= right))
     if mask is not None:
         visible = visible & mask
     if kv_lengths is not None:
@@ -116,7 +122,7 @@ def _tile_list(tiles_ptr, b, h, row, n_rows, n_cols, MASK_B: tl.constexpr, MASK_
 
 @triton.jit
 def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
             MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
             BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr):
     """log2-domain scores of a [BLOCK_M, BLOCK_N] block with every mask applied (-inf where a key is
@@ -126,6 +132,10 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
     visible = (cols[None, :] < kv_len) & (rows[:, None] < sq)
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None])
+    if WINDOW_L >= 0:  # a sliding window: keys from WINDOW_L before the query to WINDOW_R after it
+        visible = visible & (cols[None, :] >= rows[:, None] - WINDOW_L)
+    if WINDOW_R >= 0:
+        visible = visible & (cols[None, :] <= rows[:, None] + WINDOW_R)
     offs = rows[:, None].to(tl.int64) * sk + cols[None, :]
     in_bounds = (rows[:, None] < sq) & (cols[None, :] < sk)
     if HAS_MASK:
@@ -180,9 +190,65 @@ def _key_tile(pid_n, bhk, sk, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK_N: 
 
 
 @triton.jit
+def _window_keys(first_row, kv_len, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, UNMASKED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Under a sliding window, the key blocks of the query block from `first_row` (the forward's and
+    dq's programs) as (first, lo, hi, end): [first, lo) and [hi, end) masked, [lo, hi) every row
+    sees whole (none unless UNMASKED: a bias takes every block masked). No row sees a key outside
+    [first, end), so those blocks are never visited: the cost is linear in the window."""
+    first = 0
+    lo = 0
+    if WINDOW_L >= 0:
+        first = tl.maximum(first_row - WINDOW_L, 0) // BLOCK_N * BLOCK_N
+        lo = tl.cdiv(tl.maximum(first_row + BLOCK_M - 1 - WINDOW_L, 0), BLOCK_N) * BLOCK_N
+    end = kv_len
+    hi = kv_len // BLOCK_N * BLOCK_N
+    if WINDOW_R >= 0:
+        end = tl.minimum(kv_len, first_row + BLOCK_M + WINDOW_R)
+        hi = tl.minimum(hi, (first_row + WINDOW_R + 1) // BLOCK_N * BLOCK_N)
+    end = tl.maximum(end, first)
+    whole_end = tl.cdiv(end, BLOCK_N) * BLOCK_N
+    if UNMASKED:
+        lo = tl.minimum(tl.maximum(lo, first), whole_end)
+        hi = tl.minimum(tl.maximum(hi, lo), whole_end)
+    else:
+        lo = first
+        hi = first
+    return first, lo, hi, end
+
+
+@triton.jit
+def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, UNMASKED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The same for the key block from `first_key` (the dk/dv programs): its query blocks as
+    (first, lo, hi, last), [lo, hi) those that see every key of the block."""
+    last_key = first_key + BLOCK_N - 1
+    first = 0
+    lo = 0
+    if WINDOW_R >= 0:
+        first = tl.maximum(first_key - WINDOW_R, 0) // BLOCK_M * BLOCK_M
+        lo = tl.cdiv(tl.maximum(last_key - WINDOW_R, 0), BLOCK_M) * BLOCK_M
+    last = sq
+    hi = sq // BLOCK_M * BLOCK_M
+    if WINDOW_L >= 0:
+        last = tl.minimum(sq, last_key + WINDOW_L + 1)
+        hi = tl.minimum(hi, (first_key + WINDOW_L + 1) // BLOCK_M * BLOCK_M)
+    last = tl.where(first_key < kv_len, tl.maximum(last, first), first)  # keys past the length: no query
+    whole_last = tl.cdiv(last, BLOCK_M) * BLOCK_M
+    if UNMASKED:
+        whole = last_key < kv_len
+        lo = tl.where(whole, tl.minimum(tl.maximum(lo, first), whole_last), first)
+        hi = tl.where(whole, tl.minimum(tl.maximum(hi, lo), whole_last), first)
+    else:
+        lo = first
+        hi = first
+    return first, lo, hi, last
+
+
+@triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-               CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
                DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
@@ -190,7 +256,7 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
                     HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
@@ -239,7 +305,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-         CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+         CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
          HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
          DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
          WS: tl.constexpr):
@@ -264,18 +330,18 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS,
                                            BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N,
                                        rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
                                        True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N,
                                        rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
                                        True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
@@ -285,19 +351,32 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
             interior = (kv_len // BLOCK_N) * BLOCK_N
             if CAUSAL:
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
-        if WS:
+        if WINDOW_L >= 0 or WINDOW_R >= 0:
+            first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M,
+                                              BLOCK_N)
+            for start in range(lo, hi, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           DOT_F32, False, BLOCK_N, BLOCK_D)
+            for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
+                acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
+                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS,
+                                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+        elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
                                                   pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
                                                   HEADS, DOT_F32, BLOCK_N, BLOCK_D)
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N,
                                            BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
                                            BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
@@ -337,7 +416,7 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask and bias (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
-                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, False, False, False, False, False,
+                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
                                    False, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
@@ -398,13 +477,14 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
                   QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
                   HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
                   DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
     chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
+    tl.static_assert(WINDOW_L < 0 and WINDOW_R < 0)  # sliding windows take the kernels above (Static.fit)
     split, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // KV_HEADS, bhk % KV_HEADS
     group = HEADS // KV_HEADS
@@ -428,7 +508,7 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, False, False, False, False, False,
+                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False, False, False,
                                    False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
@@ -450,12 +530,12 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
 
 @triton.jit
 def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
-                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
                    BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
     """p of a block recomputed from the forward's lse (both backward kernels)."""
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
                     HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
     return tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
@@ -464,7 +544,7 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr,
                 mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
                 HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DOT_F32: tl.constexpr,
                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
@@ -479,7 +559,7 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
     else:
         lse = tl.load(lse_ptr + stats)
         delta = tl.load(delta_ptr + stats)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
     ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
@@ -541,7 +621,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
               QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-              D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+              D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
               MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
               HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, WS: tl.constexpr):
@@ -556,7 +636,7 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
-                                 KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN,
+                                 KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN,
                                  DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
@@ -586,7 +666,7 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
             # k_ptr stands for the absent mask and bias (their flags keep them unread)
             dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, False, False, False, False,
+                                 delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False, False,
                                  False, False, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -598,7 +678,7 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 @triton.jit
 def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
                     sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                     MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
                     BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -617,18 +697,18 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL,
+                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
                                          HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, HAS_BIAS,
                                          BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk,
                                      kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
                                      True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk,
                                      kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
                                      True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
@@ -637,7 +717,10 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         last = tl.where(pid_n * BLOCK_N < kv_len, sq, 0)
         lo = first
         hi = first
-        if not HAS_BIAS:
+        if WINDOW_L >= 0 or WINDOW_R >= 0:
+            first, lo, hi, last = _window_queries(pid_n * BLOCK_N, kv_len, sq, WINDOW_L, WINDOW_R, not HAS_BIAS,
+                                                  BLOCK_M, BLOCK_N)
+        elif not HAS_BIAS:
             whole = (pid_n + 1) * BLOCK_N <= kv_len  # every key of the block inside the length
             below = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M if CAUSAL else first
             lo = tl.where(whole, tl.minimum(below, last), first)
@@ -645,12 +728,12 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, HAS_MASK,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                                      MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
     return dk, dv
 
@@ -658,7 +741,7 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
               mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
               DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
@@ -666,7 +749,7 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL,
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
     return dq + _dot(ds.to(k.dtype), k, DOT_F32)
@@ -677,7 +760,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
             sq, sk,
             dq_ptr,  # output, like q
             QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-            D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+            D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
             MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
             HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, WS: tl.constexpr):
@@ -691,7 +774,7 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                            delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
-                           D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN, DOT_F32,
+                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN, DOT_F32,
                            BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
@@ -745,7 +828,7 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask and bias (their flags keep them unread)
         dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
-                       k_ptr, QK_SCALE, KV_HEADS, D, True, False, False, False, False, False, False, HEADS,
+                       k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False, False, HEADS,
                        DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
@@ -754,7 +837,7 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
 @triton.jit
 def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
                   sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                   MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
                   BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -774,16 +857,27 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                               mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                                BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, False,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False,
                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
                            MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+    elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
+        first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+        for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
+                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True,
+                           BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         interior = 0  # as the forward's: key blocks every query of the block sees
@@ -793,11 +887,11 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                            BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                            BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     return dq
 
@@ -994,7 +1088,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     """Each kernel's config, autotuned per problem on a GPU (cached on disk; see tuning/autotune)."""
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
-           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}")
+           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else ""))
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
@@ -1036,15 +1130,17 @@ class Static:
     backend: str
     configs: tuple
     average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
+    window: tuple | None = None  # a sliding window's (left, right), -1 = unbounded (see attention)
 
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh)
+        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.window)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
-        decode = rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
+        decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
+                  and not self.window)
         return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
                 "causal_square": q.shape[1] if causal_square else 0,
@@ -1053,8 +1149,10 @@ class Static:
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
         bias_b, bias_h = self.bias_bh or (False, False)
+        window_l, window_r = self.window or (-1, -1)
         return {"QK_SCALE": self.scale * LOG2E, "HEADS": q.shape[2], "KV_HEADS": k.shape[2],
-                "D": q.shape[3], "CAUSAL": self.causal, "HAS_MASK": self.mask_bh is not None,
+                "D": q.shape[3], "CAUSAL": self.causal, "WINDOW_L": window_l,
+                "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
                 "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
                 "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len,
                 "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
@@ -1343,7 +1441,7 @@ def _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
     s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale + bias.astype(jnp.float32)
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
-                       kv_len, q.shape[0])
+                       kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
     ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf) - delta[..., None])
     summed = tuple(i for i in (0, 1) if bias.shape[i] == 1)
@@ -1401,8 +1499,36 @@ def _check(q, k, v, scale, kv_lengths):
 MASKED_ROWS = ("zeros", "average")
 
 
+def _window_of(local_window_size) -> tuple | None:
+    """jax.nn's local_window_size (an int, or (left, right) with None for no bound) as (left, right),
+    -1 for no bound; None for no window."""
+    if local_window_size is None:
+        return None
+    sizes = (local_window_size,) * 2 if isinstance(local_window_size, (int, np.integer)) else local_window_size
+    if (not isinstance(sizes, (tuple, list)) or len(sizes) != 2 or isinstance(local_window_size, bool)
+            or any(not (n is None or isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0)
+                   for n in sizes)):
+        raise ValueError("attention: local_window_size must be an int >= 0 or a pair (left, right) of ints >= 0 "
+                         f"(or None for no bound); got {local_window_size!r}")
+    return tuple(-1 if n is None else int(n) for n in sizes)
+
+
+def _kernel_window(window, causal: bool, sq: int, sk: int) -> tuple[bool, tuple | None]:
+    """(causal, window) as the kernels take them: a causal window ends at the query (right = 0, the
+    causal flag dropped: the window's compare does it); a bound no query reaches is dropped; what
+    is left of a window without a left bound is causal (right = 0) or nothing."""
+    if window is None:
+        return causal, None
+    left, right = window
+    left = -1 if left >= sq - 1 else left  # every key before each query is inside it
+    right = 0 if causal else (-1 if right >= sk - 1 else right)
+    if left < 0 and right <= 0:
+        return right == 0, None
+    return False, (left, right)
+
+
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
-              kv_lengths=None, masked_rows: str = "zeros", backend: str | None = None):
+              kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -1411,6 +1537,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     mask: boolean, broadcastable to [batch, heads, q_seq, kv_seq]; True = visible.
     bias: additive, broadcastable likewise (its gradient, if used, is computed by XLA).
     scale: default 1 / sqrt(head_dim). kv_lengths [batch]: keys at or past the length are padding.
+    local_window_size: a sliding window, as jax.nn's: (left, right) lets query i see keys
+        i - left ... i + right (an int n: (n, n); None on a side: no bound; with causal, right is 0).
+        The kernels visit only the key blocks inside it, so the cost grows with the window, not
+        with the sequence.
     masked_rows: what a query gets whose keys are all hidden by `mask` / `causal`: "zeros", or
         "average", the mean of every value (jax.nn.dot_product_attention's and flax's result: they
         fill hidden scores with a large negative number). Keys past kv_lengths never count.
@@ -1420,6 +1550,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     -2.3e38 (finfo.min) counts as hidden (masked_rows applies).
     """
     _check(q, k, v, scale, kv_lengths)
+    window = _window_of(local_window_size)
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"attention: masked_rows must be one of {', '.join(MASKED_ROWS)}; got {masked_rows!r}")
     backend = L.resolve_backend(backend)
@@ -1432,12 +1563,16 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
-                         masked_rows=masked_rows)
+                         masked_rows=masked_rows, local_window_size=local_window_size)
+    causal, window = _kernel_window(window, bool(causal), sq, sk)
+    if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
+        mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
     kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
     if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
-    st = Static(bool(causal), scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows == "average")
+    st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows == "average",
+                window)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)
@@ -1449,14 +1584,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
-    heuristic picks: causal with GQA at head dims 64 / 128 / 256 and every option (mask, bias,
-    kv_lengths) at 128; for the first target of each vendor also every option in float32 (the most
+    heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
+    kv_lengths) and a causal sliding window at 128; for the first target of each vendor also every option in float32 (the most
     shared memory) and a causal mask alone (its visible runs take the unmasked path)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
-                (128, "bf16", every_option)]
+                (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
                   (128, "bf16", {})]  # on sm_90 the warp-specialized forward and dk/dv
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
@@ -1494,7 +1629,9 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
     consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-    tag = f"attention/{target}/d{d}/{dtype}/" + {0: "plain", 1: "causal-gqa", 4: "options"}.get(len(options), "causal-mask")
+    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 4: "options"}.get(len(options),
+                                                                                               "causal-mask")
+    tag = f"attention/{target}/d{d}/{dtype}/{kind}"
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
