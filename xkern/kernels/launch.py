@@ -60,6 +60,28 @@ def _init_triton_mode() -> bool:
 INTERPRET = _init_triton_mode()
 
 
+def _interpreter_indexes_numpy_scalars() -> None:
+    """Triton before 3.9 turns a scalar tensor into a Python int (a loop bound, an index) with
+    `int(array)`, which NumPy >= 2.4 refuses for the interpreter's one-element scalars; 3.9
+    squeezes first. Give the older interpreter 3.9's conversion, so both run every kernel."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_index", False):
+        return
+
+    def patch_tensor_squeezing_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_squeezing_index.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_tensor_squeezing_index
+
+
+if INTERPRET:
+    _interpreter_indexes_numpy_scalars()
+
+
 def resolve_backend(backend: str | None = None) -> str:
     """The backend an op runs on: the `backend` argument, else `XKERN_BACKEND`, else the platform's."""
     chosen = backend or _backend_from_env() or platform_backend()
