@@ -846,3 +846,44 @@ def test_constant_band_masks_run_as_windows():
         [launch] = _constexprs(f, q, k, v)
         assert launch["HAS_MASK"] == (want[0] is None), name
         close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+
+
+@pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_window_dkdv_on_hopper")
+@pytest.mark.parametrize("shape, window", [((1, 48, 48, 4, 2, 16), (10, 0)), ((2, 40, 64, 2, 1, 16), (7, 20)),
+                                           ((1, 64, 64, 2, 2, 16), (3, 3))])
+def test_warp_specialized_window_dkdv_adds_the_edges_after(shape, window):
+    """A sliding window on Hopper: the warp-specialized dk/dv takes the query blocks that see the
+    whole key block, then _dkdv_diagonal the window's edges (all of it when the window is narrower
+    than the tile). Through the interpreter, against the reference's gradients. The tiles are
+    offered to dk/dv only (the forward's tied the two-loop kernel), and only for whole key blocks."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    b, sq, sk, h, hk, d = shape
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=23)
+    st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), False, window)
+    ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1, BLOCK_N=32), st.configs[2]))
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
+    want = jax.vjp(lambda *a: reference(*a, local_window_size=window), q, k, v)[1](do)
+    for g, w in zip(backward(q, k, v), want):
+        close(g, w, jnp.float32)
+    assert "attention_dkdv_diagonal" in kernel_names(jax.make_jaxpr(backward)(q, k, v))
+    offered = lambda kernel, keys: A.candidates(kernel, 128, "triton", "cuda", tma=True, window_keys=keys)[0]["WS"]
+    assert offered("dkdv", 4096) and not offered("dkdv", 4000) and not offered("fwd", 4096) and not offered("dq", 4096)
+
+
+@pytest.mark.skipif(not L.tma_supported(), reason="needs a GPU with TMA (Hopper): the tiles the H200 runs")
+@pytest.mark.parametrize("window", [(256, 0), (100, 28)])
+def test_warp_specialized_window_dkdv_on_hopper(window):
+    """On a Hopper GPU a sliding window's dk/dv runs warp-specialized at the measured tiles, then
+    _dkdv_diagonal adds the window's edges: values and every gradient against the reference."""
+    q, k, v, do = make(1, 1024, 1024, 4, 2, 128, jnp.bfloat16, seed=13)
+    f = lambda q, k, v: attention(q, k, v, local_window_size=window)
+    want_o, vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), local_window_size=window), q, k, v)
+    got_o, got_vjp = jax.vjp(f, q, k, v)
+    close(got_o, want_o, jnp.bfloat16)
+    for got, want in zip(got_vjp(do), vjp(do.astype(jnp.float32))):
+        close(got, want, jnp.bfloat16)
+    ran = {e.params["kernel"]: dict(e.params["config"].meta)
+           for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
+    assert ran["attention_bwd_dkdv"].get("WS") and "attention_dkdv_diagonal" in ran
+    assert not ran["attention_fwd"].get("WS")

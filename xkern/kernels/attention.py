@@ -122,8 +122,8 @@ def _tile_list(tiles_ptr, b, h, row, n_rows, n_cols, MASK_B: tl.constexpr, MASK_
 
 @triton.jit
 def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-            MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+            HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
             BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr):
     """log2-domain scores of a [BLOCK_M, BLOCK_N] block with every mask applied (-inf where a key is
     not visible): for the blocks on an edge (the causal diagonal, the last keys or queries) and for
@@ -248,16 +248,17 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-               HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
-               DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+               BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
-                    HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
+                    WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
         p = tl.exp2(s - shift[:, None])
@@ -305,10 +306,10 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-         CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-         WS: tl.constexpr):
+         CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+         MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+         BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
@@ -330,19 +331,19 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS,
-                                           BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N,
                                        rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                                       True, BLOCK_N, BLOCK_D)
+                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N,
                                        rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                                       True, BLOCK_N, BLOCK_D)
+                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
@@ -371,14 +372,14 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N,
-                                           BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
-                                           BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -477,10 +478,10 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
                   QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
     chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
@@ -508,8 +509,8 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False, False, False,
-                                   False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False, False,
+                                   False, False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
     whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
@@ -530,13 +531,14 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
 
 @triton.jit
 def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
-                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                   MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                   BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+                   HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
+                   MASKED: tl.constexpr):
     """p of a block recomputed from the forward's lse (both backward kernels)."""
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
-                    HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
+                    WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
     return tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
 
@@ -544,9 +546,10 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr,
                 mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DOT_F32: tl.constexpr,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+                MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                BIAS_H: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
@@ -559,8 +562,8 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
     else:
         lse = tl.load(lse_ptr + stats)
         delta = tl.load(delta_ptr + stats)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
-                       HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
+                       WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
     ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
     dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
@@ -584,16 +587,18 @@ def _backward_descriptors(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, batch
 
 
 @triton.jit
-def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b, hk,
+def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n, b, hk,
                            QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, WS: tl.constexpr):
-    """dk and dv of one key block over the query blocks from `first` on of every query head sharing
+    """dk and dv of one key block over the query blocks in [first, last) of every query head sharing
     its key head, for a problem without masking (sq and sk multiples of the tiles; causal: only the
-    query blocks below the diagonal block, which _dkdv_diagonal adds after), warp-specialized as the
-    forward (_fwd_warp_specialized: one loop, TMA loads only, 2-D views; lse and delta 1-D), the
-    heads and query blocks flattened into that one loop. On the H200 (b4 s4096 d128) 3.35 ms
-    against 6.09 for the two-loop kernel."""
+    query blocks below the diagonal block; a sliding window: only those that see the whole key
+    block; _dkdv_diagonal completes both after), warp-specialized as the forward
+    (_fwd_warp_specialized: one loop, TMA loads only, 2-D views; lse and delta 1-D), the heads and
+    query blocks flattened into that one loop. On the H200 (b4 s4096 d128) 3.35 ms against 6.09 for
+    the two-loop kernel; sliding windows of 1024-4096 keys (b1 s8192-16384 h32/8): forward+backward
+    16-21% faster than with the two-loop dk/dv."""
     batch = tl.num_programs(1) // KV_HEADS
     group = HEADS // KV_HEADS
     q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc = _backward_descriptors(
@@ -602,7 +607,7 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
     v = v_desc.load([b * sk + pid_n * BLOCK_N, hk * D])
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    n_q_blocks = (sq - first) // BLOCK_M
+    n_q_blocks = (last - first) // BLOCK_M
     for i in tl.range(0, group * n_q_blocks, warp_specialize=True):
         h, start = hk * group + i // n_q_blocks, first + (i % n_q_blocks) * BLOCK_M
         q = q_desc.load([b * sq + start, h * D])
@@ -621,23 +626,25 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
               QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-              D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-              MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-              HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, WS: tl.constexpr):
+              D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+              HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
     if WS:
         tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
-        first = (pid_n + 1) * BLOCK_N if CAUSAL else 0  # causal: below the diagonal block
-        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, pid_n, b,
-                                        hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
+        first, last = (pid_n + 1) * BLOCK_N if CAUSAL else 0, sq  # causal: below the diagonal block
+        if WINDOW_L >= 0 or WINDOW_R >= 0:
+            _, first, last, _ = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, True, BLOCK_M, BLOCK_N)
+        dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n,
+                                        b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
-                                 KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN,
-                                 DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                                 BIAS_H, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -649,11 +656,14 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
                    dk_ptr, dv_ptr,  # outputs, written over dk_part and dv_part
                    QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                    D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
+                   BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr, SKIPPED_M: tl.constexpr, WINDOW_L: tl.constexpr,
+                   WINDOW_R: tl.constexpr):
     """Causal dk and dv: the part of the diagonal blocks the warp-specialized kernel skipped (for
     its key block of SKIPPED keys, the queries [first key, first key + SKIPPED)), masked, for each
     query head sharing the key head, added to what it wrote. Its own key blocks may be smaller
-    (BLOCK_N divides SKIPPED): a query block that sees none of them is not visited. sq == sk."""
+    (BLOCK_N divides SKIPPED): a query block that sees none of them is not visited. sq == sk.
+    Under a sliding window instead, the window's edges: the query blocks that see this key block
+    outside the [lo, hi) of the warp-specialized kernel's SKIPPED_M x SKIPPED tiles."""
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
@@ -661,13 +671,27 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    for h in range(hk * group, hk * group + group):
-        end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
-        for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
-            # k_ptr stands for the absent mask and bias (their flags keep them unread)
-            dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False, False,
-                                 False, False, DOT_F32, True, BLOCK_M, BLOCK_D)
+    # k_ptr stands for the absent mask and bias (their flags keep them unread)
+    if WINDOW_L >= 0 or WINDOW_R >= 0:
+        first, _, _, last = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, False, BLOCK_M, BLOCK_N)
+        _, lo, hi, _ = _window_queries(pid_n * BLOCK_N // SKIPPED * SKIPPED, sk, sq, WINDOW_L, WINDOW_R, True,
+                                       SKIPPED_M, SKIPPED)
+        # (an empty [lo, hi) of the warp-specialized kernel's may lie outside this block's queries)
+        lo = tl.minimum(tl.maximum(lo, first), tl.cdiv(last, BLOCK_M) * BLOCK_M)
+        hi = tl.maximum(hi, lo)
+        for h in range(hk * group, hk * group + group):
+            for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, False,
+                                     WINDOW_L, WINDOW_R, False, False, False, False, False, False, DOT_F32, True,
+                                     BLOCK_M, BLOCK_D)
+    else:
+        for h in range(hk * group, hk * group + group):
+            end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
+            for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
+                                     delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False,
+                                     False, False, False, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -678,10 +702,10 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 @triton.jit
 def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
                     sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                    BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+                    WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk and dv of one key block: under a mask the listed query blocks, else the interior ones
     unmasked and the edges (causal diagonal, last partial block) masked."""
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
@@ -697,19 +721,19 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
-                                         HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, HAS_BIAS,
-                                         BLOCK_M, BLOCK_D)
+                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                         WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                         HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk,
                                      kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
-                                     True, BLOCK_M, BLOCK_D)
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk,
                                      kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
-                                     True, BLOCK_M, BLOCK_D)
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
         # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
@@ -728,29 +752,32 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False, BLOCK_M, BLOCK_D)
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False,
+                                     BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True,
+                                     BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
               mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
-              DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+              MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+              BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L, WINDOW_R,
-                       HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
+                       WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
     return dq + _dot(ds.to(k.dtype), k, DOT_F32)
 
@@ -760,10 +787,10 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
             sq, sk,
             dq_ptr,  # output, like q
             QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-            D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-            MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-            HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, WS: tl.constexpr):
+            D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+            HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
@@ -774,8 +801,8 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_p
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
                            delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
-                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HAS_KV_LEN, DOT_F32,
-                           BLOCK_M, BLOCK_N, BLOCK_D)
+                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                           HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
@@ -837,10 +864,10 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
 @triton.jit
 def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
                   sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+                  WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -857,16 +884,18 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                               BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                               mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                               MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False,
-                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                           BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                           BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
@@ -887,12 +916,12 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                           BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     return dq
 
 
@@ -1020,7 +1049,7 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
                tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
-               causal_square: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
+               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
@@ -1028,8 +1057,10 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     masking (see Static.fit; 0 otherwise), multiples of the tile's BLOCK_N (and, for dk/dv, BLOCK_M);
     or `causal_square`, the length of a causal problem with as many queries as keys and no other
     masking, a multiple of the tile's program block (the diagonal blocks then take _fwd_diagonal /
-    _dkdv_diagonal). `split_kv`: (query rows per key head, batch x key heads, keys) of a problem the
-    split-key forward takes (Static.fit), whose tiles then come first."""
+    _dkdv_diagonal); or `window_keys`, the key count of a sliding-window problem with no other
+    masking (dk/dv's: the window's edges then take _dkdv_diagonal). `split_kv`: (query rows per key
+    head, batch x key heads, keys) of a problem the split-key forward takes (Static.fit), whose
+    tiles then come first."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
     split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
@@ -1043,8 +1074,10 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tma = (L.tma_supported() if on_device else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
     tiles = TILES[(gpu, kernel, width)]
-    if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square):
+    if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys):
         def fits(bm, bn):
+            if window_keys:  # dk/dv only: the forward tied the two-loop kernel (H200, windows 256-4096)
+                return kernel == "dkdv" and window_keys % bn == 0
             if causal_square:  # the diagonal blocks by _fwd_diagonal / _dkdv_diagonal / _dq_diagonal
                 if (kernel, head_dim) in WS_NOT_CAUSAL:
                     return False
@@ -1137,13 +1170,14 @@ class Static:
         needs masking at all (the warp-specialized forward cannot mask)."""
         plain = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.window)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
+        windowed = not (self.has_kv_len or self.mask_bh or self.bias_bh) and self.window
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
         decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
                   and not self.window)
         return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
-                "causal_square": q.shape[1] if causal_square else 0,
+                "causal_square": q.shape[1] if causal_square else 0, "window_keys": k.shape[1] if windowed else 0,
                 "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
 
     def constexprs(self, q, k) -> dict:
@@ -1270,7 +1304,7 @@ def _dkdv_diagonal_config(dkdv: L.Config, gpu: str) -> L.Config:
     """_dkdv_diagonal's tile after the warp-specialized dk/dv at `dkdv` (no larger than its keys)."""
     bn, bm, warps, stages = DIAGONAL_TILES[("dkdv", gpu)]
     return L.Config.of(BLOCK_M=bm, BLOCK_N=min(bn, dkdv["BLOCK_N"]), BLOCK_D=dkdv["BLOCK_D"],
-                       SKIPPED=dkdv["BLOCK_N"], num_warps=warps, num_stages=stages)
+                       SKIPPED=dkdv["BLOCK_N"], SKIPPED_M=dkdv["BLOCK_M"], num_warps=warps, num_stages=stages)
 
 
 def _dq_diagonal_config(dq: L.Config, gpu: str) -> L.Config:
@@ -1291,9 +1325,9 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
                       grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
                       constexprs=consts)
-    if st.causal and dict(dkdv.meta).get("WS"):
+    if (st.causal or st.window) and dict(dkdv.meta).get("WS"):
         diagonal = _dkdv_diagonal_config(dkdv, "interpret" if st.backend == "interpret" else "cuda")
-        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
+        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L", "WINDOW_R")
         dk, dv = L.launch(_dkdv_diagonal, q, k, v, do, lse, delta, dk, dv, sq, sk, kernel="attention_dkdv_diagonal",
                           out_shapes=dkdv_shapes, grid=(L.cdiv(sk, diagonal["BLOCK_N"]), b * kv_heads),
                           config=diagonal, backend=st.backend, aliases={6: 0, 7: 1},
@@ -1585,8 +1619,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
     heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
-    kv_lengths) and a causal sliding window at 128; for the first target of each vendor also every option in float32 (the most
-    shared memory) and a causal mask alone (its visible runs take the unmasked path)."""
+    kv_lengths) and a causal sliding window at 128; for the first target of each vendor also every
+    option in float32 (the most shared memory) and a causal mask alone (its visible runs take the
+    unmasked path)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
@@ -1622,7 +1657,8 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
-           "unmasked_queries": 0 if options else 4096, "causal_square": 4096 if options == {"CAUSAL": True} else 0}
+           "unmasked_queries": 0 if options else 4096, "causal_square": 4096 if options == {"CAUSAL": True} else 0,
+           "window_keys": 4096 if "WINDOW_L" in options else 0}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
@@ -1641,9 +1677,9 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
         yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
-    if dkdv["WS"] and options.get("CAUSAL"):
+    if dkdv["WS"] and (options.get("CAUSAL") or "WINDOW_L" in options):
         diagonal = _dkdv_diagonal_config(dkdv, gpu).replace(**{n: consts[n] for n in (
-            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L", "WINDOW_R")})
         yield (f"{tag}/dkdv_diagonal", _dkdv_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_part_ptr": el, "dv_part_ptr": el, "sq": "i32",
                "sk": "i32", "dk_ptr": el, "dv_ptr": el}, diagonal, (target,))
