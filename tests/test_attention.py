@@ -606,6 +606,20 @@ def test_warp_specialized_backward_matches_the_reference():
 
 
 
+def _bf16_against_the_reference_with_launches(shape, seed, **options) -> dict:
+    """attention(**options) on random bfloat16 inputs: values and every gradient against the float32
+    reference; returns the forward+backward's launches as {kernel: its config's meta}."""
+    q, k, v, do = make(*shape, jnp.bfloat16, seed=seed)
+    f = lambda q, k, v: attention(q, k, v, **options)
+    want_o, vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), **options), q, k, v)
+    got_o, got_vjp = jax.vjp(f, q, k, v)
+    close(got_o, want_o, jnp.bfloat16)
+    for got, want in zip(got_vjp(do), vjp(do.astype(jnp.float32))):
+        close(got, want, jnp.bfloat16)
+    return {e.params["kernel"]: dict(e.params["config"].meta)
+            for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
+
+
 @pytest.mark.skipif(not L.tma_supported(), reason="needs a GPU with TMA (Hopper): the tiles the H200 runs")
 @pytest.mark.parametrize("shape,causal", [((1, 256, 256, 4, 2, 128), False), ((1, 256, 256, 4, 2, 128), True),
                                           ((1, 256, 256, 2, 2, 256), False), ((1, 256, 256, 2, 1, 256), True)],
@@ -614,16 +628,8 @@ def test_warp_specialized_kernels_on_hopper(shape, causal):
     """On a Hopper GPU the public op picks the warp-specialized kernels at the tiles measured there
     (the interpreter tests above run their source at 16-wide tiles): values and every gradient
     against the float32 reference, and the launches' configs say which kernels ran."""
-    b, sq, sk, h, hk, d = shape
-    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.bfloat16, seed=11)
-    f = lambda q, k, v: attention(q, k, v, causal=causal)
-    want_o, vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), causal=causal), q, k, v)
-    got_o, got_vjp = jax.vjp(f, q, k, v)
-    close(got_o, want_o, jnp.bfloat16)
-    for got, want in zip(got_vjp(do), vjp(do.astype(jnp.float32))):
-        close(got, want, jnp.bfloat16)
-    ran = {e.params["kernel"]: dict(e.params["config"].meta)
-           for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
+    d = shape[-1]
+    ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
     assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)
@@ -876,14 +882,6 @@ def test_warp_specialized_window_dkdv_adds_the_edges_after(shape, window):
 def test_warp_specialized_window_dkdv_on_hopper(window):
     """On a Hopper GPU a sliding window's dk/dv runs warp-specialized at the measured tiles, then
     _dkdv_diagonal adds the window's edges: values and every gradient against the reference."""
-    q, k, v, do = make(1, 1024, 1024, 4, 2, 128, jnp.bfloat16, seed=13)
-    f = lambda q, k, v: attention(q, k, v, local_window_size=window)
-    want_o, vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), local_window_size=window), q, k, v)
-    got_o, got_vjp = jax.vjp(f, q, k, v)
-    close(got_o, want_o, jnp.bfloat16)
-    for got, want in zip(got_vjp(do), vjp(do.astype(jnp.float32))):
-        close(got, want, jnp.bfloat16)
-    ran = {e.params["kernel"]: dict(e.params["config"].meta)
-           for e in L.launches(jax.make_jaxpr(lambda *a: jax.vjp(f, *a)[1](do))(q, k, v))}
+    ran = _bf16_against_the_reference_with_launches((1, 1024, 1024, 4, 2, 128), 13, local_window_size=window)
     assert ran["attention_bwd_dkdv"].get("WS") and "attention_dkdv_diagonal" in ran
     assert not ran["attention_fwd"].get("WS")
