@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import os
 import threading
 from typing import Any, Sequence
@@ -78,8 +79,54 @@ def _interpreter_indexes_numpy_scalars() -> None:
     interpreter._patch_lang_tensor = patch_tensor_squeezing_index
 
 
+def _language_modules(fn) -> set[int]:
+    """The triton.language modules a kernel's globals name (those the interpreter patches)."""
+    import triton.language as tl
+
+    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+
+
+def _interpreter_patches_the_language_once_per_launch() -> None:
+    """Triton's interpreter (3.6-3.9) patches triton.language (every builtin, found through
+    `inspect.getmembers`) when a launch starts, and again at every call of a `@triton.jit` helper
+    inside the kernel: a tenth of an interpreted attention launch. The launch's patches stay in
+    place until it ends (launches are serialized by _INTERPRETER_LOCK), so a helper whose modules
+    the launch already patched runs with them."""
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    if patch_lang is None or getattr(patch_lang, "once_per_launch", False):
+        return
+    launch_patched = []  # the modules the running launch patched; empty between launches
+
+    class NothingToRestore:
+        def restore(self):
+            pass
+
+    def patch_lang_once(fn):
+        modules = _language_modules(fn)
+        if launch_patched and modules <= launch_patched[0]:
+            return NothingToRestore()  # a helper called inside the launch
+        scope = patch_lang(fn)
+        if launch_patched:  # a helper naming other modules: patched as Triton does (not restored)
+            return scope
+        launch_patched.append(modules)
+        restore = scope.restore
+
+        def restore_and_end_the_launch():
+            launch_patched.clear()
+            restore()
+
+        scope.restore = restore_and_end_the_launch
+        return scope
+
+    patch_lang_once.once_per_launch = True
+    interpreter._patch_lang = patch_lang_once
+
+
 if INTERPRET:
     _interpreter_indexes_numpy_scalars()
+    _interpreter_patches_the_language_once_per_launch()
 
 
 def resolve_backend(backend: str | None = None) -> str:
