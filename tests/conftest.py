@@ -31,3 +31,15 @@ def every_match_rewritten(request, monkeypatch):
     if os.environ["XKERN_BACKEND"] == "triton" and "cost_model" not in request.keywords:
         from xkern import pipeline
         monkeypatch.setattr(pipeline, "decline_reason", lambda *args, **kwargs: None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Start the ahead-of-time compiles (minutes of CPU, in other processes) as soon as the suite is
+    collected, on the cores the interpreted tests leave idle, and run their test last. Not under
+    xdist, where every worker collects every test: there the test starts them itself."""
+    aot = [item for item in items if item.name == "test_every_kernel_compiles_for_cuda_and_rocm"]
+    if not aot or hasattr(config, "workerinput") or config.option.collectonly:
+        return
+    others = [item for item in items if item not in aot]
+    items[:] = others + aot
+    aot[0].module.start_compiles(spare_cores=(os.cpu_count() or 1) - (1 if others else 0))

@@ -1,29 +1,51 @@
 """Every kernel in the library compiles ahead of time for CUDA (sm_90, sm_80) and ROCm (gfx942,
-gfx90a), on this GPU-less machine, in processes where Triton compiles instead of interpreting (one
-per core, each taking every n-th compile)."""
+gfx90a), on this GPU-less machine, in processes where Triton compiles instead of interpreting (each
+taking every n-th compile). The compiles take minutes of CPU: conftest.py starts them when the
+suite is collected, on the cores that the interpreted tests (one core) leave idle, and runs this
+test last, to collect them."""
+import atexit
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from xkern.kernels import aot
 
+_compiles = []  # (process, stdout file, stderr file), once started
 
-def test_every_kernel_compiles_for_cuda_and_rocm():
+
+def start_compiles(spare_cores: int) -> None:
+    """Start the compile processes, one per spare core (at most 4), unless already started."""
+    if _compiles:
+        return
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["XKERN_BACKEND"] = "triton"
-    shards = max(1, min(4, os.cpu_count() or 1))
-    procs = [subprocess.Popen([sys.executable, "-m", "xkern.kernels.aot", "--json", f"--shard={i}/{shards}"],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(shards)]
+    shards = max(1, min(4, spare_cores))
+    for i in range(shards):
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # files: a pipe would fill
+        proc = subprocess.Popen([sys.executable, "-m", "xkern.kernels.aot", "--json", f"--shard={i}/{shards}"],
+                                env=env, stdout=out, stderr=err, text=True)
+        _compiles.append((proc, out, err))
+    atexit.register(lambda: [proc.kill() for proc, _, _ in _compiles if proc.poll() is None])
+
+
+def _collect_compiles() -> list[dict]:
     results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode in (0, 1), err[-2000:]
-        results += json.loads(out.strip().splitlines()[-1])
+    for proc, out, err in _compiles:
+        proc.wait(timeout=900)
+        out.seek(0), err.seek(0)
+        assert proc.returncode in (0, 1), err.read()[-2000:]
+        results += json.loads(out.read().strip().splitlines()[-1])
+    return results
+
+
+def test_every_kernel_compiles_for_cuda_and_rocm():
+    start_compiles(os.cpu_count() or 1)  # when conftest did not (a run of this file alone, xdist)
+    results = _collect_compiles()
     failures = [r for r in results if not r["ok"]]
     assert not failures, failures
-    assert all(proc.returncode == 0 for proc in procs)
+    assert all(proc.returncode == 0 for proc, _, _ in _compiles)
     kernels = {r["case"].split("/")[0] for r in results}
     assert {"softmax_fwd", "softmax_bwd", "log_softmax_fwd", "log_softmax_bwd"} <= kernels
     assert any(r["case"].startswith("generated/") for r in results)
