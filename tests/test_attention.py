@@ -29,6 +29,22 @@ def close(got, want, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * max(np.abs(want).max(), 1.0))
 
 
+def value_and_grads(f, args, do, **kw):
+    """f(*args, **kw) and its vjp at do, in one jit. Run eagerly, every op around the kernels (and
+    every op of the reference) is compiled on its own, for each new shape: most of a test's time
+    through the interpreter. Arrays in kw are arguments of the jit, not constants, so the kernels
+    see them as they see a traced mask or length."""
+    arrays = {n: v for n, v in kw.items() if isinstance(v, (jax.Array, np.ndarray))}
+    static = {n: v for n, v in kw.items() if n not in arrays}
+
+    @jax.jit
+    def run(args, arrays, do):
+        out, vjp = jax.vjp(lambda *a: f(*a, **arrays, **static), *args)
+        return out, vjp(do)
+
+    return run(tuple(args), arrays, do)
+
+
 CASES = {  # name: ((b, sq, sk, h, hk, d), options)
     "plain": ((2, 19, 19, 2, 2, 16), {}),
     "causal, longer keys": ((1, 17, 33, 2, 2, 16), {"causal": True}),
@@ -70,14 +86,14 @@ def test_values_and_gradients(case, dtype):
     kw = _options(opts)
     bias = kw.pop("bias", None)
     args = (q, k, v) + (() if bias is None else (bias,))
-    ours = lambda q, k, v, *b: attention(q, k, v, bias=b[0] if b else None, **kw)
-    ref = lambda q, k, v, *b: reference(q, k, v, bias=b[0] if b else None, **kw)
+    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=b[0] if b else None, **kw)
+    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=b[0] if b else None, **kw)
     f32 = [a.astype(jnp.float32) for a in args]
-    out, vjp = jax.vjp(ours, *args)
-    want, vjp_ref = jax.vjp(ref, *f32)
+    out, grads = value_and_grads(ours, args, do, **kw)
+    want, grads_ref = value_and_grads(ref, f32, do.astype(jnp.float32), **kw)
     assert out.dtype == dtype
     close(out, want, dtype)
-    for g, w, a in zip(vjp(do), vjp_ref(do.astype(jnp.float32)), args):
+    for g, w, a in zip(grads, grads_ref, args):
         assert g.dtype == a.dtype
         close(g, w, dtype)
 
@@ -114,13 +130,14 @@ def test_structured_masks_skip_hidden_tiles_and_equal_the_reference(causal, with
     q, k, v, do = make(1, 50, 50, 2, 1, 16, jnp.bfloat16, seed=5)
     bias = jnp.asarray(np.random.default_rng(6).standard_normal((1, 2, 50, 50)), jnp.float32) if with_bias else None
     args = (q, k, v) + (() if bias is None else (bias,))
-    ours = lambda q, k, v, *b: attention(q, k, v, mask=mask, causal=causal, bias=b[0] if b else None)
-    ref = lambda q, k, v, *b: reference(q, k, v, mask=mask, causal=causal, bias=b[0] if b else None)
-    out, vjp = jax.vjp(ours, *args)
-    want, vjp_ref = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=b[0] if b else None, **kw)
+    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=b[0] if b else None, **kw)
+    out, grads = value_and_grads(ours, args, do, mask=mask, causal=causal)
+    want, grads_ref = value_and_grads(ref, [a.astype(jnp.float32) for a in args], do.astype(jnp.float32),
+                                      mask=mask, causal=causal)
     close(out, want, jnp.bfloat16)
     assert np.all(np.asarray(out[:, 46:]) == 0)  # padded queries see no key
-    for g, w in zip(vjp(do), vjp_ref(do.astype(jnp.float32))):
+    for g, w in zip(grads, grads_ref):
         close(g, w, jnp.bfloat16)
 
 @settings(max_examples=5, deadline=None)  # ~8 s each through the interpreter
@@ -146,10 +163,10 @@ def test_random_masks_equal_the_reference(sq, sk, kv_heads, group, causal, kind,
     q, k, v, do = make(2, sq, sk, heads, kv_heads, 16, jnp.float32, seed=seed)
     lengths = jnp.asarray(rng.integers(0, sk + 1, 2), jnp.int32) if lengths else None
     kw = dict(causal=causal, mask=mask, kv_lengths=lengths)
-    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
-    want, vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw), q, k, v)
+    out, grads = value_and_grads(attention, (q, k, v), do, **kw)
+    want, grads_ref = value_and_grads(reference, (q, k, v), do, **kw)
     close(out, want, jnp.float32)
-    for g, w in zip(vjp(do), vjp_ref(do)):
+    for g, w in zip(grads, grads_ref):
         close(g, w, jnp.float32)
 
 
@@ -182,9 +199,9 @@ def test_float16_and_the_kernels_launched():
     grad = jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * do), (0, 1, 2))
     assert kernel_names(jax.make_jaxpr(grad)(q, k, v)) == ["attention_fwd", "attention_bwd_dkdv",
                                                            "attention_bwd_dq"]
-    want = jax.grad(lambda q, k, v: jnp.sum(reference(q, k, v) * do), (0, 1, 2))(
+    want = jax.jit(jax.grad(lambda q, k, v: jnp.sum(reference(q, k, v) * do), (0, 1, 2)))(
         *(a.astype(jnp.float32) for a in (q, k, v)))
-    for g, w in zip(grad(q, k, v), want):
+    for g, w in zip(jax.jit(grad)(q, k, v), want):
         close(g, w, jnp.float16)
 
 
@@ -218,9 +235,9 @@ def test_vmap_folds_into_the_batch():
     mask = jnp.asarray(np.random.default_rng(6).random((3, 17, 17)) > 0.2)
     f = lambda q, m: attention(q, k, v, mask=m, causal=True)
     r = lambda q, m: reference(q, k, v, mask=m, causal=True)
-    close(jax.vmap(f)(qs, mask), jax.vmap(r)(qs, mask), jnp.bfloat16)
-    g = jax.vmap(jax.grad(lambda q, m: jnp.sum(f(q, m).astype(jnp.float32) * do)))(qs, mask)
-    w = jax.vmap(jax.grad(lambda q, m: jnp.sum(r(q, m).astype(jnp.float32) * do)))(qs, mask)
+    close(jax.jit(jax.vmap(f))(qs, mask), jax.jit(jax.vmap(r))(qs, mask), jnp.bfloat16)
+    g = jax.jit(jax.vmap(jax.grad(lambda q, m: jnp.sum(f(q, m).astype(jnp.float32) * do))))(qs, mask)
+    w = jax.jit(jax.vmap(jax.grad(lambda q, m: jnp.sum(r(q, m).astype(jnp.float32) * do))))(qs, mask)
     close(g, w, jnp.bfloat16)
 
 
@@ -376,7 +393,7 @@ def test_constant_causal_masks_take_the_causal_kernels():
         if kind != "causal":  # (the other kinds' kernels have their own gradient tests)
             continue
         loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-        for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
+        for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
             close(g, w, jnp.bfloat16)
     # A mask from the program's inputs is never evaluated when planning
     [match] = attention_match(xkern.explain(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m))(
@@ -463,10 +480,10 @@ def test_masked_rows_average_against_the_reference_with_gqa_and_lengths():
     q, k, v, do = make(2, 18, 21, 4, 2, 16, jnp.float32, seed=13)
     mask = jnp.asarray(np.random.default_rng(14).random((2, 1, 18, 21)) > 0.4).at[1, 0, 2].set(False)
     kw = dict(mask=mask, causal=True, kv_lengths=jnp.array([21, 9]), masked_rows="average")
-    out, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, **kw), q, k, v)
-    want, vjp_ref = jax.vjp(lambda q, k, v: reference(q, k, v, **kw), q, k, v)
+    out, grads = value_and_grads(attention, (q, k, v), do, **kw)
+    want, grads_ref = value_and_grads(reference, (q, k, v), do, **kw)
     close(out, want, jnp.float32)
-    for g, w in zip(vjp(do), vjp_ref(do)):
+    for g, w in zip(grads, grads_ref):
         close(g, w, jnp.float32)
     with pytest.raises(ValueError, match="masked_rows must be one of"):
         attention(q, k, v, masked_rows="mean")
@@ -533,8 +550,8 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, st)[1]),
                                rtol=0, atol=1e-5)
     backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
-    want = jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do)
-    for g, w in zip(backward(q, k, v), want):
+    want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do))(q, k, v)
+    for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)
     assert {"attention_dkdv_diagonal", "attention_dq_diagonal"} <= set(kernel_names(jax.make_jaxpr(backward)(q, k, v)))
     batched = jax.vmap(lambda k: backward(q, k, v)[:2])(jnp.stack([k, k]))
@@ -600,8 +617,7 @@ def test_warp_specialized_backward_matches_the_reference():
         ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1),
                                               st.configs[2].replace(WS=1)))
         dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, do, lse, delta, ws)
-        _, vjp = jax.vjp(reference, q, k, v)
-        for got, want in zip((dq, dk, dv), vjp(do)):
+        for got, want in zip((dq, dk, dv), jax.jit(lambda *a: jax.vjp(reference, *a)[1](do))(q, k, v)):
             close(got, want, jnp.float32)
 
 
@@ -659,16 +675,17 @@ def test_split_key_forward_values_and_gradients(case):
     kw = _options(opts, seed=8)
     bias = kw.pop("bias", None)
     args = (q, k, v) + (() if bias is None else (bias,))
-    ours = lambda q, k, v, *b: attention(q, k, v, bias=b[0] if b else None, **kw)
-    ref = lambda q, k, v, *b: reference(q, k, v, bias=b[0] if b else None, **kw)
-    (forward,) = [e for e in L.launches(jax.make_jaxpr(ours)(*args)) if e.params["kernel"].startswith("attention")]
+    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=b[0] if b else None, **kw)
+    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=b[0] if b else None, **kw)
+    (forward,) = [e for e in L.launches(jax.make_jaxpr(lambda *a: ours(*a, **kw))(*args))
+                  if e.params["kernel"].startswith("attention")]
     assert forward.params["kernel"] == "attention_fwd_split_kv"
     assert forward.params["grid"][0] > 1 or not L.INTERPRET  # a GPU's chunks hold >= 1024 keys
-    out, vjp = jax.vjp(ours, *args)
-    want, vjp_ref = jax.vjp(ref, *[a.astype(jnp.float32) for a in args])
+    out, grads = value_and_grads(ours, args, do, **kw)
+    want, grads_ref = value_and_grads(ref, [a.astype(jnp.float32) for a in args], do.astype(jnp.float32), **kw)
     assert out.dtype == dtype
     close(out, want, dtype)
-    for g, w, a in zip(vjp(do), vjp_ref(do.astype(jnp.float32)), args):
+    for g, w, a in zip(grads, grads_ref, args):
         assert g.dtype == a.dtype
         close(g, w, dtype)
 
@@ -686,12 +703,11 @@ def test_split_key_forward_on_random_decode_shapes(sq, sk, kv_heads, group, d, o
     kw = {"lengths": {"kv_lengths": jnp.asarray(rng.integers(0, sk + 3, 2), jnp.int32)},
           "mask": {"mask": jnp.asarray(rng.random((2, 1, 1, sk)) < 0.6)}, "causal": {"causal": True},
           "none": {}}[option]
-    ours = lambda q: attention(q, k, v, **kw)
-    assert "attention_fwd_split_kv" in kernel_names(jax.make_jaxpr(ours)(q))
-    out, vjp = jax.vjp(ours, q)
-    want, vjp_ref = jax.vjp(lambda q: reference(q, k, v, **kw), q)
+    assert "attention_fwd_split_kv" in kernel_names(jax.make_jaxpr(lambda q: attention(q, k, v, **kw))(q))
+    out, (dq,) = value_and_grads(lambda q, **kw: attention(q, k, v, **kw), (q,), do, **kw)
+    want, (dq_ref,) = value_and_grads(lambda q, **kw: reference(q, k, v, **kw), (q,), do, **kw)
     close(out, want, jnp.float32)
-    close(vjp(do)[0], vjp_ref(do)[0], jnp.float32)
+    close(dq, dq_ref, jnp.float32)
 
 
 def test_split_key_forward_edge_values_and_vmap():
@@ -716,9 +732,9 @@ def test_split_key_forward_edge_values_and_vmap():
     f = lambda q: attention(q, k, v, kv_lengths=lengths)
     r = lambda q: reference(q, k, v, kv_lengths=lengths)
     assert any(e.params["kernel"] == "attention_fwd_split_kv" for e in L.launches(jax.make_jaxpr(jax.vmap(f))(qs)))
-    close(jax.vmap(f)(qs), jax.vmap(r)(qs), jnp.float32)
-    g = jax.vmap(jax.grad(lambda q: jnp.sum(f(q) * do)))(qs)
-    close(g, jax.vmap(jax.grad(lambda q: jnp.sum(r(q) * do)))(qs), jnp.float32)
+    close(jax.jit(jax.vmap(f))(qs), jax.jit(jax.vmap(r))(qs), jnp.float32)
+    g = jax.jit(jax.vmap(jax.grad(lambda q: jnp.sum(f(q) * do))))(qs)
+    close(g, jax.jit(jax.vmap(jax.grad(lambda q: jnp.sum(r(q) * do))))(qs), jnp.float32)
 
 
 def test_split_key_forward_is_offered_only_for_decoding():
@@ -778,7 +794,8 @@ def test_jax_nn_key_value_seq_lengths_are_kv_lengths(shape, causal):
     hidden_nan = q.at[1, 0, 0, 0].set(jnp.nan)  # (jax.nn's dk is NaN there: 0 * NaN; the kernels' is not)
     close(xkern.jit(f)(hidden_nan, k, v, lengths), jax.jit(f)(hidden_nan, k, v, lengths), jnp.float32)
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v, lengths) * do))
-    for got, want in zip(jax.grad(loss(xkern.optimize(f)), (0, 1, 2))(q, k, v), jax.grad(loss(f), (0, 1, 2))(q, k, v)):
+    grads = lambda f: jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)
+    for got, want in zip(grads(xkern.optimize(f)), grads(f)):
         close(got, want, jnp.float32)
 
 
@@ -869,8 +886,8 @@ def test_warp_specialized_window_dkdv_adds_the_edges_after(shape, window):
     st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), False, window)
     ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1, BLOCK_N=32), st.configs[2]))
     backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
-    want = jax.vjp(lambda *a: reference(*a, local_window_size=window), q, k, v)[1](do)
-    for g, w in zip(backward(q, k, v), want):
+    want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, local_window_size=window), q, k, v)[1](do))(q, k, v)
+    for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)
     assert "attention_dkdv_diagonal" in kernel_names(jax.make_jaxpr(backward)(q, k, v))
     offered = lambda kernel, keys: A.candidates(kernel, 128, "triton", "cuda", tma=True, window_keys=keys)[0]["WS"]
