@@ -46,6 +46,39 @@ def _atomic_total(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
     tl.atomic_add(out_ptr, tl.sum(tl.load(x_ptr + offs, mask=offs < n, other=0.0)))
 
 
+@triton.jit
+def _squared(x):
+    return x * x
+
+
+@triton.jit
+def _sum_of_squares(x_ptr, n, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(_squared(x)) + tl.sum(_squared(-x)))
+
+
+@pytest.mark.skipif(not L.INTERPRET, reason="Triton's interpreter")
+def test_interpreted_helpers_run_with_the_launchs_language_patches_and_none_outlive_it(rng):
+    """launch.py lets a kernel's @triton.jit helpers use the patches of triton.language that the
+    launch made (Triton re-made them at every helper call); after the launch, and after one that
+    failed, triton.language is as it was."""
+    before = {name: getattr(tl, name) for name in ("load", "store", "sum", "exp", "arange")}
+    x = jnp.asarray(rng.standard_normal(40), jnp.float32)
+    out = L.launch(_sum_of_squares, x, x.size, kernel="sum_of_squares", out_shapes=[jax.ShapeDtypeStruct((3,), x.dtype)],
+                   grid=(3,), config=CFG, backend=BACKEND)[0]
+    padded = np.pad(np.asarray(x, np.float64), (0, 8)).reshape(3, BLOCK)
+    np.testing.assert_allclose(out, 2 * (padded ** 2).sum(1), rtol=1e-5)
+    assert {name: getattr(tl, name) for name in before} == before
+    with pytest.raises(Exception):
+        L.launch(_sum_of_squares, x, x.size, kernel="sum_of_squares", out_shapes=[jax.ShapeDtypeStruct((3,), x.dtype)],
+                 grid=(3,), config=L.Config.of(BLOCK=12), backend=BACKEND)[0].block_until_ready()  # arange of 12
+    assert {name: getattr(tl, name) for name in before} == before
+    again = L.launch(_sum_of_squares, -x, x.size, kernel="sum_of_squares",
+                     out_shapes=[jax.ShapeDtypeStruct((3,), x.dtype)], grid=(3,), config=CFG, backend=BACKEND)[0]
+    np.testing.assert_allclose(again, out, rtol=1e-6)
+
+
 def axpy(x, y, a):
     n = x.size
     return L.launch(_axpy, x, y, a, n, kernel="axpy", out_shapes=[x], grid=(L.cdiv(n, BLOCK),),
