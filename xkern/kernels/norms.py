@@ -33,7 +33,7 @@ from xkern.tuning.configs import one_block_rows
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_COLS = 16384  # widest row the one-block kernels keep in registers; wider rows use XLA
 HALVES_FROM = 8192  # rows at least this wide (padded to a power of two) go through the forward in halves
-STREAM_HINTS = True  # the forward's cache hints (see _input_tile); a switch for probes
+STREAM_HINTS = True  # the forward's cache hints (see _input_tile); a switch for probes (read when traced)
 
 
 def reference(x, scale, bias, eps, residual, rms: bool, out_dtype=None):
@@ -153,8 +153,9 @@ def _store_tile(ptr, offs, value, mask, MASKED: tl.constexpr, CACHE: tl.constexp
 
 # The forward's cache hints (STREAM): rows read and written once go through L2 marked to leave
 # first (loads evict_first, stores .cs), so that scale and bias, which every row reads again
-# (evict_last), stay there. H200, layer norm 16384x8192 bf16 with float32 scale and bias, the
-# kernel alone: 3.90 TB/s against 3.82 without (benchmarks/results, nineteenth session).
+# (evict_last), stay there. H200, layer norm bf16 with float32 scale and bias, through xkern.ops:
+# 3.89 TB/s against 3.78 without at 16384x8192, 3.47 against 3.36 at 8192x16384 (benchmarks/results,
+# nineteenth session; no shape measured there lost).
 @triton.jit
 def _input_tile(x_ptr, r_ptr, h_ptr, offs, mask, HAS_RESIDUAL: tl.constexpr, MASKED: tl.constexpr,
                 STREAM: tl.constexpr):
