@@ -401,6 +401,35 @@ def test_constant_causal_masks_take_the_causal_kernels():
     assert "mask_kind" not in match.params
 
 
+def test_a_mask_and_scale_shared_by_every_layer_are_found_in_each():
+    """Flax layers each make the same causal mask and scale (sqrt of the head dim): canonicalization
+    computes them once, so every layer's attention pattern reads the same mask conversion and sqrt.
+    Those are shared, not escapes: each layer's attention is found (it was declined from the second
+    layer on), and the model equals jax.jit's, gradients included."""
+    import flax.linen as nn
+
+    class Layers(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = x + nn.MultiHeadDotProductAttention(num_heads=2)(x, x, mask=nn.make_causal_mask(x[..., 0]))
+            return x
+    x = jnp.asarray(np.random.default_rng(21).standard_normal((2, 20, 32)), jnp.float32)
+    params = Layers().init(jax.random.key(0), x)
+    f = lambda p, x: Layers().apply(p, x)
+    report = xkern.explain(f)(params, x)
+    attention_matches = [m for m in report.matches if m.op == "attention"]
+    assert len(attention_matches) == 3 and not [d for d in report.declined if d.pattern.startswith("attention")]
+    assert kernel_names(jax.make_jaxpr(xkern.optimize(f))(params, x)).count("attention_fwd") == 3
+    close(xkern.jit(f)(params, x), jax.jit(f)(params, x), jnp.float32)
+    loss = lambda f: (lambda p, x: jnp.sum(f(p, x) ** 2))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1)))(params, x)
+    want = jax.tree.leaves(jax.jit(jax.grad(loss(f), (0, 1)))(params, x))
+    scale = max(float(np.abs(w).max()) for w in want)  # the key bias's gradient is 0 up to rounding
+    for g, w in zip(jax.tree.leaves(got), want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-5 * scale)
+
+
 def test_jax_nn_key_padding_mask_without_grouped_heads():
     # [b,1,1,k], the usual padding mask, with as many k/v heads as q heads (jax.nn then traces one
     # broadcast fewer than with grouped heads): found, and equal to jax.jit's, gradients included.

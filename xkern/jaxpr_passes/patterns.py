@@ -75,6 +75,7 @@ class Match:
     inputs: list  # program vars bound to the pattern's inputs, in order
     template: Jaxpr
     marks: frozenset = frozenset()  # pvary equations between matched ones (inside shard_map)
+    shared: frozenset = frozenset()  # matched equations left in the program for other users (rewrite.py)
 
     def eqn(self, primitive: str, nth: int = 0):
         """The program equation matched to the template's nth `primitive` equation."""

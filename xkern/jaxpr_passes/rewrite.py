@@ -111,23 +111,64 @@ def location(eqn) -> str:
 # Deciding
 # --------------------------------------------------------------------------------------------------
 
-def _escaping(match: Match, live: set[int]) -> str | None:
+# What a pattern may compute from its inputs alone and still share with the rest of the program:
+# mask and bias preparation (a float mask turned to bool, broadcast per head). Such an equation stays
+# in the program for its other users while the replacement computes its own copy: a mask made once
+# and read by every layer's attention, or merged into one by canonicalization, is not an escape.
+SHAREABLE = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                       "transpose", "iota", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+                       "select_n", "add", "sub", "mul", "neg", "max", "min", "copy", "pvary"})
+
+
+def _shared_prefix(match: Match) -> set[int]:
+    """The match's equations computed from its inputs, literals and constants alone, through cheap
+    elementwise and shape operations (SHAREABLE) or from literals and constants only (a scale's
+    sqrt): safe to leave in the program for other users."""
     graph, inside = match.graph, match.program_eqns
+    prefix, constant = set(), set()  # constant: computed from literals and constants alone
+    made_by = lambda v: graph.producer[v][0] if v in graph.producer else None
     for i in sorted(inside - {match.anchor}):
-        for v in graph.eqns[i].outvars:
-            if v in graph.outvars or any(c in live and c not in inside
-                                         for c in graph.consumers.get(v, ())):
-                return graph.eqns[i].primitive.name
-    return None
+        eqn = graph.eqns[i]
+        consts = [isinstance(v, Literal) or v in graph.consts or made_by(v) in constant for v in eqn.invars]
+        if eqn.effects or not all(c or v in match.inputs or made_by(v) in prefix
+                                  for c, v in zip(consts, eqn.invars)):
+            continue
+        if all(consts):
+            constant.add(i)
+        if all(consts) or eqn.primitive.name in SHAREABLE:
+            prefix.add(i)
+    return prefix
+
+
+def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int]]:
+    """(The primitive of an intermediate used outside the match, or None; the match's equations
+    that stay in the program because something outside reads them, all from its shared prefix)."""
+    graph, inside = match.graph, match.program_eqns
+    prefix = _shared_prefix(match)
+    read_outside = lambda i: any(v in graph.outvars or any(c in live and c not in inside
+                                                            for c in graph.consumers.get(v, ()))
+                                 for v in graph.eqns[i].outvars)
+    escaping = [i for i in sorted(inside - {match.anchor}) if read_outside(i)]
+    if any(i not in prefix for i in escaping):
+        return graph.eqns[next(i for i in escaping if i not in prefix)].primitive.name, set()
+    kept, todo = set(), escaping
+    while todo:  # each kept equation, and what it reads inside the prefix
+        i = todo.pop()
+        if i not in kept:
+            kept.add(i)
+            todo += [graph.producer[v][0] for v in graph.eqns[i].invars
+                     if not isinstance(v, Literal) and v in graph.producer and graph.producer[v][0] in prefix]
+    return None, kept
 
 
 def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None, bool]:
     """The params of an accepted match, or the reason it is declined and whether the cost model
     gave it."""
-    escaped = _escaping(match, live)
+    escaped, match.shared = _escaping(match, live)
     if escaped:
-        return None, (f"an intermediate ({escaped}) is also used outside the pattern (in a program "
-                      "that is already a gradient, apply xkern.optimize inside jax.grad instead)"), False
+        return None, (f"an intermediate ({escaped}) is also used outside the pattern (by a backward pass "
+                      "if the program was differentiated before xkern saw it: give xkern the function "
+                      "that calls jax.grad, or jax.grad an xkern.optimize'd function)"), False
     pattern = match.pattern
     try:
         params = pattern.params_of(match)
@@ -180,8 +221,8 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
                     too_costly.append(frozenset(match.program_eqns))
                 continue
             plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]))
-            claimed |= match.program_eqns
-            plan.skip |= match.program_eqns - {i}
+            claimed |= match.program_eqns - match.shared  # shared ones stay, for every match reading them
+            plan.skip |= match.program_eqns - {i} - match.shared
             break
     _fold_residual_adds(plan, graph, claimed)
     if any(r.match.pattern.ignores(r.params) for r in plan.rewrites.values()):
