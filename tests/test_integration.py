@@ -43,11 +43,87 @@ def test_a_flax_training_step_matches_jax_jit():
     state = opt.init(params)
     want = jax.jit(step(loss))(params, state, x, y)
     inside = step(xkern.optimize(loss))  # patterns seen in the forward; backward kernels used
-    launched = kernel_names(jax.make_jaxpr(inside)(params, state, x, y))
-    assert {"attention_fwd", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd"} <= set(launched)
+    # xkern.jit of the whole step finds them too: what it differentiates is optimized first
+    for program in (inside, xkern.optimize(step(loss))):
+        launched = kernel_names(jax.make_jaxpr(program)(params, state, x, y))
+        assert {"attention_fwd", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd"} <= set(launched)
     for got in (jax.jit(inside)(params, state, x, y), xkern.jit(step(loss))(params, state, x, y)):
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
+def _attention_loss(q, k, v):
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jnp.sum(o.astype(jnp.float32) ** 2), o
+
+
+def _differentiate(how):
+    """A step that differentiates _attention_loss as user code does, returning (value, dq, dk, dv)."""
+    loss = lambda q, k, v: _attention_loss(q, k, v)[0]
+    if how == "value_and_grad":
+        return lambda q, k, v: jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
+    if how == "grad with aux":
+        return lambda q, k, v: (lambda g, o: (o.sum(), g))(*jax.grad(_attention_loss, (0, 1, 2), has_aux=True)(q, k, v))
+    if how == "vjp":
+        def step(q, k, v):
+            value, pullback = jax.vjp(loss, q, k, v)
+            return value, pullback(jnp.ones_like(value))
+        return step
+    if how == "scan over microbatches":  # gradient accumulation
+        def step(q, k, v):
+            def body(total, batch):
+                value, grads = jax.value_and_grad(loss, (0, 1, 2))(*batch)
+                return total + value, grads
+            value, grads = jax.lax.scan(body, 0.0, (q[:, None], k[:, None], v[:, None]))
+            return value, tuple(g[:, 0] for g in grads)
+        return step
+    raise ValueError(how)
+
+
+@pytest.mark.parametrize("how", ["value_and_grad", "grad with aux", "vjp", "scan over microbatches"])
+def test_xkern_jit_of_a_step_that_differentiates_takes_the_kernels(how):
+    """xkern.jit(step) where step calls jax.grad itself: the function it differentiates is optimized
+    before jax differentiates it, so the attention pattern is found in its forward pass and its
+    gradient runs through the backward kernels (after differentiation the forward's intermediates
+    feed the backward pass, and the pattern could not be taken)."""
+    rng = np.random.default_rng(3)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 24, 4, 16)), jnp.float32) for _ in range(3))
+    step = _differentiate(how)
+    launched = kernel_names(jax.make_jaxpr(xkern.optimize(step))(q, k, v))
+    assert {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"} <= set(launched)
+    assert xkern.explain(step)(q, k, v).matches[0].op == "attention"
+    for got, want in zip(jax.tree.leaves(xkern.jit(step)(q, k, v)), jax.tree.leaves(jax.jit(step)(q, k, v))):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * float(np.abs(want).max()))
+
+
+def test_forward_mode_over_reverse_mode_is_left_to_jax():
+    """jacfwd over jacrev (jax.hessian) differentiates forwards what jax.grad returns: xkern's ops are
+    custom_vjp functions, which jax cannot differentiate forwards, so that inner function is not
+    replaced; the program equals jax.jit's."""
+    w = jnp.asarray(np.random.default_rng(5).standard_normal((5, 5)), jnp.float32)
+    f = lambda x: jnp.sum(jnp.tanh(jax.nn.softmax(x, axis=-1) @ w))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, 5)), jnp.float32)
+    assert "softmax_bwd" in kernel_names(jax.make_jaxpr(xkern.optimize(jax.grad(f)))(x))  # reverse: replaced
+    np.testing.assert_allclose(xkern.jit(jax.hessian(f))(x), jax.jit(jax.hessian(f))(x), rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_users_derivatives_are_replaced():
+    """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
+    derivative) are left as they are: the first caller outside jax decides."""
+    import os
+    from xkern import _compat
+    seen = []
+    wrap = lambda fun: seen.append(fun) or fun
+    f = lambda x: jnp.sin(x).sum()
+    inside_xkern = compile("jax.vjp(f, x)", os.path.join(os.path.dirname(xkern.__file__), "probe.py"), "exec")
+    with _compat.wrapping_differentiated(wrap):
+        jax.grad(f)(1.0)
+        assert len(seen) == 1
+        exec(inside_xkern, {"jax": jax, "f": f, "x": 1.0})
+        jax.jvp(f, (1.0,), (1.0,))  # forward mode: never replaced
+        jax.linearize(f, 1.0)
+    jax.grad(f)(1.0)  # outside the context
+    assert len(seen) == 1
 
 
 @pytest.mark.cost_model

@@ -3,6 +3,12 @@
 jax's public API covers most of what xkern needs; what it lacks is imported here, so that a jax
 upgrade that moves something breaks this file alone.
 """
+import contextlib
+import functools
+import os
+import sys
+import threading
+
 import jax
 from jax._src import source_info_util as _source_info
 from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
@@ -62,6 +68,7 @@ def vary(x, axes: tuple):
 
 
 __all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source", "eval_context",
+           "wrapping_differentiated",
            "varying_axes", "shaped_array_like", "vary",
            "partitioned_lowering", "manual_lowering", "require_devices_when_lowering", "spec_of"]
 
@@ -113,3 +120,61 @@ def spec_of(sharding, mesh):
         return sharding_impls.parse_flatten_op_sharding(hlo, mesh)[0]
     except (AssertionError, ValueError):
         return None
+
+
+# --------------------------------------------------------------------------------------------------
+# Functions differentiated inside a traced program
+# --------------------------------------------------------------------------------------------------
+
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+_XKERN_DIR = os.path.dirname(__file__) + os.sep
+_XKERN_API = os.path.join(os.path.dirname(__file__), "api.py")
+_differentiated = threading.local()
+
+
+def _install_linearize_hook() -> None:
+    """Every reverse-mode derivative in jax (grad, value_and_grad, vjp, and Flax's helpers, which call
+    them) starts at `ad.linearize(fun, primals, is_vjp=True, ...)`; wrap it once, so that inside
+    `wrapping_differentiated` `fun` passes through the active wrapper first."""
+    from jax._src.interpreters import ad
+    if getattr(ad.linearize, "_xkern_hook", False):
+        return
+    original = ad.linearize
+
+    @functools.wraps(original)
+    def linearize(traceable, primals, *args, **kwargs):
+        wrap = getattr(_differentiated, "wrap", None)
+        # Reverse mode only (vjp, grad), and not under forward mode (jacfwd of jacrev): xkern's ops
+        # are custom_vjp functions, which jax cannot differentiate forwards.
+        if (wrap is not None and kwargs.get("is_vjp") and not _asked_by_xkern()
+                and not any(isinstance(p, ad.JVPTracer) for p in primals)):
+            traceable = wrap(traceable)
+        return original(traceable, primals, *args, **kwargs)
+
+    linearize._xkern_hook = True
+    ad.linearize = linearize
+
+
+def _asked_by_xkern() -> bool:
+    """Whether the code that asked jax for this derivative is xkern's own (a kernel's backward rule,
+    the planner), not the user's: the first caller outside jax decides. xkern/api.py calls the
+    user's function itself (xkern.jit(jax.grad(loss)): jax.grad's own frames, then api.py's), so
+    there a derivative is the user's."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_JAX_DIR):
+        frame = frame.f_back
+    return (frame is not None and frame.f_code.co_filename.startswith(_XKERN_DIR)
+            and frame.f_code.co_filename != _XKERN_API)
+
+
+@contextlib.contextmanager
+def wrapping_differentiated(wrap):
+    """A context in which every function the user's code differentiates in reverse mode is replaced
+    by `wrap(fun)` before jax differentiates it (None: nothing is replaced)."""
+    _install_linearize_hook()
+    previous = getattr(_differentiated, "wrap", None)
+    _differentiated.wrap = wrap
+    try:
+        yield
+    finally:
+        _differentiated.wrap = previous

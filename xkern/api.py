@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Any, Callable
 
 import jax
 import numpy as np
 
-from xkern import pipeline
+from xkern import _compat, pipeline
 from xkern.jaxpr_passes.patterns import registry
 from xkern.jaxpr_passes.rewrite import Declined, evaluate, specs, traffic
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
@@ -27,8 +28,10 @@ class _Traced:
     key: Any  # the signature, or None when the trace must not be reused
 
 
-def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
-    """The jaxpr of `fun` at these arguments; non-array leaves (strings, None...) are static."""
+def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
+    """The jaxpr of `fun` at these arguments; non-array leaves (strings, None...) are static.
+    What `fun` differentiates (a training step's jax.value_and_grad) is optimized before jax
+    differentiates it, so its patterns are found in the forward pass it was written as."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _DYNAMIC)]
     dynamic = [leaves[i] for i in dyn_idx]
@@ -43,7 +46,8 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
         out_tree.append(tree)
         return out
 
-    closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
+        closed = jax.make_jaxpr(flat_fun)(*dynamic)
     static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
     key = (treedef, static, tuple((tuple(np.shape(d)), jax.numpy.result_type(d),
                                    getattr(jax.typeof(d), "weak_type", False)) for d in dynamic))
@@ -54,6 +58,17 @@ def _trace(fun: Callable, args: tuple, kwargs: dict) -> _Traced:
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
     return _Traced(closed, out_tree[0], dynamic, key)
+
+
+# Plans made for the functions a program differentiates, while `explain` traces it (None otherwise).
+_inner_plans = threading.local()
+
+
+def _before_differentiation(fun: Callable, backend: str | None) -> Callable:
+    """A function the traced program hands to jax.grad / value_and_grad / vjp, optimized first:
+    after differentiation the forward's intermediates feed the backward pass, so no pattern could be
+    taken there; before it, each op's backward kernel is what gets differentiated."""
+    return optimize(fun, backend=backend)
 
 
 def _check_args(api: str, fun, backend) -> None:
@@ -79,13 +94,15 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
         chosen = resolve_backend(backend)
-        traced = _trace(fun, args, kwargs)
+        traced = _trace(fun, args, kwargs, chosen)
         key = None if traced.key is None else (traced.key, chosen)
         plan = plans.get(key) if key is not None else None
         if plan is None:
             plan = pipeline.plan(traced.closed, chosen)
             if key is not None:
                 plans[key] = plan
+        if getattr(_inner_plans, "plans", None) is not None:
+            _inner_plans.plans.append(plan)
         outs = evaluate(plan, traced.dynamic, chosen)
         return jax.tree_util.tree_unflatten(traced.out_tree, outs)
 
@@ -167,12 +184,16 @@ def explain(fun: Callable, *, backend: str | None = None):
 
     def report(*args, **kwargs) -> Report:
         chosen = resolve_backend(backend)
-        traced = _trace(fun, args, kwargs)
+        _inner_plans.plans = inner = []
+        try:
+            traced = _trace(fun, args, kwargs, chosen)
+        finally:
+            _inner_plans.plans = None
         plan = pipeline.plan(traced.closed, chosen)
         rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
         launched = kernel_names(rewritten)
         matches, declined = [], []
-        for p in plan.walk():
+        for p in (q for top in (*inner, plan) for q in top.walk()):
             declined += p.declined
             for r in p.rewrites.values():
                 inputs, residual = r.inputs()
@@ -186,8 +207,8 @@ def explain(fun: Callable, *, backend: str | None = None):
             for f in p.fusions.values():
                 matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
                                         [f.fused.name], {}, f.fused.source))
-        before, after = traffic(plan)
-        in_place = sum(bool(f.aliases) for p in plan.walk() for f in p.fusions.values())
+        before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))
+        in_place = sum(bool(f.aliases) for top in (*inner, plan) for p in top.walk() for f in p.fusions.values())
         return Report(chosen, launched, matches, declined, before, after, peak_live_bytes(traced.closed),
                       peak_live_bytes(rewritten), in_place)
     return report
