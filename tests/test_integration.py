@@ -126,6 +126,66 @@ def test_only_the_users_derivatives_are_replaced():
     assert len(seen) == 1
 
 
+def test_flax_nnx_training_step_under_nnx_jit_updates_the_model():
+    """Flax NNX updates modules in place (optimizer.update). Under nnx.jit(xkern.optimize(step)) the
+    values the step sets are carried out of xkern's trace onto nnx.jit's objects, as if the step had
+    run there (before, xkern traced copies and the model silently never changed)."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm = nnx.LayerNorm(16, rngs=rngs)
+            self.attention = nnx.MultiHeadAttention(num_heads=2, in_features=16, decode=False, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.attention(self.norm(x), mask=nnx.make_causal_mask(x[..., 0]))
+
+    def step(model, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    x = jax.random.normal(jax.random.key(0), (2, 12, 16))
+    runs = {}
+    for name, wrap in (("nnx.jit", nnx.jit), ("xkern", lambda f: nnx.jit(xkern.optimize(f)))):
+        model = Block(nnx.Rngs(0))
+        # (sgd: adam would turn the key bias's gradient, 0 up to rounding, into whole steps)
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        losses = [wrap(step)(model, optimizer, x) for _ in range(3)]
+        runs[name] = (losses, nnx.state(model, nnx.Param), int(optimizer.step[...]))
+    (want_losses, want_params, want_steps), (losses, params, steps) = runs["nnx.jit"], runs["xkern"]
+    assert steps == want_steps == 3 and float(losses[2]) < float(losses[0])
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    model = Block(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.warns(UserWarning, match="set values on its arguments in place"):  # as jax.jit, nowhere
+        xkern.jit(step)(model, optimizer, x)
+    assert int(optimizer.step[...]) == 0
+    graphdef, state = nnx.split((model, optimizer))
+    launched = kernel_names(jax.make_jaxpr(lambda s: xkern.optimize(step)(*nnx.merge(graphdef, s), x))(state))
+    assert {"attention_fwd", "attention_bwd_dq"} <= set(launched)
+
+
+def test_values_set_in_place_on_arguments_are_carried_out():
+    def f(state, x):
+        state["count"] = state["count"] + 1
+        state["last"][0] = jax.nn.softmax(x)
+        return x.sum()
+    x = jnp.arange(6.0).reshape(2, 3)
+    state = {"count": jnp.zeros(()), "last": [jnp.zeros((2, 3))]}
+    total = xkern.optimize(f)(state, x)
+    assert float(total) == 15.0 and float(state["count"]) == 1.0
+    np.testing.assert_allclose(state["last"][0], jax.nn.softmax(x), rtol=1e-6)
+
+    def grows(state):
+        state["new"] = jnp.ones(())
+        return jnp.zeros(())
+    with pytest.raises(TypeError, match="changed the structure of its arguments"):
+        xkern.optimize(grows)({"a": jnp.ones(())})
+
+
 @pytest.mark.cost_model
 @pytest.mark.parametrize("block", ["GPT", "Llama"])
 def test_decoder_blocks_at_gpu_sizes_are_planned_as_measured(block):

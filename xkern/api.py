@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -26,6 +27,7 @@ class _Traced:
     out_tree: Any
     dynamic: list  # the array leaves of the arguments, in order
     key: Any  # the signature, or None when the trace must not be reused
+    mutated: list  # argument leaves fun set in place (index among the leaves), computed after its outputs
 
 
 def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
@@ -35,7 +37,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _DYNAMIC)]
     dynamic = [leaves[i] for i in dyn_idx]
-    out_tree = []
+    out_tree, mutated = [], []
 
     def flat_fun(*dyn):
         full = list(leaves)
@@ -44,8 +46,16 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
         out_tree.append(tree)
-        return out
-
+        # Arguments with reference semantics (Flax NNX modules, an optimizer's state) that fun
+        # updated in place: their new values become outputs too, set on the caller's objects after
+        # the run (apply_mutations), as if fun had run there.
+        after, after_tree = jax.tree_util.tree_flatten((a, k))
+        if after_tree != treedef:
+            raise TypeError(f"xkern: {getattr(fun, '__name__', 'fun')} changed the structure of its arguments "
+                            "in place (added or removed a leaf); xkern can carry values set in place, not new "
+                            "structure: return the changed object instead")
+        mutated.extend(i for i, (old, new) in enumerate(zip(full, after)) if new is not old)
+        return out + [after[i] for i in mutated]
     with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
     static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
@@ -57,7 +67,37 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         key = None
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
-    return _Traced(closed, out_tree[0], dynamic, key)
+    return _Traced(closed, out_tree[0], dynamic, key, mutated)
+
+
+def _apply_mutations(args: tuple, kwargs: dict, mutated: list, values: list) -> None:
+    """Set each argument leaf fun updated in place (by index among the leaves) on the caller's
+    objects, through its path: attributes (an NNX Variable's value) and items of dicts and lists."""
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]]
+    for i, value in zip(mutated, values):
+        *parents, last = paths[i]
+        node = (args, kwargs)
+        for key in parents:
+            node = _child(node, key)
+        if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value" and hasattr(node, "set_value"):
+            node.set_value(value)  # a Flax NNX Variable (its .value setter is deprecated)
+        elif isinstance(last, jax.tree_util.GetAttrKey):
+            setattr(node, last.name, value)
+        elif isinstance(last, (jax.tree_util.DictKey, jax.tree_util.SequenceKey)) and not isinstance(node, tuple):
+            node[last.key if isinstance(last, jax.tree_util.DictKey) else last.idx] = value
+        else:
+            raise TypeError(f"xkern: the function set an argument leaf in place at {jax.tree_util.keystr(paths[i])}, "
+                            "which xkern cannot set on the caller's object; return it instead")
+
+
+def _child(node, key):
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    raise TypeError(f"xkern: cannot follow {key!r} into an argument to set a value the function changed in place")
 
 
 # Plans made for the functions a program differentiates, while `explain` traces it (None otherwise).
@@ -83,8 +123,9 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     """Rewrite `fun`'s program with xkern's kernels each time it is traced or called.
 
     Composes with jax.jit, jax.grad / value_and_grad (gradients run through each op's backward
-    kernels), jax.vmap, lax.scan bodies and Flax modules. Results equal `fun`'s within the dtype's
-    tolerance; what xkern cannot handle is left to XLA (see `explain`).
+    kernels), jax.vmap, lax.scan bodies and Flax modules (with Flax NNX, nnx.jit(optimize(step)):
+    values `fun` sets on its arguments in place are set on the caller's objects). Results equal
+    `fun`'s within the dtype's tolerance; what xkern cannot handle is left to XLA (see `explain`).
     """
     if fun is None:
         return functools.partial(optimize, backend=backend)
@@ -104,9 +145,27 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
         if getattr(_inner_plans, "plans", None) is not None:
             _inner_plans.plans.append(plan)
         outs = evaluate(plan, traced.dynamic, chosen)
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs)
+        n_out = len(outs) - len(traced.mutated)
+        if traced.mutated:
+            _apply_mutations(args, kwargs, traced.mutated, outs[n_out:])
+        return jax.tree_util.tree_unflatten(traced.out_tree, outs[:n_out])
 
     return optimized
+
+
+def _warn_if_mutating(fun: Callable) -> Callable:
+    """fun, saying so when it sets values on its arguments in place: under jax.jit those go nowhere."""
+    @functools.wraps(fun)
+    def checked(*args, **kwargs):
+        before = [id(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))]
+        out = fun(*args, **kwargs)
+        if before != [id(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))]:
+            warnings.warn(f"xkern.jit: {getattr(fun, '__name__', 'fun')} set values on its arguments in place "
+                          "(as Flax NNX's optimizer.update does); like jax.jit, xkern.jit returns them nowhere "
+                          "and the caller's objects keep their old values: use nnx.jit(xkern.optimize(fun)), "
+                          "or return what changed", stacklevel=2)
+        return out
+    return checked
 
 
 def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs):
@@ -118,7 +177,7 @@ def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs
     if fun is None:
         return functools.partial(jit, backend=backend, **jit_kwargs)
     _check_args("jit", fun, backend)
-    return jax.jit(optimize(fun, backend=backend), **jit_kwargs)
+    return jax.jit(_warn_if_mutating(optimize(fun, backend=backend)), **jit_kwargs)
 
 
 # --------------------------------------------------------------------------------------------------
