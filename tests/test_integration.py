@@ -96,6 +96,22 @@ def test_xkern_jit_of_a_step_that_differentiates_takes_the_kernels(how):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * float(np.abs(want).max()))
 
 
+def test_explain_states_each_decision_once_for_a_differentiated_function(monkeypatch):
+    """A candidate the differentiated function's plan declines (here the cost model, told to decline
+    norms) is seen again, differentiated, in the whole program, where its intermediates feed the
+    backward pass: explain reports it once, with the first reason."""
+    from xkern import pipeline
+    monkeypatch.setattr(pipeline, "decline_reason",
+                        lambda op, *a, **k: "too small (test)" if op == "layer_norm" else None)
+    norm = nn.LayerNorm()
+    x = jax.random.normal(jax.random.key(0), (4, 16))
+    params = norm.init(jax.random.key(1), x)
+    step = lambda p, x: jax.grad(lambda p: jnp.sum(norm.apply(p, x) ** 2))(p)
+    report = xkern.explain(step)(params, x)
+    [declined] = [d for d in report.declined if d.pattern.startswith("layer_norm")]
+    assert declined.reason == "too small (test)"
+
+
 def test_forward_mode_over_reverse_mode_is_left_to_jax():
     """jacfwd over jacrev (jax.hessian) differentiates forwards what jax.grad returns: xkern's ops are
     custom_vjp functions, which jax cannot differentiate forwards, so that inner function is not

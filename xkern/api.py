@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import threading
 import warnings
 from typing import Any, Callable
@@ -237,6 +238,32 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _decisions(inner: list, plan, backend: str) -> tuple[list, list]:
+    """(Replaced, Declined) of the differentiated functions' plans (`inner`) and the program's."""
+    # A candidate a differentiated function's plan already decided (taken, or declined with its
+    # reason) is seen again, differentiated, in the whole program (often as a smaller spelling, a
+    # line away, in the same function): say it once.
+    site = lambda pattern, location: (pattern.split("/")[0], re.sub(r":\d+:\d+ ", " ", location))
+    decided = {site(d.pattern, d.location) for top in inner for p in top.walk() for d in p.declined} | {
+        site(r.match.pattern.name, r.location) for top in inner for p in top.walk() for r in p.rewrites.values()}
+    outer = {id(p) for p in plan.walk()}
+    matches, declined = [], []
+    for p in (q for top in (*inner, plan) for q in top.walk()):
+        declined += [d for d in p.declined if id(p) not in outer or site(d.pattern, d.location) not in decided]
+        for r in p.rewrites.values():
+            inputs, residual = r.inputs()
+            replace = functools.partial(r.match.pattern.replace, backend=backend, **r.params)
+            if residual is not None:
+                inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
+            replaced = jax.make_jaxpr(replace)(*(None if v is None else specs([v.aval])[0] for v in inputs))
+            matches.append(Replaced(r.pattern, r.match.pattern.op, r.location, kernel_names(replaced), r.params))
+        role = f" ({p.role}, in the backward pass)" if p.role else ""
+        for f in p.fusions.values():
+            matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
+                                    [f.fused.name], {}, f.fused.source))
+    return matches, declined
+
+
 def explain(fun: Callable, *, backend: str | None = None):
     """`explain(fun)(*args)`: a Report of what xkern.jit / optimize would do to `fun` at these args."""
     _check_args("explain", fun, backend)
@@ -251,21 +278,7 @@ def explain(fun: Callable, *, backend: str | None = None):
         plan = pipeline.plan(traced.closed, chosen)
         rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
         launched = kernel_names(rewritten)
-        matches, declined = [], []
-        for p in (q for top in (*inner, plan) for q in top.walk()):
-            declined += p.declined
-            for r in p.rewrites.values():
-                inputs, residual = r.inputs()
-                replace = functools.partial(r.match.pattern.replace, backend=chosen, **r.params)
-                if residual is not None:
-                    inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
-                replaced = jax.make_jaxpr(replace)(*(None if v is None else specs([v.aval])[0] for v in inputs))
-                matches.append(Replaced(r.pattern, r.match.pattern.op, r.location,
-                                        kernel_names(replaced), r.params))
-            role = f" ({p.role}, in the backward pass)" if p.role else ""
-            for f in p.fusions.values():
-                matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
-                                        [f.fused.name], {}, f.fused.source))
+        matches, declined = _decisions(inner, plan, chosen)
         before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))
         in_place = sum(bool(f.aliases) for top in (*inner, plan) for p in top.walk() for f in p.fusions.values())
         return Report(chosen, launched, matches, declined, before, after, peak_live_bytes(traced.closed),
