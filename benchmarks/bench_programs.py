@@ -143,6 +143,53 @@ def decoder_block_cases(on_gpu: bool) -> list[Case]:
     return out
 
 
+def training_step_cases(on_gpu: bool) -> list[Case]:
+    """Whole language models (embedding, decoder blocks, final norm, LM head, optax's cross-entropy)
+    trained one AdamW step, as users write the step: jax.value_and_grad inside it, the whole step
+    under xkern.jit, against the same step under jax.jit. Parameters in float32, compute in bf16."""
+    import flax.linen as nn
+    import optax
+
+    layers, vocab = (4, 32000) if on_gpu else (2, 50)
+
+    class LM(nn.Module):
+        block: type
+        norm: type
+        dim: int
+
+        @nn.compact
+        def __call__(self, tokens):
+            h = nn.Embed(vocab, self.dim, dtype=jnp.bfloat16)(tokens)
+            for _ in range(layers):
+                h = self.block()(h)
+            return nn.Dense(vocab, use_bias=False, dtype=jnp.bfloat16)(self.norm(dtype=jnp.bfloat16)(h))
+
+    out = []
+    for key, (name, block, x, heads) in enumerate(decoder_blocks(on_gpu)):
+        batch, seq, dim = x.shape
+        model, tx = LM(type(block), nn.LayerNorm if "GPT" in name else nn.RMSNorm, dim), optax.adamw(1e-4)
+        tokens0 = jnp.zeros((batch, seq + 1), jnp.int32)
+        params = model.init(jax.random.key(key), tokens0[:, :-1])
+        opt_state = tx.init(params)
+
+        def loss_fn(params, tokens, model=model):
+            logits = model.apply(params, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+        def train_step(params, opt_state, tokens, loss_fn=loss_fn, tx=tx):
+            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        def args(key, params=params, opt_state=opt_state, shape=tokens0.shape):
+            return params, opt_state, jax.random.randint(key, shape, 0, vocab)
+
+        out.append(Case(f"LM training step, {layers} layers, AdamW {name[len('decoder block '):]}",
+                        (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(train_step),
+                        train_step, args, 0, 3e-2, memory=True))
+    return out
+
+
 def _vjp(f):
     return lambda *args: jax.vjp(f, *args[:-1])[1](args[-1])
 
@@ -176,3 +223,8 @@ def cases(on_gpu: bool) -> list[Case]:
              grad_logits(xkern.optimize(lm_loss)), grad_logits(lm_loss), logits_labels, 0, 2e-2),
     ] + (flax_programs(on_gpu) if importlib.util.find_spec("flax") and importlib.util.find_spec("optax")
          else [])
+
+
+def training_cases(on_gpu: bool) -> list[Case]:
+    """The `training` suite: whole models' training steps (they need flax and optax)."""
+    return training_step_cases(on_gpu) if importlib.util.find_spec("flax") and importlib.util.find_spec("optax") else []

@@ -36,7 +36,8 @@ def demo() -> None:
 SUITES = {"softmax": bench_softmax, "norms": bench_norms, "cross_entropy": bench_cross_entropy,
           "glu": bench_glu, "rope": bench_rope, "attention": bench_attention, "decode": bench_decode,
           "programs": bench_programs, "generated": bench_generated, "matmul": bench_matmul, "sharded": bench_sharded,
-          "window": types.SimpleNamespace(cases=bench_attention.window_cases)}
+          "window": types.SimpleNamespace(cases=bench_attention.window_cases),
+          "training": types.SimpleNamespace(cases=bench_programs.training_cases)}
 
 
 def main(argv: list[str]) -> int:
