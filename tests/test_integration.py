@@ -96,6 +96,23 @@ def test_xkern_jit_of_a_step_that_differentiates_takes_the_kernels(how):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4 * float(np.abs(want).max()))
 
 
+def test_outputs_that_are_not_arrays_pass_through():
+    """jax.value_and_grad(has_aux=True) lets aux hold anything (a name, a count); jax.jit of a step
+    that keeps it inside works, and so must xkern.jit, where xkern traces the differentiated loss."""
+    def loss(x):
+        return jnp.sum(jax.nn.softmax(x, axis=-1) ** 2), {"name": "softmax", "count": 3}
+
+    def step(x):
+        (value, aux), grad = jax.value_and_grad(loss, has_aux=True)(x)
+        assert aux == {"name": "softmax", "count": 3}
+        return value, grad
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 8)), jnp.float32)
+    assert "softmax_bwd" in kernel_names(jax.make_jaxpr(xkern.optimize(step))(x))
+    for got, want in zip(xkern.jit(step)(x), jax.jit(step)(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert xkern.optimize(loss)(x)[1] == {"name": "softmax", "count": 3}
+
+
 def test_explain_states_each_decision_once_for_a_differentiated_function(monkeypatch):
     """A candidate the differentiated function's plan declines (here the cost model, told to decline
     norms) is seen again, differentiated, in the whole program, where its intermediates feed the

@@ -29,6 +29,7 @@ class _Traced:
     dynamic: list  # the array leaves of the arguments, in order
     key: Any  # the signature, or None when the trace must not be reused
     mutated: list  # argument leaves fun set in place (index among the leaves), computed after its outputs
+    static_out: dict  # output leaves that are not arrays (a string in jax.grad's aux): position -> value
 
 
 def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
@@ -38,7 +39,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _DYNAMIC)]
     dynamic = [leaves[i] for i in dyn_idx]
-    out_tree, mutated = [], []
+    out_tree, mutated, static_out = [], [], {}
 
     def flat_fun(*dyn):
         full = list(leaves)
@@ -47,6 +48,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
         out_tree.append(tree)
+        static_out.update({n: v for n, v in enumerate(out) if not isinstance(v, _DYNAMIC)})
         # Arguments with reference semantics (Flax NNX modules, an optimizer's state) that fun
         # updated in place: their new values become outputs too, set on the caller's objects after
         # the run (apply_mutations), as if fun had run there.
@@ -56,7 +58,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
                             "in place (added or removed a leaf); xkern can carry values set in place, not new "
                             "structure: return the changed object instead")
         mutated.extend(i for i, (old, new) in enumerate(zip(full, after)) if new is not old)
-        return out + [after[i] for i in mutated]
+        return [v for n, v in enumerate(out) if n not in static_out] + [after[i] for i in mutated]
     with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
     static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
@@ -68,7 +70,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         key = None
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
-    return _Traced(closed, out_tree[0], dynamic, key, mutated)
+    return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out)
 
 
 def _apply_mutations(args: tuple, kwargs: dict, mutated: list, values: list) -> None:
@@ -149,7 +151,10 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
         n_out = len(outs) - len(traced.mutated)
         if traced.mutated:
             _apply_mutations(args, kwargs, traced.mutated, outs[n_out:])
-        return jax.tree_util.tree_unflatten(traced.out_tree, outs[:n_out])
+        arrays = iter(outs[:n_out])
+        leaves = [traced.static_out[n] if n in traced.static_out else next(arrays)
+                  for n in range(traced.out_tree.num_leaves)]
+        return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
 
     return optimized
 
