@@ -49,16 +49,10 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
         out_tree.append(tree)
         static_out.update({n: v for n, v in enumerate(out) if not isinstance(v, _DYNAMIC)})
-        # Arguments with reference semantics (Flax NNX modules, an optimizer's state) that fun
-        # updated in place: their new values become outputs too, set on the caller's objects after
-        # the run (apply_mutations), as if fun had run there.
-        after, after_tree = jax.tree_util.tree_flatten((a, k))
-        if after_tree != treedef:
-            raise TypeError(f"xkern: {getattr(fun, '__name__', 'fun')} changed the structure of its arguments "
-                            "in place (added or removed a leaf); xkern can carry values set in place, not new "
-                            "structure: return the changed object instead")
-        mutated.extend(i for i, (old, new) in enumerate(zip(full, after)) if new is not old)
-        return [v for n, v in enumerate(out) if n not in static_out] + [after[i] for i in mutated]
+        after = _set_in_place(fun, treedef, full, (a, k))
+        mutated.extend(after)
+        return [v for n, v in enumerate(out) if n not in static_out] + list(after.values())
+
     with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
     static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
@@ -71,6 +65,18 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
     return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out)
+
+
+def _set_in_place(fun: Callable, treedef, before: list, arguments) -> dict:
+    """The argument leaves `fun` set in place (Flax NNX modules, an optimizer's state: objects with
+    reference semantics), index -> new value. They become outputs of the traced program too, and
+    are set on the caller's objects after the run (_apply_mutations), as if fun had run there."""
+    after, after_tree = jax.tree_util.tree_flatten(arguments)
+    if after_tree != treedef:
+        raise TypeError(f"xkern: {getattr(fun, '__name__', 'fun')} changed the structure of its arguments "
+                        "in place (added or removed a leaf); xkern can carry values set in place, not new "
+                        "structure: return the changed object instead")
+    return {i: new for i, (old, new) in enumerate(zip(before, after)) if new is not old}
 
 
 def _apply_mutations(args: tuple, kwargs: dict, mutated: list, values: list) -> None:
