@@ -32,6 +32,12 @@ from xkern.tuning.configs import one_block_rows
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 MAX_COLS = 16384  # widest row the one-block kernels keep in registers; wider rows use XLA
+# Widest row the backward kernel takes, by op; wider rows (the forward kernel still runs) get XLA's
+# backward. Past 8192 columns the RMS backward's row tiles and sums no longer fit in registers: on an
+# H200, value and gradient of 8192x16384 bf16 took 2.90 ms through the kernel against 0.33 through
+# XLA; layer norm's kernel still beat XLA there (1.01 against 1.10 ms), so it keeps it
+# (benchmarks/results, twentieth session).
+BWD_MAX_COLS = {False: MAX_COLS, True: 8192}  # rms -> columns
 HALVES_FROM = 8192  # rows at least this wide (padded to a power of two) go through the forward in halves
 STREAM_HINTS = True  # the forward's cache hints (see _input_tile); a switch for probes (read when traced)
 
@@ -351,11 +357,22 @@ def _norm_rows_fwd(x2, r2, scale, bias, eps, rms, backend, fwd_config, bwd_confi
 def _norm_rows_bwd(eps, rms, backend, fwd_config, bwd_config, out_dtype, residuals, cotangents):
     h, scale, bias, has_residual = residuals
     dy, dh_out = cotangents[0], (cotangents[1] if has_residual else None)
+    if h.shape[-1] > BWD_MAX_COLS[rms]:
+        dh, d_scale, d_bias = _xla_bwd(h, scale, bias, dy, eps, rms, out_dtype)
+        dh = dh if dh_out is None else (dh.astype(jnp.float32) + dh_out.astype(jnp.float32)).astype(h.dtype)
+        return dh, (dh if has_residual else None), d_scale, d_bias
     dh, dscale, dbias = _launch_bwd(h, dy, dh_out, scale, eps, rms=rms,
                                     backend=backend, config=bwd_config)
     d_scale = None if scale is None else jnp.sum(dscale, 0).astype(scale.dtype)
     d_bias = None if bias is None else jnp.sum(dbias, 0).astype(bias.dtype)
     return dh, (dh if has_residual else None), d_scale, d_bias
+
+
+def _xla_bwd(h, scale, bias, dy, eps, rms, out_dtype):
+    """XLA's derivative of the reference at h (rows wider than BWD_MAX_COLS[rms]): (dh, dscale, dbias)."""
+    norm = lambda h, scale, bias: reference(h, scale, bias, eps, None, rms, out_dtype)
+    dh, d_scale, d_bias = jax.vjp(norm, h, scale, bias)[1](dy.astype(out_dtype))
+    return dh, d_scale, d_bias
 
 
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
