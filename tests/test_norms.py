@@ -230,6 +230,35 @@ def test_norm_spellings_differentiate_through_the_kernels(name):
         close(g, w, args[0].dtype.type)
 
 
+@pytest.mark.parametrize("module", ["LayerNorm", "RMSNorm"])
+def test_flax_nnx_norms_in_mixed_precision_round_their_parameters_as_nnx_does(module):
+    """nnx's norms with dtype=bfloat16 over float32 parameters (as mixed-precision models build
+    them) round the parameters to bfloat16 first: found, and equal to jax.jit's, gradients included."""
+    nnx = pytest.importorskip("flax.nnx")
+    x, _, scale, bias, dy = make((3, 5, 37), jnp.bfloat16, seed=5)
+    norm = getattr(nnx, module)(37, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    norm.scale[...] = (scale * 3 + 1).astype(jnp.float32)
+    if module == "LayerNorm":
+        norm.bias[...] = bias.astype(jnp.float32)
+    graphdef, state = nnx.split(norm)
+
+    def loss(x, state):
+        y = nnx.merge(graphdef, state)(x)
+        return jnp.sum(y.astype(jnp.float32) * dy), y
+    grad = lambda f: jax.value_and_grad(f, (0, 1), has_aux=True)
+    launched = kernel_names(jax.make_jaxpr(grad(xkern.optimize(loss)))(x, state))
+    op = "layer_norm" if module == "LayerNorm" else "rms_norm"
+    assert {f"{op}_fwd", f"{op}_bwd"} <= set(launched)
+    (_, got), got_grads = jax.jit(grad(xkern.optimize(loss)))(x, state)
+    (_, want), want_grads = jax.jit(grad(loss))(x, state)
+    assert got.dtype == want.dtype == jnp.bfloat16
+    close(got, want, jnp.bfloat16)
+    # bit-equal but for rare last-place roundings (with the parameters left unrounded, ~25% differ)
+    assert np.mean(np.asarray(got, np.float32) != np.asarray(want, np.float32)) < 0.03
+    for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+        close(g, w, jnp.bfloat16)
+
+
 def test_squares_and_repeated_subexpressions_are_found():
     """As people write them: h - mean twice and ** 2 (layer norm), h * h (rms norm); canonicalization
     makes them the templates' square of one h - mean."""

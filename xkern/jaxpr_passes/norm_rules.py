@@ -10,7 +10,7 @@ A spelling is three choices, combined:
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
 and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
-jax.nn.standardize. eps is read off the program (any value; the exact re-trace checks it).
+flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize. eps is read off the program (any value; the exact re-trace checks it).
 A norm of h = x + r (a residual connection) also takes the add: the kernel reads x and r and writes
 the normalized rows and h, one pass fewer than an add and a norm (xkern/jaxpr_passes/rewrite.py).
 
@@ -106,6 +106,23 @@ def flax_rms_norm(x, scale, *, eps):
     return nn.RMSNorm(epsilon=eps).apply({"params": {"scale": scale}}, x)
 
 
+def flax_nnx_norm(op: str, n_params: int, promote: bool):
+    """flax.nnx.LayerNorm / RMSNorm. With dtype=None (promote) the result is in the promoted dtype of
+    x and the parameters; with dtype=x.dtype, as mixed-precision models set it, nnx first rounds the
+    parameters to x's dtype, and so does the replacement (_pattern's round_params)."""
+    def fn(x, *params, eps):
+        from flax import nnx
+        kind = nnx.LayerNorm if op == "layer_norm" else nnx.RMSNorm
+        options = {"use_bias": n_params > 1} if op == "layer_norm" else {}
+        module = kind(x.shape[-1], epsilon=eps, dtype=None if promote else x.dtype, use_scale=n_params > 0,
+                      param_dtype=params[0].dtype if params else F32, rngs=nnx.Rngs(0), **options)
+        for name, value in zip(("scale", "bias"), params):
+            getattr(module, name)[...] = value
+        return module(x)
+    fn.__name__ = f"flax.nnx.{'LayerNorm' if op == 'layer_norm' else 'RMSNorm'}"
+    return fn
+
+
 def standardize(x, *, eps):
     return jax.nn.standardize(x, axis=-1, epsilon=eps)
 
@@ -131,7 +148,7 @@ def _check(match, params) -> str | None:
     return None
 
 
-def _pattern(name, op, fn, n_params, dtypes, affine=""):
+def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
     def example(dtypes):
         x_dtype, param_dtype = dtypes
         return (jax.ShapeDtypeStruct((4, 8), x_dtype),
@@ -139,6 +156,8 @@ def _pattern(name, op, fn, n_params, dtypes, affine=""):
 
     def replace(x, *params, backend, eps, residual=None, residual_sum=False):
         out_dtype = jax.eval_shape(lambda *a: fn(*a, eps=eps), x, *params).dtype
+        if round_params:
+            params = [p.astype(x.dtype) for p in params]
         scale = params[0] if params else None
         if affine == "*(1+scale)":
             scale = 1 + scale  # as the program computes it, in scale's dtype
@@ -191,3 +210,10 @@ if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dep
                  1, _param_dtypes(ALL), "*scale"),
         _pattern("rms_norm/flax.linen.RMSNorm", "rms_norm", flax_rms_norm, 1, _param_dtypes(ALL), "*scale"),
     ]
+    for op, n_params in (("layer_norm", 2), ("layer_norm", 1), ("layer_norm", 0), ("rms_norm", 1), ("rms_norm", 0)):
+        # promoting differs only for half-precision x with float32 parameters
+        for promote, dtypes in ((False, _param_dtypes(ALL)), (True, tuple((x, F32) for x in HALF)))[:1 + (n_params > 0)]:
+            fn = flax_nnx_norm(op, n_params, promote)
+            PATTERNS.append(_pattern(f"{op}/{fn.__name__}({n_params} params{', promoted' if promote else ''})",
+                                     op, fn, n_params, dtypes, ("", "*scale", "*scale+bias")[n_params],
+                                     round_params=not promote))
