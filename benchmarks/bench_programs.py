@@ -146,48 +146,129 @@ def decoder_block_cases(on_gpu: bool) -> list[Case]:
 def training_step_cases(on_gpu: bool) -> list[Case]:
     """Whole language models (embedding, decoder blocks, final norm, LM head, optax's cross-entropy)
     trained one AdamW step, as users write the step: jax.value_and_grad inside it, the whole step
-    under xkern.jit, against the same step under jax.jit. Parameters in float32, compute in bf16."""
+    under xkern.jit, against the same step under jax.jit. Parameters in float32, compute in bf16.
+    The layers as a Python loop, and as large models hold them: one layer's parameters stacked and
+    scanned over, its activations rematerialized in the backward pass (nn.scan of nn.remat)."""
     import flax.linen as nn
     import optax
 
     layers, vocab = (4, 32000) if on_gpu else (2, 50)
 
+    class Scanned(nn.Module):  # nn.scan's (carry, x) -> (carry, y) convention around a block
+        block: type
+
+        @nn.compact
+        def __call__(self, h, _):
+            return self.block()(h), None
+
     class LM(nn.Module):
         block: type
         norm: type
         dim: int
+        scanned: bool
 
         @nn.compact
         def __call__(self, tokens):
             h = nn.Embed(vocab, self.dim, dtype=jnp.bfloat16)(tokens)
-            for _ in range(layers):
+            if self.scanned:
+                h = nn.scan(nn.remat(Scanned, prevent_cse=False), variable_axes={"params": 0},
+                            split_rngs={"params": True}, length=layers)(self.block)(h, None)[0]
+            for _ in range(0 if self.scanned else layers):
                 h = self.block()(h)
             return nn.Dense(vocab, use_bias=False, dtype=jnp.bfloat16)(self.norm(dtype=jnp.bfloat16)(h))
 
     out = []
     for key, (name, block, x, heads) in enumerate(decoder_blocks(on_gpu)):
-        batch, seq, dim = x.shape
-        model, tx = LM(type(block), nn.LayerNorm if "GPT" in name else nn.RMSNorm, dim), optax.adamw(1e-4)
-        tokens0 = jnp.zeros((batch, seq + 1), jnp.int32)
-        params = model.init(jax.random.key(key), tokens0[:, :-1])
-        opt_state = tx.init(params)
+        for scanned in (False, True):
+            batch, seq, dim = x.shape
+            norm = nn.LayerNorm if "GPT" in name else nn.RMSNorm
+            model, tx = LM(type(block), norm, dim, scanned), optax.adamw(1e-4)
+            step, args = _adamw_step(model, tx, jnp.zeros((batch, seq + 1), jnp.int32), vocab, key)
+            layout = "scan(remat) " if scanned else ""
+            out.append(Case(f"LM training step, {layers} layers {layout}AdamW {name[len('decoder block '):]}",
+                            (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(step),
+                            step, args, 0, 3e-2, memory=True))
+    return out + _nnx_training_cases(on_gpu, layers, vocab)
 
-        def loss_fn(params, tokens, model=model):
-            logits = model.apply(params, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
 
-        def train_step(params, opt_state, tokens, loss_fn=loss_fn, tx=tx):
-            loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
+def _adamw_step(model, tx, tokens0, vocab, key):
+    """A Flax linen LM's AdamW step on next-token cross-entropy, and its arguments' maker."""
+    import optax
 
-        def args(key, params=params, opt_state=opt_state, shape=tokens0.shape):
-            return params, opt_state, jax.random.randint(key, shape, 0, vocab)
+    params = model.init(jax.random.key(key), tokens0[:, :-1])
+    opt_state = tx.init(params)
 
-        out.append(Case(f"LM training step, {layers} layers, AdamW {name[len('decoder block '):]}",
-                        (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(train_step),
-                        train_step, args, 0, 3e-2, memory=True))
-    return out
+    def loss_fn(params, tokens):
+        logits = model.apply(params, tokens[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+
+    def train_step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def args(key):
+        return params, opt_state, jax.random.randint(key, tokens0.shape, 0, vocab)
+    return train_step, args
+
+
+def _nnx_training_cases(on_gpu: bool, layers: int, vocab: int) -> list[Case]:
+    """The GPT LM written in Flax NNX, its step updating the model and optimizer in place
+    (nnx.value_and_grad, optimizer.update), as users run it under nnx.jit(xkern.optimize(step)).
+    Timed in nnx.jit's own functional form (split, merge, step, state out), which leaves out
+    nnx.jit's per-call Python work on both sides."""
+    from flax import nnx
+    import optax
+
+    batch, seq, dim, heads = (4, 2048, 2048, 16) if on_gpu else (1, 16, 32, 2)
+    bf16 = {"dtype": jnp.bfloat16}
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.norm1, self.norm2 = (nnx.LayerNorm(dim, rngs=rngs, **bf16) for _ in range(2))
+            self.attention = nnx.MultiHeadAttention(num_heads=heads, in_features=dim, decode=False,
+                                                    rngs=rngs, **bf16)
+            self.up, self.down = nnx.Linear(dim, 4 * dim, rngs=rngs, **bf16), nnx.Linear(4 * dim, dim, rngs=rngs, **bf16)
+
+        def __call__(self, x):
+            x = x + self.attention(self.norm1(x), mask=nnx.make_causal_mask(x[..., 0]))
+            return x + self.down(nnx.gelu(self.up(self.norm2(x))))
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(vocab, dim, rngs=rngs, **bf16)
+            self.blocks = nnx.List([Block(rngs) for _ in range(layers)])
+            self.norm = nnx.LayerNorm(dim, rngs=rngs, **bf16)
+            self.head = nnx.Linear(dim, vocab, use_bias=False, rngs=rngs, **bf16)
+
+        def __call__(self, tokens):
+            h = self.embed(tokens)
+            for block in self.blocks:
+                h = block(h)
+            return self.head(self.norm(h))
+
+    def step(model, optimizer, tokens):
+        def loss_fn(model):
+            logits = model(tokens[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    model = LM(nnx.Rngs(0))
+    graphdef, state = nnx.split((model, nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)))
+
+    def functional(step):  # what nnx.jit runs: the objects rebuilt, the step, their state out
+        def run(state, tokens):
+            model, optimizer = nnx.merge(graphdef, state)
+            loss = step(model, optimizer, tokens)
+            return nnx.state((model, optimizer)), loss
+        return run
+
+    args = lambda key: (state, jax.random.randint(key, (batch, seq + 1), 0, vocab))
+    return [Case(f"LM training step, {layers} layers AdamW (flax NNX, GPT: causal MHA + gelu MLP)",
+                 (batch, seq, dim, heads, vocab), "bfloat16", "train step", functional(xkern.optimize(step)),
+                 functional(step), args, 0, 3e-2, memory=True)]
 
 
 def _vjp(f):

@@ -52,6 +52,45 @@ def test_a_flax_training_step_matches_jax_jit():
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
 
 
+class _ScannedBlock(nn.Module):  # the scan carry convention: (carry, x) -> (carry, y)
+    @nn.compact
+    def __call__(self, h, _):
+        return Block()(h), None
+
+
+@pytest.mark.parametrize("layout", ["nn.remat", "nn.scan(nn.remat)"])
+def test_layers_under_remat_and_scan_train_as_under_jax_jit(layout):
+    """Large models scan one layer's parameters stacked along a new axis and rematerialize it (as
+    MaxText does): the patterns are found inside the scanned, rematerialized body, forward and
+    backward, and a training step under xkern.jit equals jax.jit's."""
+    def model(x):
+        if layout == "nn.remat":
+            return nn.Sequential([nn.remat(Block)(), nn.remat(Block)()])(x)
+        scanned = nn.scan(nn.remat(_ScannedBlock, prevent_cse=False), variable_axes={"params": 0},
+                          split_rngs={"params": True}, length=2)
+        return scanned()(x, None)[0]
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return model(x)
+
+    x, y = (jax.random.normal(jax.random.key(i), (2, 8, 16)) for i in range(2))
+    params = Model().init(jax.random.key(2), x)
+    opt = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, state):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean((Model().apply(p, x) - y) ** 2))(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    state = opt.init(params)
+    launched = kernel_names(jax.make_jaxpr(xkern.optimize(step))(params, state))
+    assert {"attention_fwd", "attention_bwd_dq", "layer_norm_fwd", "layer_norm_bwd"} <= set(launched)
+    for g, w in zip(jax.tree.leaves(xkern.jit(step)(params, state)), jax.tree.leaves(jax.jit(step)(params, state))):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
 def _attention_loss(q, k, v):
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jnp.sum(o.astype(jnp.float32) ** 2), o
