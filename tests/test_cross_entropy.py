@@ -119,6 +119,40 @@ def test_labels_out_of_range_give_nan_and_ignored_rows_give_zero():
     assert (grads == 0).all()
 
 
+def _one_hot_program(x, y):
+    return -jnp.sum(jax.nn.one_hot(y, x.shape[-1]) * jax.nn.log_softmax(x.astype(jnp.float32), -1), -1)
+
+
+def test_one_hot_cross_entropy_is_the_one_hot_program_edge_rows_included():
+    """The one-hot program's semantics, which its patterns rely on: a label out of range is a row of
+    zeros (loss 0, gradient 0, or NaN where the softmax is), a non-finite logit outside the label's
+    class makes the loss NaN (0 * inf) but not the gradient; 0 x 1 empty and odd widths too."""
+    inf, nan = jnp.inf, jnp.nan
+    x = jnp.array([[0.5, 1.0, -2.0, 3.0], [0.0, -inf, 1.0, 2.0], [0.0, 1.0, -inf, 2.0], [-inf] * 4,
+                   [1.0, inf, 0.0, 0.0], [1.0, nan, 0.0, 0.0], [1.0, 2.0, 3.0, 4.0], [1.0, -inf, 3.0, 4.0],
+                   [1.0, inf, 3.0, 4.0], [1e30, -1e30, 3.0, 0.0]], jnp.float32)
+    y = jnp.array([0, 2, 2, 1, 0, 3, 4, -1, 7, 0], jnp.int32)
+    w = jnp.arange(1.0, 11.0)  # each row's own cotangent
+    f = lambda impl: jax.value_and_grad(lambda a: jnp.sum(jnp.nan_to_num(impl(a, y), nan=7.0) * w))
+    (got, dgot), (want, dwant) = f(ce.one_hot_cross_entropy)(x), f(_one_hot_program)(x)
+    loss, want_loss = ce.one_hot_cross_entropy(x, y), _one_hot_program(x, y)
+    np.testing.assert_array_equal(np.isnan(loss), np.isnan(want_loss))
+    assert np.isnan(want_loss[jnp.array([1, 3, 4, 5, 7, 8])]).all() and want_loss[2] == inf and want_loss[6] == 0
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
+    np.testing.assert_allclose(dgot, dwant, rtol=1e-6, atol=1e-7)
+    for shape, dtype in (((2, 3, 1025), jnp.bfloat16), ((5, 1), jnp.float16), ((0, 7), jnp.float32)):
+        logits, labels = make(shape, dtype, seed=3)
+        labels = labels.at[..., :1].set(-1) if labels.size else labels  # one row out of range each
+        g = lambda impl: jax.value_and_grad(lambda a: jnp.sum(impl(a, labels) * 0.5))(logits)
+        for got, want in zip(g(ce.one_hot_cross_entropy), g(_one_hot_program)):
+            assert got.shape == want.shape
+            if want.size:
+                close(got, want, dtype)
+    assert kernel_names(jax.make_jaxpr(jax.grad(lambda a: ce.one_hot_cross_entropy(a, y).sum()))(x)) == \
+        ["cross_entropy_fwd", "cross_entropy_bwd"]
+
+
 def test_kernels_per_reduction_vmap_jit_and_empty():
     logits, labels = make((2, 5, 33), jnp.float32, seed=4)
     mean_grad = jax.make_jaxpr(jax.grad(lambda x: xkern.ops.cross_entropy(x, labels[0])))(logits[0])
@@ -169,6 +203,11 @@ def _spellings():
             -take(jax.nn.log_softmax(x.astype(jnp.float32), -1), y)[..., 0] * 0.5),
         "take_along_axis(log_softmax)+upcast": lambda x, y: -jnp.mean(
             take(jax.nn.log_softmax(x.astype(jnp.float32), axis=-1), y)),
+        "one_hot*log_softmax": lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, x.shape[-1])).mean(),
+        "one_hot*log_softmax+upcast": lambda x, y: jnp.sum(-jnp.sum(
+            jax.nn.one_hot(y, x.shape[-1]) * jax.nn.log_softmax(x.astype(jnp.float32)), axis=-1)),
+        "one_hot(dtype=logits')*log_softmax": lambda x, y: optax.softmax_cross_entropy(
+            x, jax.nn.one_hot(y, x.shape[-1], dtype=x.dtype)).mean(),
     }
 
 
@@ -193,8 +232,10 @@ def test_near_misses_are_not_rewritten():
         "other axis": lambda x, y: jax.nn.logsumexp(x, 0)[:4] - jnp.take_along_axis(x, y[:, None], -1)[:, 0],
         # the picked logit from a different array than the normalizer's
         "other array": lambda x, y: jax.nn.logsumexp(x, -1) - jnp.take_along_axis(x * 2, y[:, None], -1)[:, 0],
-        # soft labels: not an integer-label cross-entropy
-        "soft labels": lambda x, y: -jnp.sum(jax.nn.one_hot(y, 9) * jax.nn.log_softmax(x), -1),
+        # soft labels (smoothed one-hot): not an integer-label cross-entropy
+        "soft labels": lambda x, y: -jnp.sum((jax.nn.one_hot(y, 9) * 0.9 + 0.1 / 9) * jax.nn.log_softmax(x), -1),
+        # a one-hot of another width than the logits' (broadcast against them)
+        "one-hot of one class": lambda x, y: -jnp.sum(jax.nn.one_hot(y, 1) * jax.nn.log_softmax(x), -1),
     }
     for name, f in near_misses.items():
         report = xkern.explain(f)(logits, labels)

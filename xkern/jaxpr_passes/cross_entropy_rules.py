@@ -11,7 +11,9 @@ there is one); logsumexp minus the label's logit through take_along_axis; minus 
 of log_softmax (or that entry kept as [..., 1], negated after a mean); each also on half-precision
 logits upcast to float32. Like take_along_axis, the
 replacement counts negative labels from the end; labels still out of range give NaN, as the
-program's gather does.
+program's gather does. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
+(optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
+a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
 """
 from __future__ import annotations
 
@@ -47,6 +49,17 @@ def optax_integer_labels(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
 
 
+def one_hot_log_softmax(logits, labels):
+    """optax.softmax_cross_entropy(logits, jax.nn.one_hot(labels, V)) is this same program."""
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1])
+    return -jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+def one_hot_in_logits_dtype_log_softmax(logits, labels):
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
+    return -jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
 def upcast(fn):
     def pattern(logits, labels):
         return fn(logits.astype(jnp.float32), labels)
@@ -69,9 +82,12 @@ def _check(match, params) -> str | None:
     return None
 
 
-def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False):
+def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, one_hot: bool = False):
     def replace(logits, labels, *, backend):
-        loss = _replace(logits, labels, backend=backend)
+        if one_hot:  # a label out of range is a row of zeros, not an index from the end
+            loss = kernels.one_hot_cross_entropy(logits, labels, backend=backend)
+        else:
+            loss = _replace(logits, labels, backend=backend)
         if log_probability:
             loss = -loss[..., None]
         return loss.astype(logits.dtype) if cast_to_input else loss
@@ -90,6 +106,11 @@ PATTERNS = [
     _pattern("cross_entropy/take_along_axis(log_softmax)", log_softmax_at_label, ALL, True, True),
     _pattern("cross_entropy/take_along_axis(log_softmax)+upcast", upcast(log_softmax_at_label), HALF,
              False, True),
+    # one-hot targets: float32 (jax.nn.one_hot's default) or in the logits' half-precision dtype
+    _pattern("cross_entropy/one_hot*log_softmax", one_hot_log_softmax, ALL, False, one_hot=True),
+    _pattern("cross_entropy/one_hot*log_softmax+upcast", upcast(one_hot_log_softmax), HALF, False, one_hot=True),
+    _pattern("cross_entropy/one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, HALF, True,
+             one_hot=True),
 ]
 if importlib.util.find_spec("optax") is not None:  # optax is optional: a test dependency
     PATTERNS += [

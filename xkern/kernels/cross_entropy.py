@@ -62,9 +62,11 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 
 @triton.jit
 def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
-                  Z_LOSS: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  Z_LOSS: tl.constexpr, ONE_HOT: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
     NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf.
+    ONE_HOT (a label out of range is a row of zeros): that row's dx is softmax * 0, NaN where the
+    softmax is, as the program's gradient.
     The softmax is exp((x - shift) - log_sum), lse's two parts kept apart: their sum rounds away
     log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1."""
     cols = tl.arange(0, BLOCK_N)
@@ -80,7 +82,7 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
         dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
         if SMOOTHING != 0.0:
             dx -= SMOOTHING / N_COLS
-        dx = tl.where(valid, dx * factor, 0.0)
+        dx = tl.where(valid, dx * factor, p * 0.0 if ONE_HOT else 0.0)
         dx = tl.where(in_range | (not valid), dx, float("nan"))
         tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -91,15 +93,19 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
          loss_ptr, lse_ptr, dx_ptr,  # outputs: loss [n_rows]; lse [n_rows, 2] (shift, log of the sum
                                      # of exp(x - shift)); dx [n_rows, N_COLS] (WRITE_DX)
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, WRITE_DX: tl.constexpr,
+         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, WRITE_DX: tl.constexpr,
          BLOCK_N: tl.constexpr):
     # Each program takes every num_programs-th row (see PROGRAMS_PER_SM for how many programs).
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
-        valid = label != IGNORE_INDEX if HAS_IGNORE else True
+        in_range = (label >= 0) & (label < N_COLS)
+        valid = in_range if ONE_HOT else (label != IGNORE_INDEX if HAS_IGNORE else True)
         cols = tl.arange(0, BLOCK_N)
+        # ONE_HOT: -sum(one_hot * log_softmax) multiplies every other class's log-probability by 0,
+        # which is NaN wherever a logit is not finite: count those
+        not_finite = 0
         # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
         # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
         m = -float("inf")
@@ -117,20 +123,25 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             ref = new_ref
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
+            if ONE_HOT:
+                odd = ((x != x) | (tl.abs(x) == float("inf"))) & mask & (start + cols != label)
+                not_finite += tl.sum(odd.to(tl.int32), 0)
         log_sum = tl.log(s)
         lse = log_sum + ref
-        in_range = (label >= 0) & (label < N_COLS)
         picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
         picked = tl.where(in_range, picked, float("nan"))
         loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
         if SMOOTHING != 0.0:
             loss -= SMOOTHING / N_COLS * total
-        tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+        loss = tl.where(valid, loss, 0.0)
+        if ONE_HOT:
+            loss = tl.where(not_finite > 0, float("nan"), loss)
+        tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + 2 * row, ref)
         tl.store(lse_ptr + 2 * row + 1, log_sum)
         if WRITE_DX:
             _write_dx_row(x_ptr, dx_ptr, base, label, ref, log_sum, valid, tl.load(row_scale_ptr + row),
-                          SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
+                          SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
 
 
 @triton.jit
@@ -138,15 +149,18 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
          n_rows,
          dx_ptr,  # output: dx [n_rows, N_COLS]
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, BLOCK_N: tl.constexpr):
+         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_N: tl.constexpr):
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
-        valid = label != IGNORE_INDEX if HAS_IGNORE else True
+        if ONE_HOT:
+            valid = (label >= 0) & (label < N_COLS)
+        else:
+            valid = label != IGNORE_INDEX if HAS_IGNORE else True
         _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + 2 * row), tl.load(lse_ptr + 2 * row + 1), valid,
                       tl.load(g_ptr + row),
-                      SMOOTHING, Z_LOSS, N_COLS, BLOCK_N)
+                      SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -230,10 +244,10 @@ L.def_split("cross_entropy_bwd", _split)
 # Differentiation
 # --------------------------------------------------------------------------------------------------
 
-def _consts(n_cols, ignore_index, smoothing, z_loss, write_dx=None) -> dict:
+def _consts(n_cols, ignore_index, smoothing, z_loss, write_dx=None, one_hot=False) -> dict:
     consts = {"N_COLS": n_cols, "SMOOTHING": float(smoothing), "Z_LOSS": float(z_loss),
               "HAS_IGNORE": ignore_index is not None,
-              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index)}
+              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index), "ONE_HOT": one_hot}
     return consts if write_dx is None else {**consts, "WRITE_DX": write_dx}
 
 
@@ -254,17 +268,17 @@ def _reduce(loss, labels, ignore_index, reduction):
 
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
-def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config):
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
+def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False):
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot)
     scale = jnp.zeros((x2.shape[0],), jnp.float32)
     loss, _, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     return _reduce(loss, labels, ignore_index, reduction)
 
 
-def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config):
+def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False):
     write_dx = reduction != "none"
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=write_dx)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=write_dx, one_hot=one_hot)
     _, scale = _row_scale(labels, ignore_index, reduction)
     loss, lse, dx = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     out = _reduce(loss, labels, ignore_index, reduction)
@@ -273,14 +287,14 @@ def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, con
     return out, (x2, labels, lse)
 
 
-def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, residuals, g):
+def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot, residuals, g):
     if reduction != "none":
         dx, labels = residuals
         # dx already holds the reduction's scale: g is the cotangent of the scalar loss (usually
         # the constant 1 of jax.grad, which XLA folds away).
         return (dx * g.astype(dx.dtype)).astype(dx.dtype), None
     x2, labels, lse = residuals
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot)
     (dx,) = _launch_bwd(x2, labels, lse, g.astype(jnp.float32), backend=backend, config=config,
                         constexprs=consts)
     return dx, None
@@ -338,6 +352,24 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     return out.reshape(labels.shape) if reduction == "none" else out
 
 
+def one_hot_cross_entropy(logits, labels, *, backend: str | None = None):
+    """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
+    (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
+    its loss and gradient are 0; a logit that is not finite outside the label's class makes the
+    row's loss NaN (0 * inf), and its gradient is the softmax's. What the patterns replace such
+    programs with; for new code, `cross_entropy` says what it means."""
+    _check(logits, labels, None, 0.0, 0.0, "none")
+    backend = L.resolve_backend(backend)
+    logits, labels = jnp.asarray(logits), jnp.asarray(labels).astype(jnp.int32)
+    n_cols = logits.shape[-1]
+    if backend == "xla" or logits.size == 0:
+        one_hot = jax.nn.one_hot(labels, n_cols, dtype=jnp.float32)
+        return -jnp.sum(one_hot * jax.nn.log_softmax(logits.astype(jnp.float32), -1), -1)
+    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, 0.0, 0.0, "none", backend,
+              default_config(n_cols, backend), True)
+    return out.reshape(labels.shape)
+
+
 # --------------------------------------------------------------------------------------------------
 # Ahead-of-time compile cases
 # --------------------------------------------------------------------------------------------------
@@ -346,10 +378,13 @@ def aot_cases():
     """(name, kernel, signature, config) for both kernels, plain and with every option."""
     for dtype in ("fp32", "bf16"):
         for n_cols in (1000, 128256):
-            for options in ({}, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True, "IGNORE_INDEX": -100}):
+            one_hot = [{"ONE_HOT": True}] if (dtype, n_cols) == ("bf16", 128256) else []
+            for options in ({}, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True, "IGNORE_INDEX": -100},
+                            *one_hot):
                 consts = {**_consts(n_cols, None, 0.0, 0.0), **options}
                 config = default_config(n_cols, "triton").replace(**consts)
-                tag = f"cross_entropy/{dtype}/n{n_cols}{'/options' if options else ''}"
+                kind = ("/one_hot" if "ONE_HOT" in options else "/options") if options else ""
+                tag = f"cross_entropy/{dtype}/n{n_cols}{kind}"
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32",
                         "n_rows": "i32", "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
