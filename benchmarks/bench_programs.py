@@ -29,6 +29,13 @@ def lm_loss(logits, labels):
     return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
 
 
+def one_hot_lm_loss(logits, labels):
+    """The same loss as Flax's examples write it: optax.softmax_cross_entropy's program,
+    -sum(one_hot * log_softmax), with a float32 one-hot target (jax.nn.one_hot's default)."""
+    one_hot = jax.nn.one_hot(labels, logits.shape[-1])
+    return jnp.mean(-jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1))
+
+
 def flax_programs(on_gpu: bool) -> list[Case]:
     """A pre-norm MLP block (flax LayerNorm, Dense, gelu, residual) and an LM head with optax's loss."""
     import flax.linen as nn
@@ -302,6 +309,10 @@ def cases(on_gpu: bool) -> list[Case]:
              lm_loss, logits_labels, 0, 1e-4),
         Case("lm loss (log_softmax)", (tokens, vocab), "bfloat16", "fwd+bwd",
              grad_logits(xkern.optimize(lm_loss)), grad_logits(lm_loss), logits_labels, 0, 2e-2),
+        Case("lm loss (one-hot target)", (tokens, vocab), "bfloat16", "fwd", xkern.jit(one_hot_lm_loss),
+             one_hot_lm_loss, logits_labels, 0, 1e-3),
+        Case("lm loss (one-hot target)", (tokens, vocab), "bfloat16", "fwd+bwd",
+             grad_logits(xkern.optimize(one_hot_lm_loss)), grad_logits(one_hot_lm_loss), logits_labels, 0, 2e-2),
     ] + (flax_programs(on_gpu) if importlib.util.find_spec("flax") and importlib.util.find_spec("optax")
          else [])
 

@@ -104,8 +104,10 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         valid = in_range if ONE_HOT else (label != IGNORE_INDEX if HAS_IGNORE else True)
         cols = tl.arange(0, BLOCK_N)
         # ONE_HOT: -sum(one_hot * log_softmax) multiplies every other class's log-probability by 0,
-        # which is NaN wherever a logit is not finite: count those
-        not_finite = 0
+        # which is NaN wherever a logit is not finite. x - x is NaN exactly there: summed per lane
+        # (no reduction across the program inside the loop), then once after it.
+        if ONE_HOT:
+            odd = tl.zeros([BLOCK_N], tl.float32)
         # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
         # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
         m = -float("inf")
@@ -124,8 +126,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
             if ONE_HOT:
-                odd = ((x != x) | (tl.abs(x) == float("inf"))) & mask & (start + cols != label)
-                not_finite += tl.sum(odd.to(tl.int32), 0)
+                odd += tl.where(mask & (start + cols != label), x - x, 0.0)
         log_sum = tl.log(s)
         lse = log_sum + ref
         picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
@@ -135,7 +136,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             loss -= SMOOTHING / N_COLS * total
         loss = tl.where(valid, loss, 0.0)
         if ONE_HOT:
-            loss = tl.where(not_finite > 0, float("nan"), loss)
+            loss = tl.where(tl.sum(odd, 0) == 0.0, loss, float("nan"))
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + 2 * row, ref)
         tl.store(lse_ptr + 2 * row + 1, log_sum)
