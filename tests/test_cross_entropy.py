@@ -153,6 +153,26 @@ def test_one_hot_cross_entropy_is_the_one_hot_program_edge_rows_included():
         ["cross_entropy_fwd", "cross_entropy_bwd"]
 
 
+def test_one_hot_cross_entropy_over_chunks_finds_each_non_finite_logit(monkeypatch):
+    """Rows of 300 in chunks of 64 (four whole chunks, then 44): -inf in a whole chunk, in the last
+    one, only at the label (loss +inf), at the label and elsewhere (NaN), +inf in the last chunk."""
+    monkeypatch.setattr(ce, "default_config", lambda n, backend: L.Config.of(BLOCK_N=64))
+    monkeypatch.setattr(ce, "programs", lambda n_rows, backend: min(n_rows, 3))
+    x, y = make((7, 300), jnp.float32, seed=8)
+    inf = jnp.inf
+    x = x.at[0, 10].set(-inf).at[1, 290].set(-inf).at[2, 5].set(-inf).at[3, 5].set(-inf).at[3, 299].set(-inf)
+    x = x.at[4, 295].set(inf)
+    y = y.at[2].set(5).at[3].set(5).at[5].set(300)  # row 5: out of range, 0; row 6 plain
+    loss, want = ce.one_hot_cross_entropy(x, y), _one_hot_program(x, y)
+    np.testing.assert_array_equal(np.isnan(loss), [True, True, False, True, True, False, False])
+    assert loss[2] == want[2] == jnp.inf and loss[5] == want[5] == 0
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    g = lambda impl: jax.grad(lambda a: jnp.sum(jnp.nan_to_num(impl(a, y)) * jnp.arange(1.0, 8.0)))(x)
+    got, want = g(ce.one_hot_cross_entropy), g(_one_hot_program)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_kernels_per_reduction_vmap_jit_and_empty():
     logits, labels = make((2, 5, 33), jnp.float32, seed=4)
     mean_grad = jax.make_jaxpr(jax.grad(lambda x: xkern.ops.cross_entropy(x, labels[0])))(logits[0])

@@ -88,6 +88,29 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
 
 
 @triton.jit
+def _online_lse(x, m, ref, s):
+    """One chunk of the online logsumexp: the running max m, its finite shift ref, sum of exp(x - ref)."""
+    m = tl.maximum(m, tl.max(x, 0))
+    new_ref = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
+    # (s = 0 stays 0: the first finite max may be far below the placeholder 0, and 0 * inf would be NaN)
+    s = tl.where(s > 0, s * tl.exp(ref - new_ref), s) + tl.sum(tl.exp(x - new_ref), 0)
+    return m, new_ref, s
+
+
+@triton.jit
+def _neg_inf_outside(x_ptr, base, label, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Whether a row holds -inf outside the label's class (read again: only rows whose label's own
+    logit is -inf get here)."""
+    cols = tl.arange(0, BLOCK_N)
+    count = 0
+    for start in range(0, N_COLS, BLOCK_N):
+        mask = (start + cols < N_COLS) & (start + cols != label)
+        x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
+        count += tl.sum((x == -float("inf")).to(tl.int32), 0)
+    return count > 0
+
+
+@triton.jit
 def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], labels, dx scale [n_rows]
          n_rows,
          loss_ptr, lse_ptr, dx_ptr,  # outputs: loss [n_rows]; lse [n_rows, 2] (shift, log of the sum
@@ -103,30 +126,30 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         in_range = (label >= 0) & (label < N_COLS)
         valid = in_range if ONE_HOT else (label != IGNORE_INDEX if HAS_IGNORE else True)
         cols = tl.arange(0, BLOCK_N)
-        # ONE_HOT: -sum(one_hot * log_softmax) multiplies every other class's log-probability by 0,
-        # which is NaN wherever a logit is not finite. x - x is NaN exactly there: summed per lane
-        # (no reduction across the program inside the loop), then once after it.
-        if ONE_HOT:
-            odd = tl.zeros([BLOCK_N], tl.float32)
         # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
         # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
+        # Whole chunks load without a mask; the last, partial one (if any) with -inf past the row.
         m = -float("inf")
         ref = 0.0
         s = 0.0
         total = 0.0
-        for start in range(0, N_COLS, BLOCK_N):
+        lowest = tl.full([BLOCK_N], float("inf"), tl.float32)  # ONE_HOT: per lane, see below
+        for start in range(0, N_COLS // BLOCK_N * BLOCK_N, BLOCK_N):
+            x = tl.load(x_ptr + base + start + cols).to(tl.float32)
+            m, ref, s = _online_lse(x, m, ref, s)
+            if SMOOTHING != 0.0:
+                total += tl.sum(x, 0)
+            if ONE_HOT:
+                lowest = tl.minimum(lowest, x)
+        if N_COLS % BLOCK_N != 0:
+            start = N_COLS // BLOCK_N * BLOCK_N
             mask = start + cols < N_COLS
             x = tl.load(x_ptr + base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
-            m = tl.maximum(m, tl.max(x, 0))
-            new_ref = tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
-            # (s = 0 stays 0: the first finite max may be far below the placeholder 0, and 0 * inf
-            # would be NaN)
-            s = tl.where(s > 0, s * tl.exp(ref - new_ref), s) + tl.sum(tl.exp(x - new_ref), 0)
-            ref = new_ref
+            m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
             if ONE_HOT:
-                odd += tl.where(mask & (start + cols != label), x - x, 0.0)
+                lowest = tl.minimum(lowest, tl.where(mask, x, float("inf")))
         log_sum = tl.log(s)
         lse = log_sum + ref
         picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
@@ -136,7 +159,15 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             loss -= SMOOTHING / N_COLS * total
         loss = tl.where(valid, loss, 0.0)
         if ONE_HOT:
-            loss = tl.where(tl.sum(odd, 0) == 0.0, loss, float("nan"))
+            # -sum(one_hot * log_softmax) multiplies every other class's log-probability by 0: NaN
+            # wherever a logit is not finite. +inf and NaN show in the sum; -inf in the row's
+            # lowest value (one min per element), unless it is the label's own, then counted
+            not_finite = (log_sum != log_sum) | (log_sum == float("inf"))
+            if tl.min(lowest, 0) == -float("inf"):
+                not_finite |= (picked != -float("inf")) | ~in_range
+                if (picked == -float("inf")) & in_range:
+                    not_finite |= _neg_inf_outside(x_ptr, base, label, N_COLS, BLOCK_N)
+            loss = tl.where(not_finite, float("nan"), loss)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + 2 * row, ref)
         tl.store(lse_ptr + 2 * row + 1, log_sum)
