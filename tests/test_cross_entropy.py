@@ -228,6 +228,8 @@ def _spellings():
             jax.nn.one_hot(y, x.shape[-1]) * jax.nn.log_softmax(x.astype(jnp.float32)), axis=-1)),
         "one_hot(dtype=logits')*log_softmax": lambda x, y: optax.softmax_cross_entropy(
             x, jax.nn.one_hot(y, x.shape[-1], dtype=x.dtype)).mean(),
+        "sum(one_hot*log_softmax)+upcast": lambda x, y: -jnp.mean(jnp.sum(
+            jax.nn.log_softmax(x.astype(jnp.float32)) * jax.nn.one_hot(y, x.shape[-1]), axis=-1)),
     }
 
 
@@ -243,6 +245,30 @@ def test_patterns_match_and_equal_jax_jit(spelling):
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
           jnp.bfloat16)
+
+
+@pytest.mark.parametrize("spelling", ["-log_softmax[rows, labels]", "log_softmax[rows, labels]+upcast",
+                                      "logsumexp-logits[rows, labels]"])
+def test_numpy_indexing_spellings_are_found_and_count_labels_from_the_end(spelling):
+    """logits[jnp.arange(n), labels] on [n, V] logits: negative labels count from the end. One still
+    out of range breaks the promise indexing makes XLA (its forward clamps it, its gradient drops
+    it): NaN, loudly."""
+    lsm = jax.nn.log_softmax
+    up = (lambda x: x.astype(jnp.float32)) if spelling.endswith("+upcast") else (lambda x: x)
+    rows = lambda x: jnp.arange(x.shape[0])
+    f = {"-log_softmax[rows, labels]": lambda x, y: jnp.mean(-lsm(x)[rows(x), y]),
+         "log_softmax[rows, labels]+upcast": lambda x, y: -jnp.sum(lsm(up(x))[rows(x), y]),
+         "logsumexp-logits[rows, labels]": lambda x, y: jnp.mean(jax.nn.logsumexp(x, -1) - x[rows(x), y]),
+         }[spelling]
+    logits, labels = make((7, 37), jnp.bfloat16, seed=9)
+    labels = labels.at[0].set(-2).at[1].set(-37)
+    report = xkern.explain(f)(logits, labels)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")] == \
+        [f"cross_entropy/{spelling}"]
+    close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
+    close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
+          jnp.bfloat16)
+    assert np.isnan(float(xkern.jit(f)(logits, labels.at[2].set(37))))
 
 
 def test_near_misses_are_not_rewritten():

@@ -11,7 +11,10 @@ there is one); logsumexp minus the label's logit through take_along_axis; minus 
 of log_softmax (or that entry kept as [..., 1], negated after a mean); each also on half-precision
 logits upcast to float32. Like take_along_axis, the
 replacement counts negative labels from the end; labels still out of range give NaN, as the
-program's gather does. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
+program's gather does. NumPy indexing of [n, V] logits, `log_softmax(logits)[jnp.arange(n), labels]`
+(and logsumexp minus `logits[jnp.arange(n), labels]`): negative labels count from the end; one
+still out of range breaks indexing's promise to XLA (PROMISE_IN_BOUNDS: its forward clamps, its
+gradient drops the label) and gives NaN. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
 a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
 """
@@ -60,6 +63,28 @@ def one_hot_in_logits_dtype_log_softmax(logits, labels):
     return -jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
+def one_hot_log_probability(logits, labels):
+    """The label's log-probability through the one-hot target (the loss is its negated mean)."""
+    return jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+def _rows(logits):
+    return jnp.arange(logits.shape[0])
+
+
+def minus_log_softmax_indexed(logits, labels):
+    """-log_softmax(logits)[jnp.arange(n), labels]: NumPy indexing of [n, V] logits."""
+    return -jax.nn.log_softmax(logits, axis=-1)[_rows(logits), labels]
+
+
+def log_softmax_indexed(logits, labels):
+    return jax.nn.log_softmax(logits, axis=-1)[_rows(logits), labels]
+
+
+def logsumexp_minus_indexed(logits, labels):
+    return jax.nn.logsumexp(logits, axis=-1) - logits[_rows(logits), labels]
+
+
 def upcast(fn):
     def pattern(logits, labels):
         return fn(logits.astype(jnp.float32), labels)
@@ -67,9 +92,14 @@ def upcast(fn):
     return pattern
 
 
-def _replace(logits, labels, *, backend):
-    n_cols = logits.shape[-1]
-    labels = jnp.where(labels < 0, labels + n_cols, labels)  # take_along_axis's negative indices
+def _per_row_loss(logits, labels, how: str, backend):
+    """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
+    "indexing" count negative labels from the end (still out of range: NaN, as take_along_axis's
+    gather fills; indexing promises XLA they are in range, which its forward then clamps and its
+    gradient drops: a broken promise, made loud); "one_hot" makes a label out of range a row of zeros."""
+    if how == "one_hot":
+        return kernels.one_hot_cross_entropy(logits, labels, backend=backend)
+    labels = jnp.where(labels < 0, labels + logits.shape[-1], labels)
     return kernels.cross_entropy(logits, labels, reduction="none", backend=backend)
 
 
@@ -82,14 +112,12 @@ def _check(match, params) -> str | None:
     return None
 
 
-def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, one_hot: bool = False):
+def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis"):
     def replace(logits, labels, *, backend):
-        if one_hot:  # a label out of range is a row of zeros, not an index from the end
-            loss = kernels.one_hot_cross_entropy(logits, labels, backend=backend)
-        else:
-            loss = _replace(logits, labels, backend=backend)
+        loss = _per_row_loss(logits, labels, labels_as, backend)
         if log_probability:
-            loss = -loss[..., None]
+            loss = -loss
+        loss = loss.reshape(jax.eval_shape(fn, logits, labels).shape)  # [..., 1] where the program keeps it
         return loss.astype(logits.dtype) if cast_to_input else loss
     return Pattern(
         name=name, op="cross_entropy", fn=fn, dtypes=dtypes,
@@ -107,11 +135,20 @@ PATTERNS = [
     _pattern("cross_entropy/take_along_axis(log_softmax)+upcast", upcast(log_softmax_at_label), HALF,
              False, True),
     # one-hot targets: float32 (jax.nn.one_hot's default) or in the logits' half-precision dtype
-    _pattern("cross_entropy/one_hot*log_softmax", one_hot_log_softmax, ALL, False, one_hot=True),
-    _pattern("cross_entropy/one_hot*log_softmax+upcast", upcast(one_hot_log_softmax), HALF, False, one_hot=True),
+    _pattern("cross_entropy/one_hot*log_softmax", one_hot_log_softmax, ALL, False, labels_as="one_hot"),
+    _pattern("cross_entropy/one_hot*log_softmax+upcast", upcast(one_hot_log_softmax), HALF, False,
+             labels_as="one_hot"),
     _pattern("cross_entropy/one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, HALF, True,
-             one_hot=True),
+             labels_as="one_hot"),
+    _pattern("cross_entropy/sum(one_hot*log_softmax)", one_hot_log_probability, ALL, False, True, "one_hot"),
+    _pattern("cross_entropy/sum(one_hot*log_softmax)+upcast", upcast(one_hot_log_probability), HALF, False, True,
+             "one_hot"),
 ]
+for fn, name, log_probability in ((minus_log_softmax_indexed, "-log_softmax[rows, labels]", False),
+                                  (log_softmax_indexed, "log_softmax[rows, labels]", True),
+                                  (logsumexp_minus_indexed, "logsumexp-logits[rows, labels]", False)):
+    PATTERNS += [_pattern(f"cross_entropy/{name}", fn, ALL, True, log_probability, "indexing"),
+                 _pattern(f"cross_entropy/{name}+upcast", upcast(fn), HALF, False, log_probability, "indexing")]
 if importlib.util.find_spec("optax") is not None:  # optax is optional: a test dependency
     PATTERNS += [
         _pattern("cross_entropy/optax_integer_labels", optax_integer_labels, ALL, True),
