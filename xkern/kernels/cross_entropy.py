@@ -186,10 +186,8 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
-        if ONE_HOT:
-            valid = (label >= 0) & (label < N_COLS)
-        else:
-            valid = label != IGNORE_INDEX if HAS_IGNORE else True
+        in_range = (label >= 0) & (label < N_COLS)
+        valid = in_range if ONE_HOT else (label != IGNORE_INDEX if HAS_IGNORE else True)
         _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + 2 * row), tl.load(lse_ptr + 2 * row + 1), valid,
                       tl.load(g_ptr + row),
                       SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
