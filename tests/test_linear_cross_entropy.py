@@ -103,6 +103,54 @@ def test_edge_values_vmap_and_empty():
     assert float(all_ignored) == 0.0
 
 
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_tied_embedding_table_is_read_transposed_in_place(reduction, dtype):
+    """transpose_w: w [V, D], used as h @ w.T, gradient [V, D]; the program holds no transpose of it."""
+    h, w, labels = make((3, 3), 16, 37, dtype, seed=5)
+    table = w.T
+    ct = jnp.asarray(np.random.default_rng(2).uniform(0.5, 2, labels.shape), jnp.float32)
+    kw = {"reduction": reduction, "label_smoothing": 0.05}
+
+    def loss(f, h, table, **more):
+        out = f(h, table, labels, **kw, **more)
+        return jnp.sum(out * ct) if reduction == "none" else out
+
+    ours = lambda h, table: loss(linear_cross_entropy, h, table, transpose_w=True, chunk_rows=4)
+    want_value, wants = jax.value_and_grad(lambda h, t: loss(reference, h, t, transpose_w=True), (0, 1))(*f32(h, table))
+    value, grads = jax.value_and_grad(ours, (0, 1))(h, table)
+    close(value, want_value, dtype)
+    for g, r, a in zip(grads, wants, (h, table)):
+        assert g.dtype == a.dtype and g.shape == a.shape
+        close(g, r, dtype)
+    jaxpr = jax.make_jaxpr(jax.grad(ours, (0, 1)))(h, table)
+    assert "transpose" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+def test_one_hot_linear_cross_entropy_is_the_one_hot_program_out_of_range_labels_included(reduction):
+    from xkern.kernels.linear_cross_entropy import one_hot_linear_cross_entropy
+
+    h, w, labels = make((10,), 16, 37, jnp.float32, seed=6)
+    labels = labels.at[1].set(37).at[4].set(-1)  # out of range: a row of zeros, loss 0, no gradient
+
+    def program(h, w):
+        loss = -jnp.sum(jax.nn.one_hot(labels, 37) * jax.nn.log_softmax(h @ w, -1), -1)
+        return loss if reduction == "none" else getattr(jnp, reduction)(loss)
+
+    ours = lambda h, w: one_hot_linear_cross_entropy(h, w, labels, reduction=reduction, chunk_rows=4)
+    got = ours(h, w)
+    close(got, program(h, w), jnp.float32)
+    if reduction == "none":
+        assert float(got[1]) == 0.0 and float(got[4]) == 0.0
+    total = lambda f: lambda h, w: jnp.sum(f(h, w) * jnp.arange(1.0, 11.0)) if reduction == "none" else f(h, w)
+    grads, wants = (jax.grad(total(f), (0, 1))(h, w) for f in (ours, program))
+    for g, r in zip(grads, wants):
+        close(g, r, jnp.float32)
+    assert float(jnp.abs(grads[0][1]).max()) == 0.0
+    assert np.isnan(float(one_hot_linear_cross_entropy(h, w.at[0, 5].set(jnp.inf), labels, chunk_rows=4)))
+
+
 def test_bad_input_names_the_argument():
     h, w, labels = make((4,), 8, 11, jnp.float32)
     cases = [((h.astype(jnp.int32), w, labels), {}, TypeError, "h must have dtype"),
@@ -110,6 +158,8 @@ def test_bad_input_names_the_argument():
              ((h, w.astype(jnp.bfloat16), labels), {}, TypeError, "w must have h's dtype"),
              ((h, w, labels.astype(jnp.float32)), {}, TypeError, "labels must be an integer array"),
              ((h, w, labels[:3]), {}, ValueError, r"labels must have shape \(4,\)"),
+             ((h, w, labels), {"transpose_w": True}, ValueError, r"w must have shape \(vocabulary, 8\)"),
+             ((h, w, labels), {"transpose_w": 1}, TypeError, "transpose_w must be a bool"),
              ((h, w, labels), {"chunk_rows": 0}, ValueError, "chunk_rows must be a positive int"),
              ((h, w, labels), {"reduction": "avg"}, ValueError, "reduction must be one of"),
              ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "label_smoothing must be")]
@@ -137,6 +187,22 @@ def _spellings():
             (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,dv->btv", h, w).astype(jnp.float32))),
         "sum(minus_log_softmax_at_label(jnp_matmul))":
             lambda h, w, y: jnp.sum(-take(jax.nn.log_softmax(jnp.dot(h, w), -1), y)),
+        # the log-probability, negated after the mean
+        "-mean(log_softmax_at_label_upcast(jnp_matmul))": lambda h, w, y: -jnp.mean(jnp.take_along_axis(
+            jax.nn.log_softmax((h @ w).astype(jnp.float32)), y[..., None], axis=-1)),
+        # one-hot targets: optax.softmax_cross_entropy (a label out of range is a row of zeros)
+        "mean(one_hot_log_softmax_upcast(lax_dot_general))": lambda h, w, y: optax.softmax_cross_entropy(
+            dense(h, w).astype(jnp.float32), jax.nn.one_hot(y, w.shape[1])).mean(),
+        # NumPy indexing of the flattened rows
+        "mean(minus_log_softmax_indexed(jnp_matmul))": lambda h, w, y: jnp.mean(-jax.nn.log_softmax(
+            h.reshape(-1, h.shape[-1]) @ w)[jnp.arange(y.size), y.reshape(-1)]),
+        # tied embeddings: the table t [V, D] (flax's Embed.attend, h @ t.T, einsum)
+        "mean(optax_integer_labels_upcast(matmul_transposed))": lambda h, t, y: optax.softmax_cross_entropy_with_integer_labels(
+            nn.Embed(*t.shape).apply({"params": {"embedding": t}}, h, method="attend").astype(jnp.float32), y).mean(),
+        "sum(one_hot_in_logits_dtype_log_softmax(matmul_transposed))": lambda h, t, y: jnp.sum(-jnp.sum(
+            jax.nn.one_hot(y, t.shape[0], dtype=h.dtype) * jax.nn.log_softmax(h @ t.T), -1)),
+        "mean(logsumexp_minus_label_upcast(einsum_transposed))": lambda h, t, y: jnp.mean(
+            (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32))),
     }
 
 
@@ -144,6 +210,7 @@ def _spellings():
 def test_linear_patterns_match_and_equal_jax_jit(spelling):
     f = _spellings()[spelling]
     h, w, labels = make((2, 5), 16, 37, jnp.bfloat16, seed=7)
+    w = w.T if "transposed" in spelling else w  # a tied embedding table, [V, D]
     labels = labels.at[0, 0].set(-3)  # negative labels count from the end, as take_along_axis does
     report = xkern.explain(f)(h, w, labels)
     assert [m.pattern for m in report.matches] == [f"linear_cross_entropy/{spelling}"]
@@ -164,11 +231,11 @@ def test_linear_near_misses_keep_the_logits():
         "logits escape": lambda h, w, y: (lambda z: (ce_rows(z, y).mean(), z))(h @ w),
         # per-row losses weighted: not a plain mean or sum of the rows
         "weighted": lambda h, w, y: jnp.sum(ce_rows(h @ w, y) * jnp.arange(6.0)),
-        # tied embeddings, w [V, D]: contracted on its other axis
-        "transposed": lambda h, w, y: ce_rows(jnp.einsum("td,vd->tv", h, w), y).mean(),
+        # the log-probability's mean, not negated: the rows' log-probabilities are fused, not the mean
+        "log-probability": lambda h, w, y: jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h @ w), y[:, None], -1)),
     }
     for name, f in near_misses.items():
-        args = (h, w.T if name == "transposed" else w, labels)
+        args = (h, w, labels)
         report = xkern.explain(f)(*args)
         assert not [m for m in report.matches if m.pattern.startswith("linear_cross_entropy")], name
         assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")], name

@@ -169,35 +169,57 @@ def lax_dot_general(h, w):
     return jax.lax.dot_general(h, w, (((h.ndim - 1,), (0,)), ((), ())))
 
 
-def _linear(loss_fn, project, reduce):
+def matmul_transposed(h, table):
+    """Tied embeddings, table [V, D]: h @ table.T (flax's Embed.attend is jnp.dot(h, table.T))."""
+    return jnp.matmul(h, table.T)
+
+
+def einsum_transposed(h, table):
+    return jnp.einsum("...d,vd->...v", h, table)
+
+
+TRANSPOSED = (matmul_transposed, einsum_transposed)
+
+
+def _linear(loss_fn, project, reduce, log_probability):
     def pattern(h, w, labels):
-        return reduce(loss_fn(project(h, w), labels))
-    pattern.__name__ = f"{reduce.__name__}({loss_fn.__name__}({project.__name__}))"
+        out = reduce(loss_fn(project(h, w), labels))
+        return -out if log_probability else out
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({loss_fn.__name__}({project.__name__}))"
     return pattern
 
 
-def _check_linear(match, params) -> str | None:
+def _check_linear(match, params, transposed) -> str | None:
     h, w, labels = match.input_avals
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
-    if w.ndim != 2 or h.ndim < 1 or w.shape[0] != h.shape[-1] or tuple(labels.shape) != tuple(h.shape[:-1]):
-        return "not h [..., D] @ w [D, V] with one label per row"
+    if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
+            tuple(labels.shape) != tuple(h.shape[:-1]):
+        return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
     return None
 
 
-def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool):
-    reduction = reduce.__name__
+def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
+                    labels_as="take_along_axis"):
+    reduction, transposed = reduce.__name__, project in TRANSPOSED
 
     def replace(h, w, labels, *, backend):
-        labels = jnp.where(labels < 0, labels + w.shape[1], labels)  # take_along_axis's wrapping
-        loss = linear_kernels.linear_cross_entropy(h, w, labels, reduction=reduction, backend=backend)
-        return loss.astype(h.dtype) if cast_to_input else loss
-    fn = _linear(loss_fn, project, reduce)
+        if labels_as == "one_hot":
+            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, reduction=reduction,
+                                                               transpose_w=transposed, backend=backend)
+        else:  # take_along_axis and indexing count negative labels from the end
+            labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
+            loss = linear_kernels.linear_cross_entropy(h, w, labels, reduction=reduction, transpose_w=transposed,
+                                                       backend=backend)
+        return loss.astype(h.dtype) if cast_to_input else loss  # (-reduce of log-probabilities: the loss)
+    fn = _linear(loss_fn, project, reduce, log_probability)
+    w_shape = (16, 8) if transposed else (8, 16)
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
-        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((8, 16), dtype),
+        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
                                jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=lambda match: {}, check=_check_linear, replace=replace)
+        params_of=lambda match: {}, check=lambda match, params: _check_linear(match, params, transposed),
+        replace=replace)
 
 
 def mean(loss):
@@ -208,10 +230,24 @@ def sum(loss):  # noqa: A001 (the reduction's name)
     return jnp.sum(loss)
 
 
-_ROW_LOSSES = [(logsumexp_minus_label, ALL, True), (minus_log_softmax_at_label, ALL, True),
-               (upcast(logsumexp_minus_label), HALF, False), (upcast(minus_log_softmax_at_label), HALF, False)]
+# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as)
+_ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, "take_along_axis"),
+               (minus_log_softmax_at_label, ALL, True, False, "take_along_axis"),
+               (upcast(logsumexp_minus_label), HALF, False, False, "take_along_axis"),
+               (upcast(minus_log_softmax_at_label), HALF, False, False, "take_along_axis"),
+               (log_softmax_at_label, ALL, True, True, "take_along_axis"),
+               (upcast(log_softmax_at_label), HALF, False, True, "take_along_axis"),
+               (one_hot_log_softmax, ALL, False, False, "one_hot"),
+               (upcast(one_hot_log_softmax), HALF, False, False, "one_hot"),
+               (one_hot_in_logits_dtype_log_softmax, HALF, True, False, "one_hot"),
+               (one_hot_log_probability, ALL, False, True, "one_hot"),
+               (upcast(one_hot_log_probability), HALF, False, True, "one_hot")]
+for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_indexed, True),
+                            (logsumexp_minus_indexed, False)):
+    _ROW_LOSSES += [(fn, ALL, True, log_probability, "indexing"), (upcast(fn), HALF, False, log_probability, "indexing")]
 if importlib.util.find_spec("optax") is not None:
-    _ROW_LOSSES += [(optax_integer_labels, ALL, True), (upcast(optax_integer_labels), HALF, False)]
-PATTERNS += [_linear_pattern(loss_fn, project, reduce, dtypes, cast)
-             for loss_fn, dtypes, cast in _ROW_LOSSES for project in (jnp_matmul, lax_dot_general)
-             for reduce in (mean, sum)]
+    _ROW_LOSSES += [(optax_integer_labels, ALL, True, False, "take_along_axis"),
+                    (upcast(optax_integer_labels), HALF, False, False, "take_along_axis")]
+PATTERNS += [_linear_pattern(loss_fn, project, reduce, dtypes, cast, log_probability, labels_as)
+             for loss_fn, dtypes, cast, log_probability, labels_as in _ROW_LOSSES
+             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]

@@ -340,7 +340,7 @@ def build_registry(patterns: list[Pattern]) -> Registry:
     names = [p.name for p in patterns]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate pattern names: {sorted(n for n in names if names.count(n) > 1)}")
-    kept, rejected, by_anchor = [], [], {}
+    kept, rejected, by_anchor = {}, [], {}  # kept: equation count -> [(pattern, template)]
     for pattern in patterns:
         templates = []
         for dtype in _representatives(pattern.dtypes):
@@ -348,14 +348,14 @@ def build_registry(patterns: list[Pattern]) -> Registry:
             if not any(same_jaxpr(t, other) for other in templates):
                 templates.append(t)
         fresh = []
-        for t in templates:
-            twin = next((p for p, other in kept if same_jaxpr(t, other)), None)
+        for t in templates:  # only templates of as many equations can be the same
+            twin = next((p for p, other in kept.get(len(t.eqns), ()) if same_jaxpr(t, other)), None)
             if twin is None:
                 fresh.append(t)
             elif (pattern.name, twin.name) not in rejected:
                 rejected.append((pattern.name, twin.name))
         for t in fresh:
-            kept.append((pattern, t))
+            kept.setdefault(len(t.eqns), []).append((pattern, t))
             anchor = Graph(t).producer[t.outvars[0]][0]
             by_anchor.setdefault(t.eqns[anchor].primitive.name, []).append((pattern, t))
     for entries in by_anchor.values():

@@ -161,6 +161,9 @@ def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int]]:
     return None, kept
 
 
+NEAR_MISS = ("the pattern does not apply at these inputs", "differs from ")  # _decide's look-alike reasons
+
+
 def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None, bool]:
     """The params of an accepted match, or the reason it is declined and whether the cost model
     gave it."""
@@ -228,10 +231,12 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     if any(r.match.pattern.ignores(r.params) for r in plan.rewrites.values()):
         _drop_unread(plan)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
-    # several spellings declined at one place, the largest (tried first) speaks for it.
-    seen: set[int] = set()
-    plan.declined = [d for d in plan.declined
-                     if d.anchor not in claimed and not (d.anchor in seen or seen.add(d.anchor))]
+    # several spellings declined at one place, the largest (tried first) that the program does
+    # write speaks for it (a spelling whose exact trace differs is only a look-alike).
+    speaker: dict[int, Declined] = {}
+    for d in sorted(plan.declined, key=lambda d: d.reason.startswith(NEAR_MISS)):
+        speaker.setdefault(d.anchor, d)
+    plan.declined = [d for d in plan.declined if d.anchor not in claimed and speaker[d.anchor] is d]
     for i in sorted(plan.live - claimed):
         eqn = graph.eqns[i]
         if eqn.primitive.name in OPAQUE:

@@ -1,5 +1,7 @@
 """The final projection and cross-entropy together, `cross_entropy(h @ w, labels)`, chunked over rows
-so that the logits of only `chunk_rows` rows ever exist: with gradients for h and w.
+so that the logits of only `chunk_rows` rows ever exist: with gradients for h and w. w is [D, V]
+(a Dense kernel) or, with transpose_w, [V, D] (a tied embedding table, `h @ embedding.T`), read in
+place either way.
 
 Per chunk c of rows (matmuls by XLA, the loss by xkern.kernels.cross_entropy's kernels):
 
@@ -19,6 +21,7 @@ more temporary memory than the logits it avoids): one rounding per chunk.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +33,19 @@ from xkern.kernels import launch as L
 CHUNK_BYTES = 1 << 28  # logits of one chunk: 256 MiB (1024 rows of a 128256 vocabulary in bf16)
 
 
-def reference(h, w, labels, **options):
+def reference(h, w, labels, transpose_w=False, **options):
     """The definition (and the `xla` backend): the logits, materialized."""
-    return ce.reference(jnp.matmul(h, w), labels, **options)
+    return ce.reference(jnp.matmul(h, w.T if transpose_w else w), labels, **options)
+
+
+class Options(NamedTuple):
+    """What the chunks' kernels and matmuls need to know, static (hashable) for the custom_vjps."""
+    ignore_index: int | None
+    smoothing: float
+    z_loss: float
+    n_cols: int
+    one_hot: bool = False  # labels out of range are rows of zeros (see ce.one_hot_cross_entropy)
+    transpose_w: bool = False  # w is [V, D]
 
 
 def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
@@ -45,14 +58,18 @@ def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
 # One chunk
 # --------------------------------------------------------------------------------------------------
 
-def _logits(h_c, w):
-    return jnp.matmul(h_c, w)
+def _logits(h_c, w, options: Options):
+    return jax.lax.dot_general(h_c, w, (((1,), (1 if options.transpose_w else 0,)), ((), ())))
 
 
-def _grads(h_c, w, dlogits, dw):
+def _grads(h_c, w, dlogits, dw, options: Options):
     """dh of the chunk's rows, and dw with the chunk's part added (no transposes materialized)."""
-    dh = jax.lax.dot_general(dlogits, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    dw_c = jax.lax.dot_general(h_c, dlogits, (((0,), (0,)), ((), ())))
+    vocab_axis = 0 if options.transpose_w else 1
+    dh = jax.lax.dot_general(dlogits, w, (((1,), (vocab_axis,)), ((), ())), preferred_element_type=jnp.float32)
+    if options.transpose_w:
+        dw_c = jax.lax.dot_general(dlogits, h_c, (((0,), (0,)), ((), ())))
+    else:
+        dw_c = jax.lax.dot_general(h_c, dlogits, (((0,), (0,)), ((), ())))
     return dh.astype(h_c.dtype), dw + dw_c.astype(dw.dtype)
 
 
@@ -67,9 +84,9 @@ def _unchunk(a, n_rows):
     return a.reshape(-1, *a.shape[2:])[:n_rows]
 
 
-def _consts(options: tuple, write_dx=None) -> dict:
-    ignore_index, smoothing, z_loss, n_cols = options
-    return ce._consts(n_cols, ignore_index, smoothing, z_loss, write_dx)
+def _consts(options: Options, write_dx=None) -> dict:
+    return ce._consts(options.n_cols, options.ignore_index, options.smoothing, options.z_loss, write_dx,
+                      options.one_hot)
 
 
 def _losses(h2, w, labels, options, chunk, backend, config):
@@ -78,7 +95,7 @@ def _losses(h2, w, labels, options, chunk, backend, config):
 
     def step(_, xs):
         h_c, y_c = xs
-        loss, lse, _ = ce._launch_fwd(_logits(h_c, w), y_c, jnp.zeros(y_c.shape, jnp.float32),
+        loss, lse, _ = ce._launch_fwd(_logits(h_c, w, options), y_c, jnp.zeros(y_c.shape, jnp.float32),
                                       backend=backend, config=config, constexprs=consts)
         return None, (loss, lse)
 
@@ -102,9 +119,9 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
 
     def step(dw, xs):
         h_c, y_c, wt_c = xs
-        loss, _, dlogits = ce._launch_fwd(_logits(h_c, w), y_c, wt_c, backend=backend, config=config,
+        loss, _, dlogits = ce._launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend=backend, config=config,
                                           constexprs=consts, in_place=True)
-        dh_c, dw = _grads(h_c, w, dlogits, dw)
+        dh_c, dw = _grads(h_c, w, dlogits, dw, options)
         return dw, (loss, dh_c)
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
@@ -143,9 +160,9 @@ def _rows_bwd(options, chunk, backend, config, residuals, g):
 
     def step(dw, xs):
         h_c, y_c, g_c, lse_c = xs
-        (dlogits,) = ce._launch_bwd(_logits(h_c, w), y_c, lse_c, g_c, backend=backend, config=config,
+        (dlogits,) = ce._launch_bwd(_logits(h_c, w, options), y_c, lse_c, g_c, backend=backend, config=config,
                                     constexprs=consts, in_place=True)
-        dh_c, dw = _grads(h_c, w, dlogits, dw)
+        dh_c, dw = _grads(h_c, w, dlogits, dw, options)
         return dw, dh_c
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, g.astype(jnp.float32), lse))
@@ -160,8 +177,7 @@ _rows.defvjp(_rows_fwd, _rows_bwd)
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _check(h, w, labels, chunk_rows):
-    op = "linear_cross_entropy"
+def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy"):
     for name, a in (("h", h), ("w", w)):
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{op}: {name} must be a jax or numpy array; got {type(a).__name__}")
@@ -169,9 +185,13 @@ def _check(h, w, labels, chunk_rows):
             raise TypeError(f"{op}: {name} must have dtype float32, bfloat16 or float16; got {a.dtype}")
     if h.ndim < 1:
         raise ValueError(f"{op}: h must have a feature axis (last); got a scalar")
-    if w.ndim != 2 or w.shape[0] != h.shape[-1]:
-        raise ValueError(f"{op}: w must have shape ({h.shape[-1]}, vocabulary) (h's last axis first); "
-                         f"got {tuple(w.shape)}")
+    if not isinstance(transpose_w, bool):
+        raise TypeError(f"{op}: transpose_w must be a bool; got {transpose_w!r}")
+    feature_axis = 1 if transpose_w else 0
+    if w.ndim != 2 or w.shape[feature_axis] != h.shape[-1]:
+        want = f"(vocabulary, {h.shape[-1]}) (transpose_w: h's last axis second)" if transpose_w else \
+            f"({h.shape[-1]}, vocabulary) (h's last axis first)"
+        raise ValueError(f"{op}: w must have shape {want}; got {tuple(w.shape)}")
     if w.dtype != h.dtype:
         raise TypeError(f"{op}: w must have h's dtype {h.dtype}; got {w.dtype}")
     if not hasattr(labels, "dtype") or not jnp.issubdtype(labels.dtype, jnp.integer):
@@ -186,25 +206,50 @@ def _check(h, w, labels, chunk_rows):
 
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
-                         chunk_rows: int | None = None, backend: str | None = None):
+                         transpose_w: bool = False, chunk_rows: int | None = None, backend: str | None = None):
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
-    w [D, V], labels [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose
-    logits exist at once (default: about 256 MiB of logits)."""
-    _check(h, w, labels, chunk_rows)
-    logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], w.shape[1]), h.dtype)
+    w [D, V] (or [V, D] with transpose_w: `h @ w.T`, as a tied embedding table is used), labels
+    [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose logits exist at
+    once (default: about 256 MiB of logits)."""
+    _check(h, w, labels, chunk_rows, transpose_w)
+    n_cols = w.shape[0 if transpose_w else 1]
+    logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
     ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction)
+    options = Options(ignore_index, float(label_smoothing), float(z_loss), n_cols, False, transpose_w)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend)
+
+
+def one_hot_linear_cross_entropy(h, w, labels, *, reduction: str = "mean", transpose_w: bool = False,
+                                 chunk_rows: int | None = None, backend: str | None = None):
+    """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
+    outside [0, V) is a row of zeros (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
+    What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
+    op = "one_hot_linear_cross_entropy"
+    _check(h, w, labels, chunk_rows, transpose_w, op)
+    if reduction not in ce.REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {', '.join(ce.REDUCTIONS)}; got {reduction!r}")
+    options = Options(None, 0.0, 0.0, w.shape[0 if transpose_w else 1], True, transpose_w)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend)
+
+
+def _one_hot_reference(h, w, labels, reduction, transpose_w):
+    logits = jnp.matmul(h, w.T if transpose_w else w).astype(jnp.float32)
+    loss = -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, -1), -1)
+    return ce._reduce(loss, labels, None, reduction)
+
+
+def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend):
     backend = L.resolve_backend(backend)
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels).astype(jnp.int32)
-    options = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                   reduction=reduction)
-    if backend == "xla" or h.size == 0 or w.shape[1] == 0:
-        return reference(h, w, labels, **options)
-    n_cols = w.shape[1]
+    if backend == "xla" or h.size == 0 or options.n_cols == 0:
+        if options.one_hot:
+            return _one_hot_reference(h, w, labels, reduction, options.transpose_w)
+        return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
+                         label_smoothing=options.smoothing, z_loss=options.z_loss, reduction=reduction)
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    chunk = chunk_rows or default_chunk_rows(h2.shape[0], n_cols, h.dtype.itemsize)
-    statics = ((ignore_index, float(label_smoothing), float(z_loss), n_cols), int(chunk), backend,
-               ce.default_config(n_cols, backend))
+    chunk = chunk_rows or default_chunk_rows(h2.shape[0], options.n_cols, h.dtype.itemsize)
+    statics = (options, int(chunk), backend, ce.default_config(options.n_cols, backend))
     if reduction == "none":
         return _rows(h2, w, y, *statics).reshape(labels.shape)
-    _, weights = ce._row_scale(y, ignore_index, reduction)  # the kernel zeroes ignored rows
+    _, weights = ce._row_scale(y, options.ignore_index, reduction)  # the kernel zeroes ignored rows
     return _weighted_sum(h2, w, y, weights, *statics)

@@ -88,7 +88,8 @@ def _linear_cross_entropy(avals, params) -> str | None:
     """The logits never exist whole (chunks of ~256 MiB); the matmuls are XLA's. Taken unless the
     logits are small enough for the custom calls' fixed cost to matter."""
     h, w = avals[0], avals[1]
-    logits = int(np.prod(h.shape[:-1])) * w.shape[-1] * np.dtype(h.dtype).itemsize
+    vocab = w.shape[1] if w.shape[0] == h.shape[-1] else w.shape[0]  # w [D, V], or [V, D] transposed
+    logits = int(np.prod(h.shape[:-1])) * vocab * np.dtype(h.dtype).itemsize
     return _too_small(logits)
 
 
