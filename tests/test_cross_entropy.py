@@ -153,6 +153,39 @@ def test_one_hot_cross_entropy_is_the_one_hot_program_edge_rows_included():
         ["cross_entropy_fwd", "cross_entropy_bwd"]
 
 
+def _smoothed_program(x, y, smoothing):
+    """optax.softmax_cross_entropy(x, optax.smooth_labels(jax.nn.one_hot(y, V), smoothing))."""
+    target = (1.0 - smoothing) * jax.nn.one_hot(y, x.shape[-1]) + smoothing / x.shape[-1]
+    return -jnp.sum(target * jax.nn.log_softmax(x.astype(jnp.float32), -1), -1)
+
+
+@pytest.mark.parametrize("block", [None, 64])
+def test_smoothed_one_hot_cross_entropy_is_the_program_edge_rows_included(block, monkeypatch):
+    """Smoothed, every class has weight e / V: a -inf logit makes the loss +inf (not NaN), and a
+    label out of range leaves a target of e / V everywhere (loss e * lse - e / V * sum(x)). Rows of
+    300 in chunks of 64 as well as whole rows."""
+    if block:
+        monkeypatch.setattr(ce, "default_config", lambda n, backend: L.Config.of(BLOCK_N=block))
+    inf, nan = jnp.inf, jnp.nan
+    x, _ = make((10, 300), jnp.float32, seed=10)
+    x = x.at[1, 7].set(-inf).at[2, 299].set(-inf).at[3].set(-inf).at[4, 250].set(inf).at[5, 3].set(nan)
+    x = x.at[7, 100].set(-inf).at[8, 1].set(inf).at[9, 0].set(1e30).at[9, 1].set(-1e30)
+    y = jnp.array([0, 2, 299, 1, 0, 3, 300, -1, 7, 0], jnp.int32)
+    w = jnp.arange(1.0, 11.0)
+    smooth = lambda x, y: ce.one_hot_cross_entropy(x, y, label_smoothing=0.1)
+    program = lambda x, y: _smoothed_program(x, y, 0.1)
+    loss, want = smooth(x, y), program(x, y)
+    np.testing.assert_array_equal(np.isnan(loss), np.isnan(want))
+    assert np.isnan(want[jnp.array([3, 4, 5, 8])]).all() and (want[jnp.array([1, 2, 7])] == inf).all()
+    np.testing.assert_allclose(loss, want, rtol=2e-6)
+    g = lambda impl: jax.grad(lambda a: jnp.sum(jnp.nan_to_num(impl(a, y), nan=7.0, posinf=7.0) * w))(x)
+    got, want = g(smooth), g(program)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    logits, labels = make((3, 37), jnp.bfloat16, seed=11)
+    close(smooth(logits, labels), program(logits, labels), jnp.bfloat16)
+
+
 def test_one_hot_cross_entropy_over_chunks_finds_each_non_finite_logit(monkeypatch):
     """Rows of 300 in chunks of 64 (four whole chunks, then 44): -inf in a whole chunk, in the last
     one, only at the label (loss +inf), at the label and elsewhere (NaN), +inf in the last chunk."""
@@ -230,6 +263,10 @@ def _spellings():
             x, jax.nn.one_hot(y, x.shape[-1], dtype=x.dtype)).mean(),
         "sum(one_hot*log_softmax)+upcast": lambda x, y: -jnp.mean(jnp.sum(
             jax.nn.log_softmax(x.astype(jnp.float32)) * jax.nn.one_hot(y, x.shape[-1]), axis=-1)),
+        "smooth_labels(one_hot)*log_softmax+upcast": lambda x, y: optax.softmax_cross_entropy(
+            x.astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.1)).mean(),
+        "smooth_labels(one_hot)*log_softmax": lambda x, y: jnp.sum(-jnp.sum(
+            (jax.nn.one_hot(y, x.shape[-1]) * (1 - 0.3) + 0.3 / x.shape[-1]) * jax.nn.log_softmax(x), -1)),
     }
 
 
@@ -278,8 +315,8 @@ def test_near_misses_are_not_rewritten():
         "other axis": lambda x, y: jax.nn.logsumexp(x, 0)[:4] - jnp.take_along_axis(x, y[:, None], -1)[:, 0],
         # the picked logit from a different array than the normalizer's
         "other array": lambda x, y: jax.nn.logsumexp(x, -1) - jnp.take_along_axis(x * 2, y[:, None], -1)[:, 0],
-        # soft labels (smoothed one-hot): not an integer-label cross-entropy
-        "soft labels": lambda x, y: -jnp.sum((jax.nn.one_hot(y, 9) * 0.9 + 0.1 / 9) * jax.nn.log_softmax(x), -1),
+        # soft labels of mass 1.1: not a smoothed one-hot (that is (1 - e) * one_hot + e / V)
+        "soft labels": lambda x, y: -jnp.sum((jax.nn.one_hot(y, 9) * 0.9 + 0.2 / 9) * jax.nn.log_softmax(x), -1),
         # a one-hot of another width than the logits' (broadcast against them)
         "one-hot of one class": lambda x, y: -jnp.sum(jax.nn.one_hot(y, 1) * jax.nn.log_softmax(x), -1),
     }

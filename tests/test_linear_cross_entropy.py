@@ -149,6 +149,10 @@ def test_one_hot_linear_cross_entropy_is_the_one_hot_program_out_of_range_labels
         close(g, r, jnp.float32)
     assert float(jnp.abs(grads[0][1]).max()) == 0.0
     assert np.isnan(float(one_hot_linear_cross_entropy(h, w.at[0, 5].set(jnp.inf), labels, chunk_rows=4)))
+    smoothed = lambda h, w: one_hot_linear_cross_entropy(h, w, labels, label_smoothing=0.2, reduction=reduction,
+                                                         chunk_rows=4)
+    want = ce.one_hot_cross_entropy(h @ w, labels, label_smoothing=0.2, backend="xla")
+    close(smoothed(h, w), want if reduction == "none" else getattr(jnp, reduction)(want), jnp.float32)
 
 
 def test_bad_input_names_the_argument():
@@ -193,6 +197,8 @@ def _spellings():
         # one-hot targets: optax.softmax_cross_entropy (a label out of range is a row of zeros)
         "mean(one_hot_log_softmax_upcast(lax_dot_general))": lambda h, w, y: optax.softmax_cross_entropy(
             dense(h, w).astype(jnp.float32), jax.nn.one_hot(y, w.shape[1])).mean(),
+        "mean(smoothed_one_hot_log_softmax_upcast(matmul_transposed))": lambda h, t, y: optax.softmax_cross_entropy(
+            (h @ t.T).astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, t.shape[0]), 0.1)).mean(),
         # NumPy indexing of the flattened rows
         "mean(minus_log_softmax_indexed(jnp_matmul))": lambda h, w, y: jnp.mean(-jax.nn.log_softmax(
             h.reshape(-1, h.shape[-1]) @ w)[jnp.arange(y.size), y.reshape(-1)]),

@@ -3,7 +3,8 @@ replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; c
 program's dtype where the program computed in half precision).
 
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
-einsum, or lax.dot_general as flax's Dense spells it), the logits used nowhere else, is replaced by
+einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
+(flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits.
 
 Spellings: optax.softmax_cross_entropy_with_integer_labels (traced from the installed optax, when
@@ -17,15 +18,19 @@ still out of range breaks indexing's promise to XLA (PROMISE_IN_BOUNDS: its forw
 gradient drops the label) and gives NaN. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
 a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
+Smoothed one-hot targets, optax.smooth_labels(one_hot, e) = (1 - e) * one_hot + e / V: the kernels'
+label smoothing, e read off the program's two literals.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern
+from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import cross_entropy as kernels
 from xkern.kernels import linear_cross_entropy as linear_kernels
 
@@ -63,6 +68,27 @@ def one_hot_in_logits_dtype_log_softmax(logits, labels):
     return -jnp.sum(one_hot * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
+def smoothed_one_hot_log_softmax(logits, labels, smoothing):
+    """optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(labels, V), smoothing))."""
+    n_cols = logits.shape[-1]
+    target = (1.0 - smoothing) * jax.nn.one_hot(labels, n_cols) + smoothing / n_cols
+    return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+SMOOTHING_EXAMPLE = 0.0371  # traced with a distinctive smoothing, whose literals are read back
+
+
+def _smoothing_of(match, n_cols: int, example_cols: int) -> float:
+    """The smoothing e of a matched smoothed one-hot target, (1 - e) * one_hot + e / V: read off its
+    two float32 literals, as a float that gives both back when the pattern is traced again."""
+    keep = literal_at(match, 1.0 - SMOOTHING_EXAMPLE)
+    spread = literal_at(match, SMOOTHING_EXAMPLE / example_cols)
+    for e in (spread * n_cols, 1.0 - keep):
+        if np.float32(1.0 - e) == np.float32(keep) and np.float32(e / n_cols) == np.float32(spread):
+            return e
+    return 1.0 - keep  # inconsistent literals: the exact trace will not match, and says so
+
+
 def one_hot_log_probability(logits, labels):
     """The label's log-probability through the one-hot target (the loss is its negated mean)."""
     return jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
@@ -86,21 +112,26 @@ def logsumexp_minus_indexed(logits, labels):
 
 
 def upcast(fn):
-    def pattern(logits, labels):
-        return fn(logits.astype(jnp.float32), labels)
+    def pattern(logits, labels, **params):
+        return fn(logits.astype(jnp.float32), labels, **params)
     pattern.__name__ = f"{fn.__name__}_upcast"
     return pattern
 
 
-def _per_row_loss(logits, labels, how: str, backend):
+def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0):
     """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
     "indexing" count negative labels from the end (still out of range: NaN, as take_along_axis's
     gather fills; indexing promises XLA they are in range, which its forward then clamps and its
     gradient drops: a broken promise, made loud); "one_hot" makes a label out of range a row of zeros."""
     if how == "one_hot":
-        return kernels.one_hot_cross_entropy(logits, labels, backend=backend)
+        return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, backend=backend)
     labels = jnp.where(labels < 0, labels + logits.shape[-1], labels)
     return kernels.cross_entropy(logits, labels, reduction="none", backend=backend)
+
+
+def _check_smoothing(params) -> str | None:
+    smoothing = params.get("smoothing", 0.0)
+    return None if 0.0 <= smoothing <= 1.0 else f"label smoothing {smoothing} is outside [0, 1]"
 
 
 def _check(match, params) -> str | None:
@@ -109,20 +140,25 @@ def _check(match, params) -> str | None:
         return f"dtype {logits.dtype}: the cross-entropy kernels take float32, bfloat16 and float16"
     if logits.ndim < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
         return "labels are not one per row of logits"
-    return None
+    return _check_smoothing(params)
 
 
-def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis"):
-    def replace(logits, labels, *, backend):
-        loss = _per_row_loss(logits, labels, labels_as, backend)
+def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis",
+             smoothed=False):
+    def replace(logits, labels, *, backend, **params):
+        loss = _per_row_loss(logits, labels, labels_as, backend, **params)
         if log_probability:
             loss = -loss
-        loss = loss.reshape(jax.eval_shape(fn, logits, labels).shape)  # [..., 1] where the program keeps it
+        shape = jax.eval_shape(functools.partial(fn, **params), logits, labels).shape
+        loss = loss.reshape(shape)  # [..., 1] where the program keeps it
         return loss.astype(logits.dtype) if cast_to_input else loss
+    params_of = (lambda match: {"smoothing": _smoothing_of(match, match.input_avals[0].shape[-1], 8)}) \
+        if smoothed else (lambda match: {})
     return Pattern(
         name=name, op="cross_entropy", fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=lambda match: {}, check=_check, replace=replace)
+        params_of=params_of, check=_check, replace=replace,
+        example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {})
 
 
 PATTERNS = [
@@ -140,6 +176,11 @@ PATTERNS = [
              labels_as="one_hot"),
     _pattern("cross_entropy/one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, HALF, True,
              labels_as="one_hot"),
+    # optax.smooth_labels of a one-hot target: the kernels' label smoothing
+    _pattern("cross_entropy/smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, ALL, False,
+             labels_as="one_hot", smoothed=True),
+    _pattern("cross_entropy/smooth_labels(one_hot)*log_softmax+upcast", upcast(smoothed_one_hot_log_softmax), HALF,
+             False, labels_as="one_hot", smoothed=True),
     _pattern("cross_entropy/sum(one_hot*log_softmax)", one_hot_log_probability, ALL, False, True, "one_hot"),
     _pattern("cross_entropy/sum(one_hot*log_softmax)+upcast", upcast(one_hot_log_probability), HALF, False, True,
              "one_hot"),
@@ -182,8 +223,8 @@ TRANSPOSED = (matmul_transposed, einsum_transposed)
 
 
 def _linear(loss_fn, project, reduce, log_probability):
-    def pattern(h, w, labels):
-        out = reduce(loss_fn(project(h, w), labels))
+    def pattern(h, w, labels, **params):
+        out = reduce(loss_fn(project(h, w), labels, **params))
         return -out if log_probability else out
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({loss_fn.__name__}({project.__name__}))"
     return pattern
@@ -196,16 +237,16 @@ def _check_linear(match, params, transposed) -> str | None:
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
             tuple(labels.shape) != tuple(h.shape[:-1]):
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
-    return None
+    return _check_smoothing(params)
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis"):
+                    labels_as="take_along_axis", smoothed=False):
     reduction, transposed = reduce.__name__, project in TRANSPOSED
 
-    def replace(h, w, labels, *, backend):
+    def replace(h, w, labels, *, backend, smoothing=0.0):
         if labels_as == "one_hot":
-            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, reduction=reduction,
+            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, reduction=reduction, label_smoothing=smoothing,
                                                                transpose_w=transposed, backend=backend)
         else:  # take_along_axis and indexing count negative labels from the end
             labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
@@ -214,12 +255,14 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         return loss.astype(h.dtype) if cast_to_input else loss  # (-reduce of log-probabilities: the loss)
     fn = _linear(loss_fn, project, reduce, log_probability)
     w_shape = (16, 8) if transposed else (8, 16)
+    vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
+    params_of = (lambda match: {"smoothing": _smoothing_of(match, vocab(match), 16)}) if smoothed else (lambda match: {})
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
                                jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=lambda match: {}, check=lambda match, params: _check_linear(match, params, transposed),
-        replace=replace)
+        params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
+        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {})
 
 
 def mean(loss):
@@ -230,7 +273,7 @@ def sum(loss):  # noqa: A001 (the reduction's name)
     return jnp.sum(loss)
 
 
-# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as)
+# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as[, smoothed])
 _ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, "take_along_axis"),
                (minus_log_softmax_at_label, ALL, True, False, "take_along_axis"),
                (upcast(logsumexp_minus_label), HALF, False, False, "take_along_axis"),
@@ -240,6 +283,8 @@ _ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, "take_along_axis"),
                (one_hot_log_softmax, ALL, False, False, "one_hot"),
                (upcast(one_hot_log_softmax), HALF, False, False, "one_hot"),
                (one_hot_in_logits_dtype_log_softmax, HALF, True, False, "one_hot"),
+               (smoothed_one_hot_log_softmax, ALL, False, False, "one_hot", True),
+               (upcast(smoothed_one_hot_log_softmax), HALF, False, False, "one_hot", True),
                (one_hot_log_probability, ALL, False, True, "one_hot"),
                (upcast(one_hot_log_probability), HALF, False, True, "one_hot")]
 for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_indexed, True),
@@ -248,6 +293,6 @@ for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_ind
 if importlib.util.find_spec("optax") is not None:
     _ROW_LOSSES += [(optax_integer_labels, ALL, True, False, "take_along_axis"),
                     (upcast(optax_integer_labels), HALF, False, False, "take_along_axis")]
-PATTERNS += [_linear_pattern(loss_fn, project, reduce, dtypes, cast, log_probability, labels_as)
-             for loss_fn, dtypes, cast, log_probability, labels_as in _ROW_LOSSES
+PATTERNS += [_linear_pattern(*row_loss[:1], project, reduce, *row_loss[1:])
+             for row_loss in _ROW_LOSSES
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]

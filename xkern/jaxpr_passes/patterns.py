@@ -251,7 +251,10 @@ def literal_at(match: Match, example_value: float) -> float:
             value = getattr(v, "val", None)
             if value is not None and np.ndim(value) == 0 and np.isclose(float(value), example_value,
                                                                         rtol=1e-2):
-                return float(as_literal(match.graph, match.graph.eqns[match.eqns[ti]].invars[i]).val)
+                operands = match.graph.eqns[match.eqns[ti]].invars
+                if eqn.primitive.name in COMMUTATIVE and as_literal(match.graph, operands[i]) is None:
+                    operands = operands[::-1]  # matched the other way round (2 * x for x * 2)
+                return float(as_literal(match.graph, operands[i]).val)
     raise ValueError(f"no literal like {example_value} in the matched program")
 
 

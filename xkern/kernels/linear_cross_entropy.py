@@ -219,22 +219,24 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     return _apply(h, w, labels, options, reduction, chunk_rows, backend)
 
 
-def one_hot_linear_cross_entropy(h, w, labels, *, reduction: str = "mean", transpose_w: bool = False,
-                                 chunk_rows: int | None = None, backend: str | None = None):
+def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, reduction: str = "mean",
+                                 transpose_w: bool = False, chunk_rows: int | None = None,
+                                 backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
-    outside [0, V) is a row of zeros (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
+    outside [0, V) is a row of zeros, and label_smoothing smooths the target as optax.smooth_labels
+    (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
     _check(h, w, labels, chunk_rows, transpose_w, op)
-    if reduction not in ce.REDUCTIONS:
-        raise ValueError(f"{op}: reduction must be one of {', '.join(ce.REDUCTIONS)}; got {reduction!r}")
-    options = Options(None, 0.0, 0.0, w.shape[0 if transpose_w else 1], True, transpose_w)
+    n_cols = w.shape[0 if transpose_w else 1]
+    ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None, label_smoothing, 0.0, reduction)
+    options = Options(None, float(label_smoothing), 0.0, n_cols, True, transpose_w)
     return _apply(h, w, labels, options, reduction, chunk_rows, backend)
 
 
-def _one_hot_reference(h, w, labels, reduction, transpose_w):
-    logits = jnp.matmul(h, w.T if transpose_w else w).astype(jnp.float32)
-    loss = -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, -1), -1)
+def _one_hot_reference(h, w, labels, reduction, options: Options):
+    logits = jnp.matmul(h, w.T if options.transpose_w else w)
+    loss = ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, backend="xla")
     return ce._reduce(loss, labels, None, reduction)
 
 
@@ -243,7 +245,7 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend):
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels).astype(jnp.int32)
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
         if options.one_hot:
-            return _one_hot_reference(h, w, labels, reduction, options.transpose_w)
+            return _one_hot_reference(h, w, labels, reduction, options)
         return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
                          label_smoothing=options.smoothing, z_loss=options.z_loss, reduction=reduction)
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
