@@ -173,16 +173,19 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
         norm: type
         dim: int
         scanned: bool
+        tied: bool = False  # the LM head is the embedding table (GPT-2's tied weights)
 
         @nn.compact
         def __call__(self, tokens):
-            h = nn.Embed(vocab, self.dim, dtype=jnp.bfloat16)(tokens)
+            embed = nn.Embed(vocab, self.dim, dtype=jnp.bfloat16)
+            h = embed(tokens)
             if self.scanned:
                 h = nn.scan(nn.remat(Scanned, prevent_cse=False), variable_axes={"params": 0},
                             split_rngs={"params": True}, length=layers)(self.block)(h, None)[0]
             for _ in range(0 if self.scanned else layers):
                 h = self.block()(h)
-            return nn.Dense(vocab, use_bias=False, dtype=jnp.bfloat16)(self.norm(dtype=jnp.bfloat16)(h))
+            h = self.norm(dtype=jnp.bfloat16)(h)
+            return embed.attend(h) if self.tied else nn.Dense(vocab, use_bias=False, dtype=jnp.bfloat16)(h)
 
     out = []
     for key, (name, block, x, heads) in enumerate(decoder_blocks(on_gpu)):
@@ -195,19 +198,29 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
             out.append(Case(f"LM training step, {layers} layers {layout}AdamW {name[len('decoder block '):]}",
                             (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(step),
                             step, args, 0, 3e-2, memory=True))
+        if "GPT" in name:  # GPT-2's tied embeddings, and optax's label smoothing (a smoothed one-hot)
+            model = LM(type(block), nn.LayerNorm, dim, False, tied=True)
+            step, args = _adamw_step(model, tx, jnp.zeros((batch, seq + 1), jnp.int32), vocab, key, smoothing=0.1)
+            out.append(Case(f"LM training step, {layers} layers AdamW {name[len('decoder block '):]}, tied "
+                            "embeddings, smooth_labels(0.1)", (batch, seq, dim, heads, vocab), "bfloat16",
+                            "train step", xkern.jit(step), step, args, 0, 3e-2, memory=True))
     return out + _nnx_training_cases(on_gpu, layers, vocab)
 
 
-def _adamw_step(model, tx, tokens0, vocab, key):
-    """A Flax linen LM's AdamW step on next-token cross-entropy, and its arguments' maker."""
+def _adamw_step(model, tx, tokens0, vocab, key, smoothing=None):
+    """A Flax linen LM's AdamW step on next-token cross-entropy (integer labels, or optax's smoothed
+    one-hot targets), and its arguments' maker."""
     import optax
 
     params = model.init(jax.random.key(key), tokens0[:, :-1])
     opt_state = tx.init(params)
 
     def loss_fn(params, tokens):
-        logits = model.apply(params, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:]).mean()
+        logits = model.apply(params, tokens[:, :-1]).astype(jnp.float32)
+        if smoothing is not None:
+            targets = optax.smooth_labels(jax.nn.one_hot(tokens[:, 1:], vocab), smoothing)
+            return optax.softmax_cross_entropy(logits, targets).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
     def train_step(params, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens)

@@ -44,16 +44,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the rows, command and versions as JSON here")
     parser.add_argument("--only", choices=sorted(SUITES), help="run one suite of cases")
+    parser.add_argument("--case", help="run only the cases whose name contains this text")
     args = parser.parse_args(argv)
     demo()
     on_gpu = jax.default_backend() != "cpu"
     rows = []
     suites = [SUITES[args.only]] if args.only else list(SUITES.values())
-    for case in [c for suite in suites for c in suite.cases(on_gpu)]:
+    for case in [c for suite in suites for c in suite.cases(on_gpu) if (args.case or "") in c.op]:
         rows.append(harness.run_case(case))
         print(f"  {case.op} {case.shape} {case.mode}: {rows[-1].xkern_ms:.4f} ms", flush=True)
     print(harness.format_table(rows))
-    if not args.only:
+    if not args.only and not args.case:
         bench_passes.main()
     if not on_gpu:
         print("(CPU: kernels ran through Triton's interpreter; these times are not GPU speed)")
