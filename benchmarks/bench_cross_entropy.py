@@ -71,6 +71,14 @@ def linear_cases(on_gpu: bool) -> list[Case]:
             logits = (h @ table.T).astype(jnp.float32)
             return optax.softmax_cross_entropy(logits, optax.smooth_labels(jax.nn.one_hot(y, vocab), 0.1)).mean()
         return jax.value_and_grad(loss, (0, 1))(h, table)
+    def masked_head(h, w, y, c):  # a padding mask: optax's integer-label loss, its masked mean
+        def loss(h, w):
+            mask = (c > 0.1).astype(jnp.float32)
+            rows = optax.softmax_cross_entropy_with_integer_labels((h @ w).astype(jnp.float32), y)
+            return jnp.sum(rows * mask) / jnp.sum(mask)
+        return jax.value_and_grad(loss, (0, 1))(h, w)
     return out + [Case("LM head + smoothed one-hot loss, tied table, xkern.jit", (rows, dim, vocab), "bfloat16",
                        "fwd+bwd", xkern.jit(one_hot_tied_head), one_hot_tied_head, make_tied, 0, 3e-2, flops,
-                       memory=True)]
+                       memory=True),
+                  Case("LM head + masked mean loss (padding mask), xkern.jit", (rows, dim, vocab), "bfloat16",
+                       "fwd+bwd", xkern.jit(masked_head), masked_head, make, 0, 3e-2, flops, memory=True)]

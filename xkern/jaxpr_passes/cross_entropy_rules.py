@@ -5,7 +5,9 @@ program's dtype where the program computed in half precision).
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
-xkern.ops.linear_cross_entropy, which never holds all the logits.
+xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
+losses times a weight each (a padding mask). These ~250 patterns are traced only for programs
+holding what they all do (LINEAR_HEAD).
 
 Spellings: optax.softmax_cross_entropy_with_integer_labels (traced from the installed optax, when
 there is one); logsumexp minus the label's logit through take_along_axis; minus the label's entry
@@ -222,47 +224,71 @@ def einsum_transposed(h, table):
 TRANSPOSED = (matmul_transposed, einsum_transposed)
 
 
-def _linear(loss_fn, project, reduce, log_probability):
-    def pattern(h, w, labels, **params):
-        out = reduce(loss_fn(project(h, w), labels, **params))
+def _linear(loss_fn, project, reduce, log_probability, weighted):
+    """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; weighted: each row's
+    loss times a weight first (a padding mask), the weights the pattern's last input."""
+    def pattern(h, w, labels, *weights, **params):
+        rows = loss_fn(project(h, w), labels, **params)
+        out = reduce(rows * weights[0] if weighted else rows)
         return -out if log_probability else out
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({loss_fn.__name__}({project.__name__}))"
+    rows = f"{loss_fn.__name__}({project.__name__}){' * weights' if weighted else ''}"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows})"
     return pattern
 
 
 def _check_linear(match, params, transposed) -> str | None:
-    h, w, labels = match.input_avals
+    h, w, labels, *weights = match.input_avals
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
             tuple(labels.shape) != tuple(h.shape[:-1]):
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
+    if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, jnp.floating)):
+        return f"the losses are multiplied by {weights[0].dtype}{list(weights[0].shape)}, not a float weight per row"
     return _check_smoothing(params)
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", smoothed=False):
-    reduction, transposed = reduce.__name__, project in TRANSPOSED
+                    labels_as="take_along_axis", smoothed=False, weighted=False):
+    transposed = project in TRANSPOSED
+    fn = _linear(loss_fn, project, reduce, log_probability, weighted)
 
-    def replace(h, w, labels, *, backend, smoothing=0.0):
+    def replace(h, w, labels, *weights, backend, smoothing=0.0):
+        # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
+        reduction = "sum" if weighted else reduce.__name__
+        options = dict(reduction=reduction, transpose_w=transposed, backend=backend,
+                       weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
         if labels_as == "one_hot":
-            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, reduction=reduction, label_smoothing=smoothing,
-                                                               transpose_w=transposed, backend=backend)
+            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=smoothing, **options)
         else:  # take_along_axis and indexing count negative labels from the end
             labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
-            loss = linear_kernels.linear_cross_entropy(h, w, labels, reduction=reduction, transpose_w=transposed,
-                                                       backend=backend)
-        return loss.astype(h.dtype) if cast_to_input else loss  # (-reduce of log-probabilities: the loss)
-    fn = _linear(loss_fn, project, reduce, log_probability)
-    w_shape = (16, 8) if transposed else (8, 16)
+            loss = linear_kernels.linear_cross_entropy(h, w, labels, **options)
+        if weighted and reduce is mean:
+            loss = loss / labels.size
+        # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        return loss.astype(jax.eval_shape(functools.partial(fn, smoothing=smoothing) if smoothed else fn,
+                                          h, w, labels, *weights).dtype)
+
+    if weighted:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
+        dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
+
+    def example(dtypes):
+        dtype, weights_dtype = dtypes if weighted else (dtypes, None)
+        h, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
+        w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
+        kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
+        return (h, w, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ())
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
     params_of = (lambda match: {"smoothing": _smoothing_of(match, vocab(match), 16)}) if smoothed else (lambda match: {})
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
-        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
-                               jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
-        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {})
+        example=example, params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
+        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {}, requires=LINEAR_HEAD)
+
+
+# What every LM-head pattern's program holds (a projection; logsumexp or log_softmax): the ~250 of
+# them are traced only for programs that do
+LINEAR_HEAD = frozenset({"dot_general", "reduce_max", "log"})
 
 
 def mean(loss):
@@ -273,26 +299,34 @@ def sum(loss):  # noqa: A001 (the reduction's name)
     return jnp.sum(loss)
 
 
-# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as[, smoothed])
-_ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, "take_along_axis"),
-               (minus_log_softmax_at_label, ALL, True, False, "take_along_axis"),
-               (upcast(logsumexp_minus_label), HALF, False, False, "take_along_axis"),
-               (upcast(minus_log_softmax_at_label), HALF, False, False, "take_along_axis"),
-               (log_softmax_at_label, ALL, True, True, "take_along_axis"),
-               (upcast(log_softmax_at_label), HALF, False, True, "take_along_axis"),
-               (one_hot_log_softmax, ALL, False, False, "one_hot"),
-               (upcast(one_hot_log_softmax), HALF, False, False, "one_hot"),
-               (one_hot_in_logits_dtype_log_softmax, HALF, True, False, "one_hot"),
-               (smoothed_one_hot_log_softmax, ALL, False, False, "one_hot", True),
-               (upcast(smoothed_one_hot_log_softmax), HALF, False, False, "one_hot", True),
-               (one_hot_log_probability, ALL, False, True, "one_hot"),
-               (upcast(one_hot_log_probability), HALF, False, True, "one_hot")]
+# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as,
+# smoothed)
+TAKE, ONE_HOT = "take_along_axis", "one_hot"
+_ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, TAKE, False),
+               (minus_log_softmax_at_label, ALL, True, False, TAKE, False),
+               (upcast(logsumexp_minus_label), HALF, False, False, TAKE, False),
+               (upcast(minus_log_softmax_at_label), HALF, False, False, TAKE, False),
+               (log_softmax_at_label, ALL, True, True, TAKE, False),
+               (upcast(log_softmax_at_label), HALF, False, True, TAKE, False),
+               (one_hot_log_softmax, ALL, False, False, ONE_HOT, False),
+               (upcast(one_hot_log_softmax), HALF, False, False, ONE_HOT, False),
+               (one_hot_in_logits_dtype_log_softmax, HALF, True, False, ONE_HOT, False),
+               (smoothed_one_hot_log_softmax, ALL, False, False, ONE_HOT, True),
+               (upcast(smoothed_one_hot_log_softmax), HALF, False, False, ONE_HOT, True),
+               (one_hot_log_probability, ALL, False, True, ONE_HOT, False),
+               (upcast(one_hot_log_probability), HALF, False, True, ONE_HOT, False)]
 for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_indexed, True),
                             (logsumexp_minus_indexed, False)):
-    _ROW_LOSSES += [(fn, ALL, True, log_probability, "indexing"), (upcast(fn), HALF, False, log_probability, "indexing")]
+    _ROW_LOSSES += [(fn, ALL, True, log_probability, "indexing", False),
+                    (upcast(fn), HALF, False, log_probability, "indexing", False)]
 if importlib.util.find_spec("optax") is not None:
-    _ROW_LOSSES += [(optax_integer_labels, ALL, True, False, "take_along_axis"),
-                    (upcast(optax_integer_labels), HALF, False, False, "take_along_axis")]
-PATTERNS += [_linear_pattern(*row_loss[:1], project, reduce, *row_loss[1:])
-             for row_loss in _ROW_LOSSES
+    _ROW_LOSSES += [(optax_integer_labels, ALL, True, False, TAKE, False),
+                    (upcast(optax_integer_labels), HALF, False, False, TAKE, False)]
+# Weighted rows too (a padding mask: sum(loss * mask) / sum(mask), the division left to XLA), in
+# the spellings such programs use: integer labels, the log-probability, one-hot and smoothed targets
+_WEIGHTED = {"logsumexp_minus_label", "minus_log_softmax_at_label", "log_softmax_at_label", "optax_integer_labels",
+             "one_hot_log_softmax", "smoothed_one_hot_log_softmax"}
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted)
+             for loss, *rest in _ROW_LOSSES
+             for weighted in ((False, True) if loss.__name__.removesuffix("_upcast") in _WEIGHTED else (False,))
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]

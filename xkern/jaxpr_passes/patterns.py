@@ -16,6 +16,7 @@ first time a program is matched, so `import xkern` stays cheap.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import importlib
@@ -64,6 +65,9 @@ class Pattern:
     # returns x + r, and the add is folded into the kernel (a norm after a residual connection).
     folds_residual_add: bool = False
     constants: int = 0
+    # Primitives a program must hold for the pattern to be tried (and its template traced, on first
+    # need): a large family of patterns no program without them can match costs no start-up time.
+    requires: frozenset = frozenset()
 
 
 @dataclasses.dataclass
@@ -263,7 +267,7 @@ def same_jaxpr(a, b) -> bool:
     a, b = getattr(a, "jaxpr", a), getattr(b, "jaxpr", b)
     if len(a.eqns) != len(b.eqns) or len(a.outvars) != 1 or len(b.outvars) != 1 or not b.eqns:
         return len(a.eqns) == len(b.eqns) == 0 and a.outvars == b.outvars
-    graph = Graph(b)
+    graph = _template_graph(b)
     anchor = graph.producer.get(b.outvars[0], (None,))[0]
     m = anchor is not None and unify(a, graph, anchor, strict=True)
     return bool(m) and m.inputs == list(b.invars)
@@ -319,6 +323,32 @@ class Registry:
     by_anchor: dict  # anchor primitive name -> [(pattern, template)], largest template first
     patterns: list
     rejected: list  # (pattern name, name of the pattern it duplicates)
+    gated: dict = dataclasses.field(default_factory=dict)  # requires -> [patterns], traced on first need
+    built: dict = dataclasses.field(default_factory=dict)  # requires -> their Registry, once traced
+    merged: dict = dataclasses.field(default_factory=dict)  # frozenset of requires -> by_anchor
+
+    def by_anchor_for(self, primitives) -> dict:
+        """by_anchor with the gated patterns whose required primitives all occur in the program."""
+        groups = frozenset(req for req in self.gated if req <= primitives)
+        if not groups:
+            return self.by_anchor
+        if groups not in self.merged:
+            merged = {anchor: list(entries) for anchor, entries in self.by_anchor.items()}
+            for req in sorted(groups, key=sorted):
+                if req not in self.built:
+                    self.built[req] = build_registry(self.gated[req])
+                    self.rejected += self.built[req].rejected
+                for anchor, entries in self.built[req].by_anchor.items():
+                    merged.setdefault(anchor, []).extend(entries)
+            for entries in merged.values():
+                entries.sort(key=lambda e: -len(e[1].eqns))
+            self.merged[groups] = merged
+        return self.merged[groups]
+
+    def build_all(self) -> "Registry":
+        """Every gated family traced too (to check them all, e.g. for duplicates)."""
+        self.by_anchor_for(frozenset().union(*self.gated))
+        return self
 
 
 def _representatives(dtypes) -> list:
@@ -343,7 +373,8 @@ def build_registry(patterns: list[Pattern]) -> Registry:
     names = [p.name for p in patterns]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate pattern names: {sorted(n for n in names if names.count(n) > 1)}")
-    kept, rejected, by_anchor = {}, [], {}  # kept: equation count -> [(pattern, template)]
+    kept, rejected, by_anchor = {}, [], {}  # kept: primitives' counts -> [(pattern, template)]
+    signature = lambda t: tuple(sorted(collections.Counter(e.primitive.name for e in t.eqns).items()))
     for pattern in patterns:
         templates = []
         for dtype in _representatives(pattern.dtypes):
@@ -351,14 +382,14 @@ def build_registry(patterns: list[Pattern]) -> Registry:
             if not any(same_jaxpr(t, other) for other in templates):
                 templates.append(t)
         fresh = []
-        for t in templates:  # only templates of as many equations can be the same
-            twin = next((p for p, other in kept.get(len(t.eqns), ()) if same_jaxpr(t, other)), None)
+        for t in templates:  # only templates of the same primitives, as many of each, can be the same
+            twin = next((p for p, other in kept.get(signature(t), ()) if same_jaxpr(t, other)), None)
             if twin is None:
                 fresh.append(t)
             elif (pattern.name, twin.name) not in rejected:
                 rejected.append((pattern.name, twin.name))
         for t in fresh:
-            kept.setdefault(len(t.eqns), []).append((pattern, t))
+            kept.setdefault(signature(t), []).append((pattern, t))
             anchor = Graph(t).producer[t.outvars[0]][0]
             by_anchor.setdefault(t.eqns[anchor].primitive.name, []).append((pattern, t))
     for entries in by_anchor.values():
@@ -375,4 +406,9 @@ def registry() -> Registry:
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name.endswith("_rules"):
             patterns += importlib.import_module(f"{package.__name__}.{info.name}").PATTERNS
-    return build_registry(patterns)
+    built = build_registry([p for p in patterns if not p.requires])
+    built.patterns = patterns
+    for p in patterns:
+        if p.requires:
+            built.gated.setdefault(p.requires, []).append(p)
+    return built

@@ -177,7 +177,7 @@ _rows.defvjp(_rows_fwd, _rows_bwd)
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy"):
+def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", weights=None):
     for name, a in (("h", h), ("w", w)):
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{op}: {name} must be a jax or numpy array; got {type(a).__name__}")
@@ -202,56 +202,81 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy"):
                          f"axis); got {tuple(labels.shape)}")
     if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
         raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
+    if weights is not None and not (hasattr(weights, "dtype") and jnp.issubdtype(weights.dtype, jnp.floating)
+                                    and tuple(weights.shape) == tuple(labels.shape)):
+        raise ValueError(f"{op}: weights must be None or a float array of labels' shape {tuple(labels.shape)}; "
+                         f"got {getattr(weights, 'dtype', type(weights).__name__)} "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
 
 
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
-                         transpose_w: bool = False, chunk_rows: int | None = None, backend: str | None = None):
+                         weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
+                         backend: str | None = None):
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
     w [D, V] (or [V, D] with transpose_w: `h @ w.T`, as a tied embedding table is used), labels
     [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose logits exist at
-    once (default: about 256 MiB of logits)."""
-    _check(h, w, labels, chunk_rows, transpose_w)
+    once (default: about 256 MiB of logits).
+
+    weights: a float per row (labels' shape), such as a padding mask: "none" returns weights * loss,
+    "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0). Given here
+    rather than applied to reduction="none"'s rows, the gradients are still made in the forward pass
+    (reduction "none" must recompute the logits in the backward: one matmul more)."""
+    _check(h, w, labels, chunk_rows, transpose_w, weights=weights)
     n_cols = w.shape[0 if transpose_w else 1]
     logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
     ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction)
     options = Options(ignore_index, float(label_smoothing), float(z_loss), n_cols, False, transpose_w)
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
 def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, reduction: str = "mean",
-                                 transpose_w: bool = False, chunk_rows: int | None = None,
+                                 weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
                                  backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
     outside [0, V) is a row of zeros, and label_smoothing smooths the target as optax.smooth_labels
     (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
-    _check(h, w, labels, chunk_rows, transpose_w, op)
+    _check(h, w, labels, chunk_rows, transpose_w, op, weights)
     n_cols = w.shape[0 if transpose_w else 1]
     ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None, label_smoothing, 0.0, reduction)
     options = Options(None, float(label_smoothing), 0.0, n_cols, True, transpose_w)
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
-def _one_hot_reference(h, w, labels, reduction, options: Options):
+def _row_weights(labels, options: Options, reduction, weights):
+    """Each row's factor in the reduced loss (see linear_cross_entropy's weights), float32."""
+    valid, scale = ce._row_scale(labels, options.ignore_index, reduction)
+    if weights is None:
+        return scale
+    weights = weights.reshape(labels.shape).astype(jnp.float32) * valid
+    if reduction != "mean":
+        return weights
+    total = jnp.sum(weights)
+    return weights / jnp.where(total == 0, 1.0, total)
+
+
+def _reference_rows(h, w, labels, options: Options):
     logits = jnp.matmul(h, w.T if options.transpose_w else w)
-    loss = ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, backend="xla")
-    return ce._reduce(loss, labels, None, reduction)
+    if options.one_hot:
+        return ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, backend="xla")
+    return ce.reference(logits, labels, options.ignore_index, options.smoothing, options.z_loss, "none")
 
 
-def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend):
+def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None):
     backend = L.resolve_backend(backend)
     h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels).astype(jnp.int32)
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
-        if options.one_hot:
-            return _one_hot_reference(h, w, labels, reduction, options)
-        return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
-                         label_smoothing=options.smoothing, z_loss=options.z_loss, reduction=reduction)
+        rows = _reference_rows(h, w, labels, options)
+        if reduction == "none":
+            return rows if weights is None else rows * weights
+        return jnp.sum(rows * _row_weights(labels, options, reduction, weights))
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     chunk = chunk_rows or default_chunk_rows(h2.shape[0], options.n_cols, h.dtype.itemsize)
     statics = (options, int(chunk), backend, ce.default_config(options.n_cols, backend))
     if reduction == "none":
-        return _rows(h2, w, y, *statics).reshape(labels.shape)
-    _, weights = ce._row_scale(y, options.ignore_index, reduction)  # the kernel zeroes ignored rows
-    return _weighted_sum(h2, w, y, weights, *statics)
+        rows = _rows(h2, w, y, *statics).reshape(labels.shape)
+        return rows if weights is None else rows * weights
+    # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
+    return _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
