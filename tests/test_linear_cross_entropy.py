@@ -103,8 +103,8 @@ def test_edge_values_vmap_and_empty():
     assert float(all_ignored) == 0.0
 
 
-@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("reduction, dtype", [("mean", jnp.float32), ("sum", jnp.bfloat16), ("none", jnp.float32)],
+                         ids=["mean-float32", "sum-bfloat16", "none-float32"])
 def test_tied_embedding_table_is_read_transposed_in_place(reduction, dtype):
     """transpose_w: w [V, D], used as h @ w.T, gradient [V, D]; the program holds no transpose of it."""
     h, w, labels = make((3, 3), 16, 37, dtype, seed=5)
