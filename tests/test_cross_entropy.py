@@ -263,6 +263,10 @@ def _spellings():
             x, jax.nn.one_hot(y, x.shape[-1], dtype=x.dtype)).mean(),
         "sum(one_hot*log_softmax)+upcast": lambda x, y: -jnp.mean(jnp.sum(
             jax.nn.log_softmax(x.astype(jnp.float32)) * jax.nn.one_hot(y, x.shape[-1]), axis=-1)),
+        "-take_along_axis(x-logsumexp)+upcast": lambda x, y: jnp.mean(-take(
+            (lambda z: z - jax.nn.logsumexp(z, -1, keepdims=True))(x.astype(jnp.float32)), y)[..., 0]),
+        "one_hot*(x-logsumexp)": lambda x, y: jnp.sum(-jnp.sum(
+            jax.nn.one_hot(y, x.shape[-1]) * (x - jax.scipy.special.logsumexp(x, axis=-1, keepdims=True)), axis=-1)),
         "smooth_labels(one_hot)*log_softmax+upcast": lambda x, y: optax.softmax_cross_entropy(
             x.astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.1)).mean(),
         "smooth_labels(one_hot)*log_softmax": lambda x, y: jnp.sum(-jnp.sum(

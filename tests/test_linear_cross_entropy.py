@@ -229,6 +229,9 @@ def _spellings():
             dense(h, w).astype(jnp.float32), jax.nn.one_hot(y, w.shape[1])).mean(),
         "mean(smoothed_one_hot_log_softmax_upcast(matmul_transposed))": lambda h, t, y: optax.softmax_cross_entropy(
             (h @ t.T).astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, t.shape[0]), 0.1)).mean(),
+        # log_softmax written out (t5x's and MaxText's cross_entropy_with_logits, z-loss aside)
+        "sum(one_hot_log_probabilities_upcast(jnp_matmul))": lambda h, w, y: jnp.sum(-jnp.sum(jax.nn.one_hot(
+            y, w.shape[1]) * (lambda z: z - jax.nn.logsumexp(z, -1, keepdims=True))((h @ w).astype(jnp.float32)), -1)),
         # NumPy indexing of the flattened rows
         "mean(minus_log_softmax_indexed(jnp_matmul))": lambda h, w, y: jnp.mean(-jax.nn.log_softmax(
             h.reshape(-1, h.shape[-1]) @ w)[jnp.arange(y.size), y.reshape(-1)]),

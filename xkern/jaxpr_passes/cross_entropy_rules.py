@@ -20,6 +20,8 @@ still out of range breaks indexing's promise to XLA (PROMISE_IN_BOUNDS: its forw
 gradient drops the label) and gives NaN. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
 a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
+log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
+cross_entropy_with_logits), with integer or one-hot targets.
 Smoothed one-hot targets, optax.smooth_labels(one_hot, e) = (1 - e) * one_hot + e / V: the kernels'
 label smoothing, e read off the program's two literals.
 """
@@ -52,6 +54,19 @@ def minus_log_softmax_at_label(logits, labels):
 def log_softmax_at_label(logits, labels):
     """The log-probability of the label, kept as [..., 1] (the loss is its negated mean)."""
     return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), labels[..., None], axis=-1)
+
+
+def _log_probabilities(logits):
+    """log_softmax written out, as t5x's and MaxText's cross_entropy_with_logits do."""
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def minus_log_probability_at_label(logits, labels):
+    return -jnp.take_along_axis(_log_probabilities(logits), labels[..., None], axis=-1)[..., 0]
+
+
+def one_hot_log_probabilities(logits, labels):
+    return -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * _log_probabilities(logits), axis=-1)
 
 
 def optax_integer_labels(logits, labels):
@@ -177,6 +192,12 @@ PATTERNS = [
     _pattern("cross_entropy/one_hot*log_softmax+upcast", upcast(one_hot_log_softmax), HALF, False,
              labels_as="one_hot"),
     _pattern("cross_entropy/one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, HALF, True,
+             labels_as="one_hot"),
+    # log_softmax written out, x - logsumexp(x, keepdims=True)
+    _pattern("cross_entropy/-take_along_axis(x-logsumexp)", minus_log_probability_at_label, ALL, True),
+    _pattern("cross_entropy/-take_along_axis(x-logsumexp)+upcast", upcast(minus_log_probability_at_label), HALF, False),
+    _pattern("cross_entropy/one_hot*(x-logsumexp)", one_hot_log_probabilities, ALL, False, labels_as="one_hot"),
+    _pattern("cross_entropy/one_hot*(x-logsumexp)+upcast", upcast(one_hot_log_probabilities), HALF, False,
              labels_as="one_hot"),
     # optax.smooth_labels of a one-hot target: the kernels' label smoothing
     _pattern("cross_entropy/smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, ALL, False,
@@ -314,6 +335,10 @@ _ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, TAKE, False),
                (smoothed_one_hot_log_softmax, ALL, False, False, ONE_HOT, True),
                (upcast(smoothed_one_hot_log_softmax), HALF, False, False, ONE_HOT, True),
                (one_hot_log_probability, ALL, False, True, ONE_HOT, False),
+               (minus_log_probability_at_label, ALL, True, False, TAKE, False),
+               (upcast(minus_log_probability_at_label), HALF, False, False, TAKE, False),
+               (one_hot_log_probabilities, ALL, False, False, ONE_HOT, False),
+               (upcast(one_hot_log_probabilities), HALF, False, False, ONE_HOT, False),
                (upcast(one_hot_log_probability), HALF, False, True, ONE_HOT, False)]
 for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_indexed, True),
                             (logsumexp_minus_indexed, False)):
