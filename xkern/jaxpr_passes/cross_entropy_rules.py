@@ -7,7 +7,7 @@ einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding t
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
 losses times a weight each (a padding mask). These ~250 patterns are traced only for programs
-holding what they all do (LINEAR_HEAD).
+holding what they all do (`_requires`), as are the row losses themselves.
 
 Spellings: optax.softmax_cross_entropy_with_integer_labels (traced from the installed optax, when
 there is one); logsumexp minus the label's logit through take_along_axis; minus the label's entry
@@ -146,6 +146,13 @@ def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0):
     return kernels.cross_entropy(logits, labels, reduction="none", backend=backend)
 
 
+def _requires(labels_as: str) -> frozenset:
+    """What a program with such a loss holds (Pattern.requires): logsumexp or log_softmax's max and
+    log, and the labels' gather, or jax.nn.one_hot's iota and eq. The patterns are traced only for
+    programs that do (the LM-head ones are ~300)."""
+    return frozenset({"reduce_max", "log"} | ({"iota", "eq"} if labels_as == "one_hot" else {"gather"}))
+
+
 def _check_smoothing(params) -> str | None:
     smoothing = params.get("smoothing", 0.0)
     return None if 0.0 <= smoothing <= 1.0 else f"label smoothing {smoothing} is outside [0, 1]"
@@ -175,7 +182,7 @@ def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = Fals
         name=name, op="cross_entropy", fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
         params_of=params_of, check=_check, replace=replace,
-        example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {})
+        example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {}, requires=_requires(labels_as))
 
 
 PATTERNS = [
@@ -304,12 +311,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
-        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {}, requires=LINEAR_HEAD)
-
-
-# What every LM-head pattern's program holds (a projection; logsumexp or log_softmax): the ~250 of
-# them are traced only for programs that do
-LINEAR_HEAD = frozenset({"dot_general", "reduce_max", "log"})
+        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {},
+        requires=_requires(labels_as) | {"dot_general"})
 
 
 def mean(loss):
