@@ -163,21 +163,73 @@ def _operand_kinds(graph: Graph, eqn: int) -> tuple[str, ...]:
     return kinds
 
 
+def _producer(graph: Graph, v):
+    """The equation producing operand `v` (through pvary marks), or None (an input or a literal)."""
+    v = unmarked(graph, v)[0]
+    return None if isinstance(v, Literal) or v not in graph.producer else graph.producer[v][0]
+
+
+def _signature(t_graph: Graph, t_eqn: int, depth: int = 2) -> tuple:
+    """What the cheap look compares at a template equation: its operands' kinds and, `depth` - 1
+    levels up, those of the equations producing them. Cached on the template's graph."""
+    key = ("signature", t_eqn, depth)
+    sig = t_graph.operands_fit.get(key)
+    if sig is None:
+        eqn = t_graph.eqns[t_eqn]
+        below = [_producer(t_graph, v) for v in eqn.invars] if depth > 1 else []
+        sig = t_graph.operands_fit[key] = (eqn.primitive.name, _operand_kinds(t_graph, t_eqn), tuple(
+            None if i is None else _signature(t_graph, i, depth - 1) for i in below) or None)
+    return sig
+
+
+def _fits(graph: Graph, eqn: int, sig: tuple) -> bool:
+    """Whether program equation `eqn` agrees with a template signature (a template input takes any
+    non-literal; commutative operands in either order). Cached: templates share signatures."""
+    fit = graph.operands_fit.get((eqn, sig))
+    if fit is None:
+        name, want, below = sig
+        have, operands = _operand_kinds(graph, eqn), graph.eqns[eqn].invars
+        fits = lambda w, h: w == h or (w == "input" and h != "literal")
+        orders = [(have, operands)] + ([(have[::-1], operands[::-1])] if name in COMMUTATIVE else [])
+        fit = graph.operands_fit[(eqn, sig)] = any(
+            len(kinds) == len(want) and all(fits(w, h) for w, h in zip(want, kinds)) and
+            (below is None or all(b is None or _fits(graph, _producer(graph, v), b) for b, v in zip(below, vars_)))
+            for kinds, vars_ in orders)
+    return fit
+
+
 def _operands_agree(t_graph: Graph, t_eqn: int, graph: Graph, eqn: int) -> bool:
-    """A cheap first look before unifying: the anchors' operands come from the same primitives
-    (a template input takes any non-literal). Most anchors of a large program fail here."""
+    """A cheap first look before unifying: the anchors' operands come from the same primitives, and
+    so do those primitives' operands (a template input takes any non-literal). Most anchors of a
+    large program fail here."""
     te, pe = t_graph.eqns[t_eqn], graph.eqns[eqn]
     if te.primitive is not pe.primitive or len(te.invars) != len(pe.invars):
         return False
-    want = _operand_kinds(t_graph, t_eqn)
-    fit = graph.operands_fit.get((eqn, want))  # templates share anchors' operand kinds
-    if fit is None:
-        have = _operand_kinds(graph, eqn)
-        fits = lambda w, h: w == h or (w == "input" and h != "literal")
-        orders = (have, have[::-1]) if te.primitive.name in COMMUTATIVE else (have,)
-        fit = graph.operands_fit[(eqn, want)] = any(all(fits(w, h) for w, h in zip(want, order))
-                                                   for order in orders)
-    return fit
+    return _fits(graph, eqn, _signature(t_graph, t_eqn))
+
+
+_ANCHOR_SIGNATURES: dict[int, tuple] = {}
+
+
+def anchor_signature(template: Jaxpr):
+    """The cheap look's key for a template at its anchor (None: its output is an input), cached:
+    the matcher checks each distinct key once per program equation, not each template."""
+    entry = _ANCHOR_SIGNATURES.get(id(template))
+    if entry is None or entry[0] is not template:
+        t_graph = _template_graph(template)
+        t_out = template.outvars[0]
+        sig = None
+        if t_out in t_graph.producer:
+            anchor = t_graph.producer[t_out][0]
+            sig = (len(t_graph.eqns[anchor].invars), _signature(t_graph, anchor))
+        entry = _ANCHOR_SIGNATURES[id(template)] = (template, sig)
+    return entry[1]
+
+
+def anchor_fits(graph: Graph, eqn: int, sig) -> bool:
+    """Whether a template with anchor signature `sig` can match at program equation `eqn` (whose
+    primitive is the template anchor's)."""
+    return sig is not None and len(graph.eqns[eqn].invars) == sig[0] and _fits(graph, eqn, sig[1])
 
 
 def unify(template: Jaxpr, graph: Graph, anchor: int, strict: bool) -> Match | None:

@@ -18,7 +18,8 @@ from xkern.fusion import grouping
 from xkern.kernels import generated
 from xkern.jaxpr_passes.canonicalize import bind_equation, canonicalize, live_equations
 from xkern.jaxpr_passes.graph import Graph, aval_bytes
-from xkern.jaxpr_passes.patterns import Match, registry, retrace, same_constants, template_constants, unify
+from xkern.jaxpr_passes.patterns import (Match, anchor_fits, anchor_signature, registry, retrace, same_constants,
+                                        template_constants, unify)
 
 # Higher-order primitives whose bodies are not rewritten: xkern's own ops are custom_vjp calls, and
 # a custom_vjp's body is only the un-differentiated path of a function that has its own rules.
@@ -210,7 +211,13 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     for i in reversed(range(len(graph.eqns))):
         if i not in plan.live or i in claimed:
             continue
+        fitting: dict = {}  # anchor signature -> whether this equation passes the cheap look
         for pattern, template in by_anchor.get(graph.eqns[i].primitive.name, ()):
+            sig = anchor_signature(template)
+            if sig not in fitting:
+                fitting[sig] = anchor_fits(graph, i, sig)
+            if not fitting[sig]:
+                continue
             match = unify(template, graph, i, strict=False)
             if match is None or match.program_eqns & claimed:
                 continue
