@@ -258,10 +258,11 @@ def _row_weights(labels, options: Options, reduction, weights):
 
 
 def _reference_rows(h, w, labels, options: Options):
-    logits = jnp.matmul(h, w.T if options.transpose_w else w)
     if options.one_hot:
+        logits = jnp.matmul(h, w.T if options.transpose_w else w)
         return ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, backend="xla")
-    return ce.reference(logits, labels, options.ignore_index, options.smoothing, options.z_loss, "none")
+    return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
+                     label_smoothing=options.smoothing, z_loss=options.z_loss, reduction="none")
 
 
 def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None):
