@@ -376,7 +376,15 @@ def test_duplicate_patterns_are_rejected():
     assert registry.rejected == [("softmax/twin", original.name)]
     with pytest.raises(ValueError, match="duplicate pattern names"):
         P.build_registry([original, original])
-    assert P.registry().build_all().rejected == []  # the library's own patterns are all distinct
+    everything = P.registry().build_all()
+    assert everything.rejected == []  # the library's own patterns are all distinct
+    # A family gated on a smaller pattern (Pattern.extends) is traced only for programs where that
+    # one is found: so each of its templates must hold it, or its programs would never be tried.
+    for entries in everything.by_anchor.values():
+        for pattern, template in entries:
+            if pattern.extends:
+                graph = P.Graph(template)
+                assert P.found_in(graph, range(len(graph.eqns)), everything.by_anchor, {pattern.extends}), pattern.name
 
 
 def test_constant_values_are_evaluated_only_when_the_program_fixes_them():

@@ -6,8 +6,9 @@ With the final projection: the mean or sum of any of these over logits = h @ w (
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
-losses times a weight each (a padding mask). These ~250 patterns are traced only for programs
-holding what they all do (`_requires`), as are the row losses themselves.
+losses times a weight each (a padding mask). Each row loss's 16 such patterns are traced only for
+programs where that row loss is found (`Pattern.extends`), and the row losses only for programs
+holding what they all do (`_requires`).
 
 Spellings: optax.softmax_cross_entropy_with_integer_labels (traced from the installed optax, when
 there is one); logsumexp minus the label's logit through take_along_axis; minus the label's entry
@@ -185,46 +186,42 @@ def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = Fals
         example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {}, requires=_requires(labels_as))
 
 
-PATTERNS = [
-    _pattern("cross_entropy/logsumexp-take_along_axis", logsumexp_minus_label, ALL, True),
-    _pattern("cross_entropy/-take_along_axis(log_softmax)", minus_log_softmax_at_label, ALL, True),
-    _pattern("cross_entropy/logsumexp-take_along_axis+upcast", upcast(logsumexp_minus_label), HALF, False),
-    _pattern("cross_entropy/-take_along_axis(log_softmax)+upcast", upcast(minus_log_softmax_at_label),
-             HALF, False),
-    _pattern("cross_entropy/take_along_axis(log_softmax)", log_softmax_at_label, ALL, True, True),
-    _pattern("cross_entropy/take_along_axis(log_softmax)+upcast", upcast(log_softmax_at_label), HALF,
-             False, True),
+TAKE, ONE_HOT, INDEXING = "take_along_axis", "one_hot", "indexing"
+
+
+def _spelling(name, fn, cast_to_input=True, log_probability=False, labels_as=TAKE, smoothed=False, dtypes=ALL,
+              upcast_too=True) -> list[tuple]:
+    """A row loss as (name, fn, dtypes, cast to the input dtype, log-probability, labels as, smoothed),
+    and (upcast_too) the same on half-precision logits upcast to float32 first."""
+    rows = [(name, fn, dtypes, cast_to_input, log_probability, labels_as, smoothed)]
+    if upcast_too:
+        rows.append((f"{name}+upcast", upcast(fn), HALF, False, log_probability, labels_as, smoothed))
+    return rows
+
+
+_ROW_LOSSES = [
+    *_spelling("logsumexp-take_along_axis", logsumexp_minus_label),
+    *_spelling("-take_along_axis(log_softmax)", minus_log_softmax_at_label),
+    *_spelling("take_along_axis(log_softmax)", log_softmax_at_label, log_probability=True),
     # one-hot targets: float32 (jax.nn.one_hot's default) or in the logits' half-precision dtype
-    _pattern("cross_entropy/one_hot*log_softmax", one_hot_log_softmax, ALL, False, labels_as="one_hot"),
-    _pattern("cross_entropy/one_hot*log_softmax+upcast", upcast(one_hot_log_softmax), HALF, False,
-             labels_as="one_hot"),
-    _pattern("cross_entropy/one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, HALF, True,
-             labels_as="one_hot"),
+    *_spelling("one_hot*log_softmax", one_hot_log_softmax, False, labels_as=ONE_HOT),
+    *_spelling("one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, labels_as=ONE_HOT,
+               dtypes=HALF, upcast_too=False),
+    *_spelling("sum(one_hot*log_softmax)", one_hot_log_probability, False, True, ONE_HOT),
     # log_softmax written out, x - logsumexp(x, keepdims=True)
-    _pattern("cross_entropy/-take_along_axis(x-logsumexp)", minus_log_probability_at_label, ALL, True),
-    _pattern("cross_entropy/-take_along_axis(x-logsumexp)+upcast", upcast(minus_log_probability_at_label), HALF, False),
-    _pattern("cross_entropy/one_hot*(x-logsumexp)", one_hot_log_probabilities, ALL, False, labels_as="one_hot"),
-    _pattern("cross_entropy/one_hot*(x-logsumexp)+upcast", upcast(one_hot_log_probabilities), HALF, False,
-             labels_as="one_hot"),
+    *_spelling("-take_along_axis(x-logsumexp)", minus_log_probability_at_label),
+    *_spelling("one_hot*(x-logsumexp)", one_hot_log_probabilities, False, labels_as=ONE_HOT),
     # optax.smooth_labels of a one-hot target: the kernels' label smoothing
-    _pattern("cross_entropy/smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, ALL, False,
-             labels_as="one_hot", smoothed=True),
-    _pattern("cross_entropy/smooth_labels(one_hot)*log_softmax+upcast", upcast(smoothed_one_hot_log_softmax), HALF,
-             False, labels_as="one_hot", smoothed=True),
-    _pattern("cross_entropy/sum(one_hot*log_softmax)", one_hot_log_probability, ALL, False, True, "one_hot"),
-    _pattern("cross_entropy/sum(one_hot*log_softmax)+upcast", upcast(one_hot_log_probability), HALF, False, True,
-             "one_hot"),
+    *_spelling("smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, False, labels_as=ONE_HOT,
+               smoothed=True),
+    # NumPy indexing of [n, V] logits
+    *_spelling("-log_softmax[rows, labels]", minus_log_softmax_indexed, labels_as=INDEXING),
+    *_spelling("log_softmax[rows, labels]", log_softmax_indexed, log_probability=True, labels_as=INDEXING),
+    *_spelling("logsumexp-logits[rows, labels]", logsumexp_minus_indexed, labels_as=INDEXING),
 ]
-for fn, name, log_probability in ((minus_log_softmax_indexed, "-log_softmax[rows, labels]", False),
-                                  (log_softmax_indexed, "log_softmax[rows, labels]", True),
-                                  (logsumexp_minus_indexed, "logsumexp-logits[rows, labels]", False)):
-    PATTERNS += [_pattern(f"cross_entropy/{name}", fn, ALL, True, log_probability, "indexing"),
-                 _pattern(f"cross_entropy/{name}+upcast", upcast(fn), HALF, False, log_probability, "indexing")]
 if importlib.util.find_spec("optax") is not None:  # optax is optional: a test dependency
-    PATTERNS += [
-        _pattern("cross_entropy/optax_integer_labels", optax_integer_labels, ALL, True),
-        _pattern("cross_entropy/optax_integer_labels+upcast", upcast(optax_integer_labels), HALF, False),
-    ]
+    _ROW_LOSSES += _spelling("optax_integer_labels", optax_integer_labels)
+PATTERNS = [_pattern(f"cross_entropy/{name}", *rest) for name, *rest in _ROW_LOSSES]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -277,7 +274,7 @@ def _check_linear(match, params, transposed) -> str | None:
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", smoothed=False, weighted=False):
+                    labels_as="take_along_axis", smoothed=False, weighted=False, extends=None):
     transposed = project in TRANSPOSED
     fn = _linear(loss_fn, project, reduce, log_probability, weighted)
 
@@ -312,7 +309,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
         replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {},
-        requires=_requires(labels_as) | {"dot_general"})
+        requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
 
 def mean(loss):
@@ -323,38 +320,10 @@ def sum(loss):  # noqa: A001 (the reduction's name)
     return jnp.sum(loss)
 
 
-# The row losses above, each as (loss, dtypes, cast to the input dtype, log-probability, labels as,
-# smoothed)
-TAKE, ONE_HOT = "take_along_axis", "one_hot"
-_ROW_LOSSES = [(logsumexp_minus_label, ALL, True, False, TAKE, False),
-               (minus_log_softmax_at_label, ALL, True, False, TAKE, False),
-               (upcast(logsumexp_minus_label), HALF, False, False, TAKE, False),
-               (upcast(minus_log_softmax_at_label), HALF, False, False, TAKE, False),
-               (log_softmax_at_label, ALL, True, True, TAKE, False),
-               (upcast(log_softmax_at_label), HALF, False, True, TAKE, False),
-               (one_hot_log_softmax, ALL, False, False, ONE_HOT, False),
-               (upcast(one_hot_log_softmax), HALF, False, False, ONE_HOT, False),
-               (one_hot_in_logits_dtype_log_softmax, HALF, True, False, ONE_HOT, False),
-               (smoothed_one_hot_log_softmax, ALL, False, False, ONE_HOT, True),
-               (upcast(smoothed_one_hot_log_softmax), HALF, False, False, ONE_HOT, True),
-               (one_hot_log_probability, ALL, False, True, ONE_HOT, False),
-               (minus_log_probability_at_label, ALL, True, False, TAKE, False),
-               (upcast(minus_log_probability_at_label), HALF, False, False, TAKE, False),
-               (one_hot_log_probabilities, ALL, False, False, ONE_HOT, False),
-               (upcast(one_hot_log_probabilities), HALF, False, False, ONE_HOT, False),
-               (upcast(one_hot_log_probability), HALF, False, True, ONE_HOT, False)]
-for fn, log_probability in ((minus_log_softmax_indexed, False), (log_softmax_indexed, True),
-                            (logsumexp_minus_indexed, False)):
-    _ROW_LOSSES += [(fn, ALL, True, log_probability, "indexing", False),
-                    (upcast(fn), HALF, False, log_probability, "indexing", False)]
-if importlib.util.find_spec("optax") is not None:
-    _ROW_LOSSES += [(optax_integer_labels, ALL, True, False, TAKE, False),
-                    (upcast(optax_integer_labels), HALF, False, False, TAKE, False)]
-# Weighted rows too (a padding mask: sum(loss * mask) / sum(mask), the division left to XLA), in
-# the spellings such programs use: integer labels, the log-probability, one-hot and smoothed targets
-_WEIGHTED = {"logsumexp_minus_label", "minus_log_softmax_at_label", "log_softmax_at_label", "optax_integer_labels",
-             "one_hot_log_softmax", "smoothed_one_hot_log_softmax"}
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted)
-             for loss, *rest in _ROW_LOSSES
-             for weighted in ((False, True) if loss.__name__.removesuffix("_upcast") in _WEIGHTED else (False,))
+# Each row loss above, its mean or sum over each projection, plain or weighted per row (a padding
+# mask: sum(loss * mask) / sum(mask), the division left to XLA): traced for a program only when the
+# row loss itself is found in it (Pattern.extends), so the ~430 patterns cost start-up time by the
+# 16 of the loss a program holds.
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, extends=f"cross_entropy/{name}")
+             for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]

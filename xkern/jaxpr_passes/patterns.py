@@ -68,6 +68,10 @@ class Pattern:
     # Primitives a program must hold for the pattern to be tried (and its template traced, on first
     # need): a large family of patterns no program without them can match costs no start-up time.
     requires: frozenset = frozenset()
+    # The name of a smaller pattern this one is built around (a row loss inside an LM head's loss):
+    # traced only for programs where that one is found, so a family built around many small
+    # patterns costs start-up time only for the few a program holds.
+    extends: str | None = None
 
 
 @dataclasses.dataclass
@@ -375,32 +379,55 @@ class Registry:
     by_anchor: dict  # anchor primitive name -> [(pattern, template)], largest template first
     patterns: list
     rejected: list  # (pattern name, name of the pattern it duplicates)
-    gated: dict = dataclasses.field(default_factory=dict)  # requires -> [patterns], traced on first need
-    built: dict = dataclasses.field(default_factory=dict)  # requires -> their Registry, once traced
-    merged: dict = dataclasses.field(default_factory=dict)  # frozenset of requires -> by_anchor
+    # Families traced on first need, keyed (requires, extends): those a program's primitives allow,
+    # and of them those extending a pattern found in the program.
+    gated: dict = dataclasses.field(default_factory=dict)  # key -> [patterns]
+    built: dict = dataclasses.field(default_factory=dict)  # key -> their Registry, once traced
+    merged: dict = dataclasses.field(default_factory=dict)  # frozenset of keys -> by_anchor
 
-    def by_anchor_for(self, primitives) -> dict:
-        """by_anchor with the gated patterns whose required primitives all occur in the program."""
-        groups = frozenset(req for req in self.gated if req <= primitives)
+    def by_anchor_for(self, primitives, found=frozenset()) -> dict:
+        """by_anchor with the gated families whose required primitives all occur in the program and
+        whose extended pattern (if any) is among `found`."""
+        groups = frozenset(key for key in self.gated if key[0] <= primitives and key[1] in (None, *found))
         if not groups:
             return self.by_anchor
         if groups not in self.merged:
             merged = {anchor: list(entries) for anchor, entries in self.by_anchor.items()}
-            for req in sorted(groups, key=sorted):
-                if req not in self.built:
-                    self.built[req] = build_registry(self.gated[req])
-                    self.rejected += self.built[req].rejected
-                for anchor, entries in self.built[req].by_anchor.items():
+            for key in sorted(groups, key=lambda k: (sorted(k[0]), k[1] or "")):
+                if key not in self.built:
+                    self.built[key] = build_registry(self.gated[key])
+                    self.rejected += self.built[key].rejected
+                for anchor, entries in self.built[key].by_anchor.items():
                     merged.setdefault(anchor, []).extend(entries)
             for entries in merged.values():
                 entries.sort(key=lambda e: -len(e[1].eqns))
             self.merged[groups] = merged
         return self.merged[groups]
 
+    def by_anchor_in(self, graph: Graph, live) -> dict:
+        """by_anchor for this program: the families its primitives allow, then those extending a
+        pattern that matches in it (structurally, the cheap evidence)."""
+        primitives = frozenset(graph.eqns[i].primitive.name for i in live)
+        by_anchor = self.by_anchor_for(primitives)
+        extended = {key[1] for key in self.gated if key[1] is not None and key[0] <= primitives}
+        if not extended:
+            return by_anchor
+        return self.by_anchor_for(primitives, found_in(graph, live, by_anchor, extended))
+
     def build_all(self) -> "Registry":
-        """Every gated family traced too (to check them all, e.g. for duplicates)."""
-        self.by_anchor_for(frozenset().union(*self.gated))
-        return self
+        """Every pattern, gated or not, traced into one registry (to check them all together, e.g.
+        for duplicates)."""
+        return build_registry(self.patterns)
+
+
+def found_in(graph: Graph, live, by_anchor: dict, names) -> frozenset:
+    """Which of the patterns named `names` match somewhere among the `live` equations (structurally)."""
+    at = collections.defaultdict(list)  # primitive -> live equations
+    for i in sorted(live):
+        at[graph.eqns[i].primitive.name].append(i)
+    return frozenset(pattern.name for anchor, entries in by_anchor.items() for pattern, template in entries
+                     if pattern.name in names and any(anchor_fits(graph, i, anchor_signature(template)) and
+                                                      unify(template, graph, i, strict=False) for i in at[anchor]))
 
 
 def _representatives(dtypes) -> list:
@@ -458,9 +485,9 @@ def registry() -> Registry:
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
         if info.name.endswith("_rules"):
             patterns += importlib.import_module(f"{package.__name__}.{info.name}").PATTERNS
-    built = build_registry([p for p in patterns if not p.requires])
+    built = build_registry([p for p in patterns if not (p.requires or p.extends)])
     built.patterns = patterns
     for p in patterns:
-        if p.requires:
-            built.gated.setdefault(p.requires, []).append(p)
+        if p.requires or p.extends:
+            built.gated.setdefault((p.requires, p.extends), []).append(p)
     return built

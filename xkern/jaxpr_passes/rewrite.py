@@ -201,7 +201,7 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     """Find the named patterns in `closed`; sub-jaxprs are planned by `plan_sub` (the pipeline)."""
     graph = Graph(closed.jaxpr, closed.consts)
     plan = empty_plan(closed)
-    by_anchor = registry().by_anchor_for({eqn.primitive.name for eqn in graph.eqns})
+    by_anchor = registry().by_anchor_in(graph, plan.live)
     claimed: set[int] = set()
     # Equations of matches the cost model declined: a match inside one is not taken either (its
     # estimate would count the intermediates the larger match keeps out of memory as gains, e.g. a
