@@ -81,6 +81,15 @@ def linear_cases(on_gpu: bool) -> list[Case]:
             rows = optax.softmax_cross_entropy_with_integer_labels((h @ w).astype(jnp.float32), y)
             return jnp.sum(rows * mask) / jnp.sum(mask)
         return jax.value_and_grad(loss, (0, 1))(h, w)
+    def z_loss_head(h, w, y, c):  # PaLM's z-loss beside the loss, from the same logsumexp
+        def loss(h, w):
+            logits = (h @ w).astype(jnp.float32)
+            lse = jax.nn.logsumexp(logits, -1)
+            picked = jnp.take_along_axis(logits, y[:, None], -1)[:, 0]
+            return jnp.mean(lse - picked + 1e-4 * lse ** 2)
+        return jax.value_and_grad(loss, (0, 1))(h, w)
+    out.append(Case("LM head + z-loss (PaLM, z * logsumexp^2), xkern.jit", (rows, dim, vocab), "bfloat16", "fwd+bwd",
+                    xkern.jit(z_loss_head), z_loss_head, make, 0, 3e-2, flops, memory=True))
     return out + [Case("LM head + smoothed one-hot loss, tied table, xkern.jit", (rows, dim, vocab), "bfloat16",
                        "fwd+bwd", xkern.jit(one_hot_tied_head), one_hot_tied_head, make_tied, 0, 3e-2, flops,
                        memory=True),

@@ -271,6 +271,18 @@ def _spellings():
             x.astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.1)).mean(),
         "smooth_labels(one_hot)*log_softmax": lambda x, y: jnp.sum(-jnp.sum(
             (jax.nn.one_hot(y, x.shape[-1]) * (1 - 0.3) + 0.3 / x.shape[-1]) * jax.nn.log_softmax(x), -1)),
+        # PaLM's z-loss beside the loss, z * logsumexp^2 per row
+        "logsumexp-take_along_axis+z*logsumexp^2": lambda x, y: jnp.mean(
+            (lambda lse: lse - take(x, y)[..., 0] + 0.05 * lse ** 2)(jax.nn.logsumexp(x, -1))),
+        "-take_along_axis(log_softmax)+z*logsumexp^2+upcast": lambda x, y: jnp.sum(
+            (lambda z: -take(jax.nn.log_softmax(z), y)[..., 0] + jnp.square(jax.nn.logsumexp(z, -1)) * 1e-4)(
+                x.astype(jnp.float32))),
+        "-take_along_axis(x-logsumexp)+z*logsumexp^2": lambda x, y: jnp.mean(
+            (lambda log_z: -take(x - log_z, y)[..., 0] + 0.02 * jnp.square(jnp.squeeze(log_z, -1)))(
+                jax.nn.logsumexp(x, -1, keepdims=True))),
+        "optax_integer_labels+z*logsumexp^2+upcast": lambda x, y: jnp.mean(
+            (lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y) + 0.1 * jax.nn.logsumexp(z, -1) ** 2)(
+                x.astype(jnp.float32))),
     }
 
 
@@ -327,4 +339,18 @@ def test_near_misses_are_not_rewritten():
     for name, f in near_misses.items():
         report = xkern.explain(f)(logits, labels)
         assert not [m for m in report.matches if m.pattern.startswith("cross_entropy")], name
+        close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
+    # A z-loss of another array's logsumexp: the loss alone is fused, the z term left to XLA; of a
+    # negative weight: declined, saying why
+    lse = lambda x: jax.nn.logsumexp(x, -1)
+    picked = lambda x, y: jnp.take_along_axis(x, y[:, None], -1)[:, 0]
+    z_misses = {"other array's z": lambda x, y: lse(x) - picked(x, y) + 0.1 * lse(2 * x) ** 2,
+                "negative weight": lambda x, y: (lambda s: s - picked(x, y) + -0.1 * s ** 2)(lse(x))}
+    for name, f in z_misses.items():
+        report = xkern.explain(f)(logits, labels)
+        fused = [m.pattern for m in report.matches if "cross_entropy" in m.pattern]
+        if name == "other array's z":
+            assert fused == ["cross_entropy/logsumexp-take_along_axis"], report
+        else:
+            assert fused == [] and "z-loss weight -0.1" in str(report), report
         close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)

@@ -248,6 +248,13 @@ def _spellings():
         "mean(smoothed_one_hot_log_softmax_upcast(matmul_transposed) * weights)": lambda h, t, y: jnp.mean(
             optax.softmax_cross_entropy((h @ t.T).astype(jnp.float32),
                                         optax.smooth_labels(jax.nn.one_hot(y, t.shape[0]), 0.1)) * jnp.linspace(0, 1, y.size).reshape(y.shape)),
+        # PaLM's z-loss beside the loss (the weight read off the program)
+        "mean(logsumexp_minus_label_z_loss_upcast(jnp_matmul))": lambda h, w, y: jnp.mean(
+            (lambda z: (lambda lse: lse - take(z, y) + 0.05 * lse ** 2)(jax.nn.logsumexp(z, -1)))(
+                (h @ w).astype(jnp.float32))),
+        "sum(optax_integer_labels_z_loss(matmul_transposed) * weights)": lambda h, t, y: jnp.sum((lambda z: (
+            optax.softmax_cross_entropy_with_integer_labels(z, y) + 0.01 * jnp.square(jax.nn.logsumexp(z, -1))))(
+                h @ t.T) * (y != 3)),
         "mean(logsumexp_minus_label_upcast(einsum_transposed))": lambda h, t, y: jnp.mean(
             (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32))),
     }

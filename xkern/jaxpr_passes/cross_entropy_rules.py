@@ -24,7 +24,9 @@ a non-finite logit outside the label's class makes the loss NaN (0 * inf); the k
 log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
 cross_entropy_with_logits), with integer or one-hot targets.
 Smoothed one-hot targets, optax.smooth_labels(one_hot, e) = (1 - e) * one_hot + e / V: the kernels'
-label smoothing, e read off the program's two literals.
+label smoothing, e read off the program's two literals. PaLM's z-loss beside integer labels, the row
+loss plus z * logsumexp(logits)^2 (that of the loss, or one computed beside optax's or
+log_softmax's): the kernels' z_loss, z read off the program.
 """
 from __future__ import annotations
 
@@ -107,6 +109,45 @@ def _smoothing_of(match, n_cols: int, example_cols: int) -> float:
     return 1.0 - keep  # inconsistent literals: the exact trace will not match, and says so
 
 
+Z_LOSS_EXAMPLE = 3.71e-4  # likewise for a z-loss's weight
+
+
+def logsumexp_minus_label_z_loss(logits, labels, z_loss):
+    """With PaLM's auxiliary z-loss, z * logsumexp(logits)^2 per row, from the loss's own logsumexp."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
+    return lse - picked + z_loss * jnp.square(lse)
+
+
+def minus_log_softmax_at_label_z_loss(logits, labels, z_loss):
+    return minus_log_softmax_at_label(logits, labels) + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+
+
+def minus_log_probability_at_label_z_loss(logits, labels, z_loss):
+    """log_softmax written out beside the z-loss, as t5x's cross_entropy_with_logits computes both
+    (there with one-hot targets)."""
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    loss = -jnp.take_along_axis(logits - log_z, labels[..., None], axis=-1)[..., 0]
+    return loss + z_loss * jnp.square(jnp.squeeze(log_z, axis=-1))
+
+
+def optax_integer_labels_z_loss(logits, labels, z_loss):
+    return optax_integer_labels(logits, labels) + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+
+
+def _params_of(param: str | None, vocab, example_cols: int):
+    """Reads a pattern's param off a match: "smoothing" (a smoothed one-hot target's) or "z_loss"
+    (the z-loss's weight); vocab(match) is the matched logits' width."""
+    if param == "smoothing":
+        return lambda match: {"smoothing": _smoothing_of(match, vocab(match), example_cols)}
+    if param == "z_loss":
+        return lambda match: {"z_loss": literal_at(match, Z_LOSS_EXAMPLE)}
+    return lambda match: {}
+
+
+EXAMPLE_PARAMS = {None: {}, "smoothing": {"smoothing": SMOOTHING_EXAMPLE}, "z_loss": {"z_loss": Z_LOSS_EXAMPLE}}
+
+
 def one_hot_log_probability(logits, labels):
     """The label's log-probability through the one-hot target (the loss is its negated mean)."""
     return jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
@@ -136,7 +177,7 @@ def upcast(fn):
     return pattern
 
 
-def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0):
+def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0):
     """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
     "indexing" count negative labels from the end (still out of range: NaN, as take_along_axis's
     gather fills; indexing promises XLA they are in range, which its forward then clamps and its
@@ -144,7 +185,7 @@ def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0):
     if how == "one_hot":
         return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, backend=backend)
     labels = jnp.where(labels < 0, labels + logits.shape[-1], labels)
-    return kernels.cross_entropy(logits, labels, reduction="none", backend=backend)
+    return kernels.cross_entropy(logits, labels, z_loss=z_loss, reduction="none", backend=backend)
 
 
 def _requires(labels_as: str) -> frozenset:
@@ -154,9 +195,13 @@ def _requires(labels_as: str) -> frozenset:
     return frozenset({"reduce_max", "log"} | ({"iota", "eq"} if labels_as == "one_hot" else {"gather"}))
 
 
-def _check_smoothing(params) -> str | None:
-    smoothing = params.get("smoothing", 0.0)
-    return None if 0.0 <= smoothing <= 1.0 else f"label smoothing {smoothing} is outside [0, 1]"
+def _check_params(params) -> str | None:
+    smoothing, z_loss = params.get("smoothing", 0.0), params.get("z_loss", 0.0)
+    if not 0.0 <= smoothing <= 1.0:
+        return f"label smoothing {smoothing} is outside [0, 1]"
+    if not (0.0 <= z_loss < float("inf")):
+        return f"z-loss weight {z_loss}: the kernels take a finite weight >= 0"
+    return None
 
 
 def _check(match, params) -> str | None:
@@ -165,11 +210,11 @@ def _check(match, params) -> str | None:
         return f"dtype {logits.dtype}: the cross-entropy kernels take float32, bfloat16 and float16"
     if logits.ndim < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
         return "labels are not one per row of logits"
-    return _check_smoothing(params)
+    return _check_params(params)
 
 
 def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis",
-             smoothed=False):
+             param=None):
     def replace(logits, labels, *, backend, **params):
         loss = _per_row_loss(logits, labels, labels_as, backend, **params)
         if log_probability:
@@ -177,25 +222,24 @@ def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = Fals
         shape = jax.eval_shape(functools.partial(fn, **params), logits, labels).shape
         loss = loss.reshape(shape)  # [..., 1] where the program keeps it
         return loss.astype(logits.dtype) if cast_to_input else loss
-    params_of = (lambda match: {"smoothing": _smoothing_of(match, match.input_avals[0].shape[-1], 8)}) \
-        if smoothed else (lambda match: {})
     return Pattern(
         name=name, op="cross_entropy", fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=params_of, check=_check, replace=replace,
-        example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {}, requires=_requires(labels_as))
+        params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8), check=_check,
+        replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as))
 
 
 TAKE, ONE_HOT, INDEXING = "take_along_axis", "one_hot", "indexing"
 
 
-def _spelling(name, fn, cast_to_input=True, log_probability=False, labels_as=TAKE, smoothed=False, dtypes=ALL,
+def _spelling(name, fn, cast_to_input=True, log_probability=False, labels_as=TAKE, param=None, dtypes=ALL,
               upcast_too=True) -> list[tuple]:
-    """A row loss as (name, fn, dtypes, cast to the input dtype, log-probability, labels as, smoothed),
-    and (upcast_too) the same on half-precision logits upcast to float32 first."""
-    rows = [(name, fn, dtypes, cast_to_input, log_probability, labels_as, smoothed)]
+    """A row loss as (name, fn, dtypes, cast to the input dtype, log-probability, labels as, its param:
+    None, "smoothing" or "z_loss"), and (upcast_too) the same on half-precision logits upcast to
+    float32 first."""
+    rows = [(name, fn, dtypes, cast_to_input, log_probability, labels_as, param)]
     if upcast_too:
-        rows.append((f"{name}+upcast", upcast(fn), HALF, False, log_probability, labels_as, smoothed))
+        rows.append((f"{name}+upcast", upcast(fn), HALF, False, log_probability, labels_as, param))
     return rows
 
 
@@ -213,7 +257,13 @@ _ROW_LOSSES = [
     *_spelling("one_hot*(x-logsumexp)", one_hot_log_probabilities, False, labels_as=ONE_HOT),
     # optax.smooth_labels of a one-hot target: the kernels' label smoothing
     *_spelling("smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, False, labels_as=ONE_HOT,
-               smoothed=True),
+               param="smoothing"),
+    # PaLM's z-loss beside integer labels: + z * logsumexp^2 (a label out of range gives NaN, as
+    # take_along_axis does; one-hot targets would give it z * lse^2, so they are left out)
+    *_spelling("logsumexp-take_along_axis+z*logsumexp^2", logsumexp_minus_label_z_loss, param="z_loss"),
+    *_spelling("-take_along_axis(log_softmax)+z*logsumexp^2", minus_log_softmax_at_label_z_loss, param="z_loss"),
+    *_spelling("-take_along_axis(x-logsumexp)+z*logsumexp^2", minus_log_probability_at_label_z_loss,
+               param="z_loss"),
     # NumPy indexing of [n, V] logits
     *_spelling("-log_softmax[rows, labels]", minus_log_softmax_indexed, labels_as=INDEXING),
     *_spelling("log_softmax[rows, labels]", log_softmax_indexed, log_probability=True, labels_as=INDEXING),
@@ -221,6 +271,7 @@ _ROW_LOSSES = [
 ]
 if importlib.util.find_spec("optax") is not None:  # optax is optional: a test dependency
     _ROW_LOSSES += _spelling("optax_integer_labels", optax_integer_labels)
+    _ROW_LOSSES += _spelling("optax_integer_labels+z*logsumexp^2", optax_integer_labels_z_loss, param="z_loss")
 PATTERNS = [_pattern(f"cross_entropy/{name}", *rest) for name, *rest in _ROW_LOSSES]
 
 
@@ -270,29 +321,29 @@ def _check_linear(match, params, transposed) -> str | None:
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
     if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, jnp.floating)):
         return f"the losses are multiplied by {weights[0].dtype}{list(weights[0].shape)}, not a float weight per row"
-    return _check_smoothing(params)
+    return _check_params(params)
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", smoothed=False, weighted=False, extends=None):
+                    labels_as="take_along_axis", param=None, weighted=False, extends=None):
     transposed = project in TRANSPOSED
     fn = _linear(loss_fn, project, reduce, log_probability, weighted)
 
-    def replace(h, w, labels, *weights, backend, smoothing=0.0):
+    def replace(h, w, labels, *weights, backend, **params):
         # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
         reduction = "sum" if weighted else reduce.__name__
         options = dict(reduction=reduction, transpose_w=transposed, backend=backend,
                        weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
         if labels_as == "one_hot":
-            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=smoothing, **options)
+            loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
+                                                               **options)
         else:  # take_along_axis and indexing count negative labels from the end
             labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
-            loss = linear_kernels.linear_cross_entropy(h, w, labels, **options)
+            loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
         if weighted and reduce is mean:
             loss = loss / labels.size
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, smoothing=smoothing) if smoothed else fn,
-                                          h, w, labels, *weights).dtype)
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), h, w, labels, *weights).dtype)
 
     if weighted:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
@@ -304,11 +355,11 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         return (h, w, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ())
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
-    params_of = (lambda match: {"smoothing": _smoothing_of(match, vocab(match), 16)}) if smoothed else (lambda match: {})
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
-        example=example, params_of=params_of, check=lambda match, params: _check_linear(match, params, transposed),
-        replace=replace, example_params={"smoothing": SMOOTHING_EXAMPLE} if smoothed else {},
+        example=example, params_of=_params_of(param, vocab, 16),
+        check=lambda match, params: _check_linear(match, params, transposed),
+        replace=replace, example_params=EXAMPLE_PARAMS[param],
         requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
 
