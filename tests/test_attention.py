@@ -518,6 +518,45 @@ def test_masked_rows_average_against_the_reference_with_gqa_and_lengths():
         attention(q, k, v, masked_rows="mean")
 
 
+def test_attention_with_dropout_is_declined_saying_why():
+    """Dropout on the probabilities (flax's dropout_rate, nn.Dropout on the weights, or a multiplier
+    by hand): the kernels apply none, so the attention stays with XLA and explain says so; the values
+    are jax.jit's, random bits included. Without dropout the same programs are fused."""
+    import flax.linen as nn
+    from xkern.jaxpr_passes.attention_rules import DROPOUT_REASON
+
+    class ByHand(nn.Module):
+        @nn.compact
+        def __call__(self, q, k, v, train):
+            probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3, axis=-1)
+            probs = nn.Dropout(0.2)(probs, deterministic=not train)
+            return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+    def flax_mha(q, k, v, train):
+        return nn.dot_product_attention(q, k, v, dropout_rng=jax.random.key(3), dropout_rate=0.1,
+                                        deterministic=not train)
+
+    def multiplier(q, k, v, train):
+        probs = jax.nn.softmax(jnp.einsum("bhqd,bhkd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype), -1)
+        keep = jax.random.bernoulli(jax.random.key(4), 0.9, probs.shape[-2:])
+        return jnp.einsum("bhqk,bhkd->bhqd", probs * (keep / 0.9).astype(q.dtype) if train else probs, v)
+
+    q, k, v, _ = make(2, 16, 16, 2, 2, 16, jnp.bfloat16, seed=10)
+    programs = {"flax": flax_mha, "nn.Dropout": lambda q, k, v, train: ByHand().apply(
+                    {}, q, k, v, train, rngs={"dropout": jax.random.key(5)}), "multiplier": multiplier}
+    for name, f in programs.items():
+        for train in (True, False):
+            g = lambda q, k, v: f(q, k, v, train)
+            report = xkern.explain(g)(q, k, v)
+            fused = [m.pattern for m in report.matches if m.pattern.startswith("attention/")]
+            declined = [d for d in report.declined if d.pattern.startswith("attention/")]
+            if train:
+                assert not fused and [d.reason for d in declined] == [DROPOUT_REASON], (name, report)
+            else:
+                assert len(fused) == 1 and not declined, (name, report)
+            close(xkern.jit(g)(q, k, v), jax.jit(g)(q, k, v), jnp.bfloat16)
+
+
 def test_attention_near_misses_are_not_rewritten():
     q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=9)
     softmax_av = lambda s, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)

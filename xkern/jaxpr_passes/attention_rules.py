@@ -16,6 +16,9 @@ in and out). The scale and the fill are read off the program.
 jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
 masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
 masks with a finite fill. With a -inf fill such a query is NaN under XLA; the kernels give it zeros.
+
+Attention with dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a
+random multiplier by hand) is found only to be declined, saying why: the kernels apply no dropout.
 """
 from __future__ import annotations
 
@@ -90,6 +93,18 @@ def flax_attention(mask: str | None):
     return fn
 
 
+def flax_attention_dropout(mask: str | None):
+    """flax.linen.dot_product_attention with dropout (dropout_rate > 0, not deterministic): the
+    probabilities times a multiplier made from random bits (the last input: how it is made, broadcast
+    over batch and heads or not, is outside the pattern)."""
+    def fn(q, k, v, *extras):
+        import flax.linen as nn
+        weights = nn.dot_product_attention_weights(q, k, mask=extras[0] if mask else None)
+        return jnp.einsum("...hqk,...khd->...qhd", weights * extras[-1], v)
+    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}+dropout"
+    return fn
+
+
 # Masks and biases of the scores [b, h, q, k] in a by-hand spelling: of the scores' own shape, or
 # broadcast to it (a key padding mask [b,1,1,k], a mask per batch [b,1,q,k], ...: the program is the
 # same broadcast whatever the size-1 axes, and the exact re-trace checks the shape).
@@ -104,11 +119,12 @@ def _causal(scores):
 
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
-            bias: str | None = None, float32_bias: bool = False):
+            bias: str | None = None, float32_bias: bool = False, dropout: str | None = None):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype). mask / bias: a key of SCORE_SHAPES, their inputs in that
-    order after v."""
+    order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
+    input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
               "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
 
@@ -131,11 +147,15 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
         else:
             probs = jax.nn.softmax(scores, axis=-1)
+        if dropout == "multiplier":
+            probs = probs * extras[-1]
+        elif dropout == "select":
+            probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return jnp.einsum(pv, probs, v)
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
                    f"{'+mask' + mask if mask else ''}"
-                   f"{'+float32 softmax' if upcast else ''}")
+                   f"{'+float32 softmax' if upcast else ''}{'+dropout(' + dropout + ')' if dropout else ''}")
     return fn
 
 
@@ -276,3 +296,43 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, bias=bias, float32_bias=f32
              for f32 in (True, False)]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask) for mask in (None, *MASK_SHAPES)]
+
+
+# Attention with dropout on its probabilities: found, to say why it stays with XLA (the kernels
+# would have to draw jax's random bits per tile to give jax.jit's result). Traced only for programs
+# drawing random bits.
+DROPOUT_REASON = ("dropout on the attention probabilities: the attention kernels apply none, so this "
+                  "attention stays with XLA, its scores in memory (with dropout_rate=0 or deterministic=True "
+                  "it is fused)")
+
+
+EXAMPLE_KEEP = 0.777  # a dropout's keep probability, read off the program like the scale
+
+
+def _dropout_pattern(fn, dtypes, layout="bshd", with_mask=None, params=True, select=False):
+    def example(dtype):
+        b, s, h = (2, 8, 4) if layout == "bshd" else (2, 4, 8)
+        q = jax.ShapeDtypeStruct((b, s, h, 16), dtype)
+        mask = (jax.ShapeDtypeStruct(MASK_SHAPES[with_mask], jnp.bool_),) if with_mask else ()
+        keep = jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.bool_) if select else jax.ShapeDtypeStruct((1, 1, 8, 8), dtype)
+        return (q, q, q, *mask, keep)
+
+    def params_of(match):
+        return {**_params_of(params, False)(match), **({"keep": literal_at(match, EXAMPLE_KEEP)} if select else {})}
+
+    def replace(*args, **kwargs):
+        raise AssertionError("attention with dropout is always declined")
+    return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
+                   example_params={**({"scale": EXAMPLE_SCALE} if params else {}),
+                                   **({"keep": EXAMPLE_KEEP} if select else {})}, params_of=params_of,
+                   check=lambda match, params: DROPOUT_REASON, replace=replace,
+                   requires=frozenset({"random_bits", "dot_general"}))
+
+
+PATTERNS += [_dropout_pattern(by_hand(layout, causal, upcast, scaling, dropout=dropout), HALF if upcast else ALL,
+                              layout=layout, params=scaling != "/sqrt(d)", select=dropout == "select")
+             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
+             for scaling in ("*scale", "/sqrt(d)") for dropout in ("multiplier", "select")]
+if importlib.util.find_spec("flax") is not None:
+    PATTERNS += [_dropout_pattern(flax_attention_dropout(mask), ALL, with_mask=mask, params=False)
+                 for mask in (None, *MASK_SHAPES)]
