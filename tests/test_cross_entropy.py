@@ -186,6 +186,30 @@ def test_smoothed_one_hot_cross_entropy_is_the_program_edge_rows_included(block,
     close(smooth(logits, labels), program(logits, labels), jnp.bfloat16)
 
 
+@pytest.mark.parametrize("smoothing,block", [(0.0, None), (0.1, 64), (0.0, 64)])
+def test_one_hot_cross_entropy_with_z_loss_is_the_program_edge_rows_included(smoothing, block, monkeypatch):
+    """-sum(target * log_softmax) + z * logsumexp^2 (t5x's written-out loss): the z-loss counts on
+    every row, a label out of range too (its target a row of zeros, or of e / V smoothed); values
+    and gradients, NaN and inf where the program has them, whole rows and chunks of 64."""
+    if block:
+        monkeypatch.setattr(ce, "default_config", lambda n, backend: L.Config.of(BLOCK_N=block))
+    inf, nan = jnp.inf, jnp.nan
+    x, _ = make((9, 300), jnp.float32, seed=12)
+    x = x.at[1, 7].set(-inf).at[3].set(-inf).at[4, 250].set(inf).at[5, 3].set(nan).at[8, 0].set(40.0)
+    y = jnp.array([0, 2, 299, 1, 0, 3, 300, -1, 7], jnp.int32)
+    z, w = 1e-2, jnp.arange(1.0, 10.0)
+    program = lambda x, y: _smoothed_program(x, y, smoothing) + z * jnp.square(jax.nn.logsumexp(x, -1))
+    kernel = lambda x, y: ce.one_hot_cross_entropy(x, y, label_smoothing=smoothing, z_loss=z)
+    loss, want = kernel(x, y), program(x, y)
+    np.testing.assert_array_equal(np.isnan(loss), np.isnan(want))
+    np.testing.assert_allclose(loss, want, rtol=2e-6)
+    assert want[6] > 0 and want[7] > 0  # labels out of range: the z-loss is still there
+    g = lambda impl: jax.grad(lambda a: jnp.sum(jnp.nan_to_num(impl(a, y), nan=7.0, posinf=7.0) * w))(x)
+    got, want = g(kernel), g(program)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_one_hot_cross_entropy_over_chunks_finds_each_non_finite_logit(monkeypatch):
     """Rows of 300 in chunks of 64 (four whole chunks, then 44): -inf in a whole chunk, in the last
     one, only at the label (loss +inf), at the label and elsewhere (NaN), +inf in the last chunk."""
@@ -280,6 +304,11 @@ def _spellings():
         "-take_along_axis(x-logsumexp)+z*logsumexp^2": lambda x, y: jnp.mean(
             (lambda log_z: -take(x - log_z, y)[..., 0] + 0.02 * jnp.square(jnp.squeeze(log_z, -1)))(
                 jax.nn.logsumexp(x, -1, keepdims=True))),
+        "one_hot*(x-logsumexp)+z*logsumexp^2+upcast": lambda x, y: jnp.mean((lambda z: (lambda log_z: -jnp.sum(
+            jax.nn.one_hot(y, x.shape[-1]) * (z - log_z), -1) + 1e-4 * jax.lax.square(jnp.squeeze(log_z, -1)))(
+                jax.scipy.special.logsumexp(z, -1, keepdims=True)))(x.astype(jnp.float32))),
+        "one_hot*log_softmax+z*logsumexp^2": lambda x, y: jnp.sum(optax.softmax_cross_entropy(
+            x, jax.nn.one_hot(y, x.shape[-1])) + 0.03 * jnp.square(jax.nn.logsumexp(x, -1))),
         "optax_integer_labels+z*logsumexp^2+upcast": lambda x, y: jnp.mean(
             (lambda z: optax.softmax_cross_entropy_with_integer_labels(z, y) + 0.1 * jax.nn.logsumexp(z, -1) ** 2)(
                 x.astype(jnp.float32))),

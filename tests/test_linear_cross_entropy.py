@@ -255,6 +255,9 @@ def _spellings():
         "sum(optax_integer_labels_z_loss(matmul_transposed) * weights)": lambda h, t, y: jnp.sum((lambda z: (
             optax.softmax_cross_entropy_with_integer_labels(z, y) + 0.01 * jnp.square(jax.nn.logsumexp(z, -1))))(
                 h @ t.T) * (y != 3)),
+        "mean(one_hot_log_probabilities_z_loss_upcast(lax_dot_general))": lambda h, w, y: jnp.mean(
+            (lambda z: (lambda log_z: -jnp.sum(jax.nn.one_hot(y, w.shape[1]) * (z - log_z), -1) + 1e-4 * jax.lax.square(
+                jnp.squeeze(log_z, -1)))(jax.nn.logsumexp(z, -1, keepdims=True)))(dense(h, w).astype(jnp.float32))),
         "mean(logsumexp_minus_label_upcast(einsum_transposed))": lambda h, t, y: jnp.mean(
             (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32))),
     }

@@ -24,9 +24,10 @@ a non-finite logit outside the label's class makes the loss NaN (0 * inf); the k
 log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
 cross_entropy_with_logits), with integer or one-hot targets.
 Smoothed one-hot targets, optax.smooth_labels(one_hot, e) = (1 - e) * one_hot + e / V: the kernels'
-label smoothing, e read off the program's two literals. PaLM's z-loss beside integer labels, the row
-loss plus z * logsumexp(logits)^2 (that of the loss, or one computed beside optax's or
-log_softmax's): the kernels' z_loss, z read off the program.
+label smoothing, e read off the program's two literals. PaLM's z-loss, the row loss plus
+z * logsumexp(logits)^2 (that of the loss, or one computed beside optax's or log_softmax's; with
+integer labels or one-hot targets, t5x's cross_entropy_with_logits written out): the kernels' z_loss,
+z read off the program.
 """
 from __future__ import annotations
 
@@ -131,6 +132,17 @@ def minus_log_probability_at_label_z_loss(logits, labels, z_loss):
     return loss + z_loss * jnp.square(jnp.squeeze(log_z, axis=-1))
 
 
+def one_hot_log_probabilities_z_loss(logits, labels, z_loss):
+    """t5x's cross_entropy_with_logits written out (without its custom_vjp), one-hot targets."""
+    log_z = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    loss = -jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * (logits - log_z), axis=-1)
+    return loss + z_loss * jnp.square(jnp.squeeze(log_z, axis=-1))
+
+
+def one_hot_log_softmax_z_loss(logits, labels, z_loss):
+    return one_hot_log_softmax(logits, labels) + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
+
+
 def optax_integer_labels_z_loss(logits, labels, z_loss):
     return optax_integer_labels(logits, labels) + z_loss * jnp.square(jax.nn.logsumexp(logits, axis=-1))
 
@@ -183,7 +195,8 @@ def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0):
     gather fills; indexing promises XLA they are in range, which its forward then clamps and its
     gradient drops: a broken promise, made loud); "one_hot" makes a label out of range a row of zeros."""
     if how == "one_hot":
-        return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, backend=backend)
+        return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, z_loss=z_loss,
+                                             backend=backend)
     labels = jnp.where(labels < 0, labels + logits.shape[-1], labels)
     return kernels.cross_entropy(logits, labels, z_loss=z_loss, reduction="none", backend=backend)
 
@@ -258,11 +271,14 @@ _ROW_LOSSES = [
     # optax.smooth_labels of a one-hot target: the kernels' label smoothing
     *_spelling("smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, False, labels_as=ONE_HOT,
                param="smoothing"),
-    # PaLM's z-loss beside integer labels: + z * logsumexp^2 (a label out of range gives NaN, as
-    # take_along_axis does; one-hot targets would give it z * lse^2, so they are left out)
+    # PaLM's z-loss: + z * logsumexp^2 (with one-hot targets, on a label out of range too)
     *_spelling("logsumexp-take_along_axis+z*logsumexp^2", logsumexp_minus_label_z_loss, param="z_loss"),
     *_spelling("-take_along_axis(log_softmax)+z*logsumexp^2", minus_log_softmax_at_label_z_loss, param="z_loss"),
     *_spelling("-take_along_axis(x-logsumexp)+z*logsumexp^2", minus_log_probability_at_label_z_loss,
+               param="z_loss"),
+    *_spelling("one_hot*(x-logsumexp)+z*logsumexp^2", one_hot_log_probabilities_z_loss, False, labels_as=ONE_HOT,
+               param="z_loss"),
+    *_spelling("one_hot*log_softmax+z*logsumexp^2", one_hot_log_softmax_z_loss, False, labels_as=ONE_HOT,
                param="z_loss"),
     # NumPy indexing of [n, V] logits
     *_spelling("-log_softmax[rows, labels]", minus_log_softmax_indexed, labels_as=INDEXING),
@@ -336,7 +352,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
                        weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
-                                                               **options)
+                                                               z_loss=params.get("z_loss", 0.0), **options)
         else:  # take_along_axis and indexing count negative labels from the end
             labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)

@@ -67,7 +67,8 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
     NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf.
     ONE_HOT (a label out of range is a row of zeros): that row's dx is softmax * 0, NaN where the
     softmax is, as the program's gradient; smoothed (optax.smooth_labels), the row's target is
-    SMOOTHING / N_COLS everywhere, of mass SMOOTHING: dx = SMOOTHING * softmax - SMOOTHING / N_COLS.
+    SMOOTHING / N_COLS everywhere, of mass SMOOTHING: dx = SMOOTHING * softmax - SMOOTHING / N_COLS;
+    with z-loss, softmax * (the target's mass + 2 * Z_LOSS * lse) less the target.
     The softmax is exp((x - shift) - log_sum), lse's two parts kept apart: their sum rounds away
     log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1."""
     cols = tl.arange(0, BLOCK_N)
@@ -78,10 +79,10 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
         mask = start + cols < N_COLS
         x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp((x - shift) - log_sum)
-        if Z_LOSS != 0.0:
+        if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # the target's mass: SMOOTHING out of range
+            p = p * (tl.where(in_range, 1.0, SMOOTHING) + 2.0 * Z_LOSS * lse)
+        elif Z_LOSS != 0.0:
             p = p * (1.0 + 2.0 * Z_LOSS * lse)
-        if ONE_HOT and SMOOTHING != 0.0:
-            p = tl.where(in_range, p, SMOOTHING * p)  # the target's mass
         dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
         if SMOOTHING != 0.0:
             dx -= SMOOTHING / N_COLS
@@ -92,12 +93,12 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
 
 
 @triton.jit
-def _row_valid(label, in_range, ONE_HOT: tl.constexpr, SMOOTHING: tl.constexpr, HAS_IGNORE: tl.constexpr,
-               IGNORE_INDEX: tl.constexpr):
+def _row_valid(label, in_range, ONE_HOT: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
+               HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr):
     """Whether a row's loss and gradient count: not ignored; with one-hot targets, a label in range,
-    or any label once smoothed (its target is then SMOOTHING / N_COLS everywhere)."""
+    or any label once smoothed (its target is then SMOOTHING / N_COLS everywhere) or with z-loss."""
     if ONE_HOT:
-        return in_range | (SMOOTHING != 0.0)
+        return in_range | (SMOOTHING != 0.0) | (Z_LOSS != 0.0)
     return (label != IGNORE_INDEX) | (not HAS_IGNORE)
 
 
@@ -138,7 +139,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
         in_range = (label >= 0) & (label < N_COLS)
-        valid = _row_valid(label, in_range, ONE_HOT, SMOOTHING, HAS_IGNORE, IGNORE_INDEX)
+        valid = _row_valid(label, in_range, ONE_HOT, SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX)
         cols = tl.arange(0, BLOCK_N)
         # Online logsumexp with a scalar running max (one exp per element): the max is shifted to 0
         # when not finite, so rows of -inf give lse = -inf and rows holding +inf give +inf, as XLA.
@@ -169,7 +170,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
         picked = tl.where(in_range, picked, float("nan"))
         loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
-        if ONE_HOT and SMOOTHING != 0.0:  # a label out of range leaves the smoothing's mass alone
+        if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # out of range: the smoothing's mass, the z-loss
             loss = tl.where(in_range, loss, SMOOTHING * lse + Z_LOSS * lse * lse)
         if SMOOTHING != 0.0:
             loss -= SMOOTHING / N_COLS * total
@@ -203,7 +204,7 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
         base = row * N_COLS
         label = tl.load(labels_ptr + row)
         in_range = (label >= 0) & (label < N_COLS)
-        valid = _row_valid(label, in_range, ONE_HOT, SMOOTHING, HAS_IGNORE, IGNORE_INDEX)
+        valid = _row_valid(label, in_range, ONE_HOT, SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX)
         _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + 2 * row), tl.load(lse_ptr + 2 * row + 1), valid,
                       tl.load(g_ptr + row),
                       SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
@@ -398,23 +399,25 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     return out.reshape(labels.shape) if reduction == "none" else out
 
 
-def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, backend: str | None = None):
+def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                          backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
     its loss and gradient are 0; a logit that is not finite outside the label's class makes the
     row's loss NaN (0 * inf), and its gradient is the softmax's. What the patterns replace such
     programs with; for new code, `cross_entropy` says what it means. label_smoothing e: the target
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
-    everywhere)."""
-    _check(logits, labels, None, label_smoothing, 0.0, "none")
+    everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label."""
+    _check(logits, labels, None, label_smoothing, z_loss, "none")
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), jnp.asarray(labels).astype(jnp.int32)
     n_cols = logits.shape[-1]
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
-        return -jnp.sum(target * jax.nn.log_softmax(logits.astype(jnp.float32), -1), -1)
-    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, float(label_smoothing), 0.0, "none", backend,
-              default_config(n_cols, backend), True)
+        x = logits.astype(jnp.float32)
+        return -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
+    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, float(label_smoothing), float(z_loss), "none",
+              backend, default_config(n_cols, backend), True)
     return out.reshape(labels.shape)
 
 
@@ -426,13 +429,15 @@ def aot_cases():
     """(name, kernel, signature, config) for both kernels, plain and with every option."""
     for dtype in ("fp32", "bf16"):
         for n_cols in (1000, 128256):
-            one_hot = [{"ONE_HOT": True}, {"ONE_HOT": True, "SMOOTHING": 0.1}] if (dtype, n_cols) == ("bf16", 128256) else []
+            one_hot = [{"ONE_HOT": True}, {"ONE_HOT": True, "SMOOTHING": 0.1},
+                       {"ONE_HOT": True, "SMOOTHING": 0.1, "Z_LOSS": 1e-4}] if (dtype, n_cols) == ("bf16", 128256) else []
             for options in ({}, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True, "IGNORE_INDEX": -100},
                             *one_hot):
                 consts = {**_consts(n_cols, None, 0.0, 0.0), **options}
                 config = default_config(n_cols, "triton").replace(**consts)
                 kind = ("/one_hot" if "ONE_HOT" in options else "/options") if options else ""
                 kind += "_smoothed" if "ONE_HOT" in options and "SMOOTHING" in options else ""
+                kind += "_z_loss" if "ONE_HOT" in options and "Z_LOSS" in options else ""
                 tag = f"cross_entropy/{dtype}/n{n_cols}{kind}"
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32",

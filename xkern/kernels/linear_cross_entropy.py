@@ -230,18 +230,19 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
-def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, reduction: str = "mean",
+def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                                 reduction: str = "mean",
                                  weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
                                  backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
-    outside [0, V) is a row of zeros, and label_smoothing smooths the target as optax.smooth_labels
-    (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
+    outside [0, V) is a row of zeros, label_smoothing smooths the target as optax.smooth_labels and
+    z_loss adds z * logsumexp^2 to every row (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
     _check(h, w, labels, chunk_rows, transpose_w, op, weights)
     n_cols = w.shape[0 if transpose_w else 1]
-    ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None, label_smoothing, 0.0, reduction)
-    options = Options(None, float(label_smoothing), 0.0, n_cols, True, transpose_w)
+    ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None, label_smoothing, z_loss, reduction)
+    options = Options(None, float(label_smoothing), float(z_loss), n_cols, True, transpose_w)
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
@@ -260,7 +261,8 @@ def _row_weights(labels, options: Options, reduction, weights):
 def _reference_rows(h, w, labels, options: Options):
     if options.one_hot:
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
-        return ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, backend="xla")
+        return ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, z_loss=options.z_loss,
+                                        backend="xla")
     return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
                      label_smoothing=options.smoothing, z_loss=options.z_loss, reduction="none")
 
