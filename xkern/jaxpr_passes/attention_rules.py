@@ -304,8 +304,6 @@ if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dep
 DROPOUT_REASON = ("dropout on the attention probabilities: the attention kernels apply none, so this "
                   "attention stays with XLA, its scores in memory (with dropout_rate=0 or deterministic=True "
                   "it is fused)")
-
-
 EXAMPLE_KEEP = 0.777  # a dropout's keep probability, read off the program like the scale
 
 
