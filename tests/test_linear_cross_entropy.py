@@ -299,3 +299,32 @@ def test_linear_near_misses_keep_the_logits():
         assert not [m for m in report.matches if m.pattern.startswith("linear_cross_entropy")], name
         assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")], name
         jax.tree.map(lambda a, b: close(a, b, jnp.float32), xkern.jit(f)(*args), jax.jit(f)(*args))
+
+
+def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
+    """HF's convention: -100 labels, the loss taken on them as they are, then masked by `where`. The
+    rows' NaN losses are masked away and their gradients are 0 under jax.jit (the gather's gradient
+    drops an index out of range); so under xkern.jit, for the row loss and the LM head alike."""
+    import optax
+    rng = np.random.default_rng(11)
+    h = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 50)) * 0.2, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 50, (2, 8)), jnp.int32).at[1, 5:].set(-100)
+
+    def masked_mean(per_row, labels):
+        kept = labels != -100
+        return jnp.where(kept, per_row, 0.0).sum() / kept.sum()
+
+    programs = {
+        "row loss": (lambda logits, labels: masked_mean(-jnp.take_along_axis(
+            jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0], labels), (h @ w, labels)),
+        "LM head": (lambda h, w, labels: masked_mean(
+            optax.softmax_cross_entropy_with_integer_labels(h @ w, labels), labels), (h, w, labels)),
+    }
+    for name, (f, args) in programs.items():
+        arrays = tuple(range(len(args) - 1))
+        got = xkern.jit(jax.value_and_grad(f, arrays))(*args)
+        want = jax.jit(jax.value_and_grad(f, arrays))(*args)
+        for g, x in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert np.isfinite(np.asarray(g)).all(), name
+            close(g, x, jnp.float32)

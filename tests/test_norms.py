@@ -348,3 +348,28 @@ def test_a_residual_add_used_before_the_norm_or_broadcast_is_not_taken():
         names = [m.pattern for m in xkern.explain(f)(x, a).matches if "norm" in m.pattern]
         assert names == ["rms_norm/rms_square*scale/plain"], names
         close(xkern.jit(f)(x, a), jax.jit(f)(x, a), jnp.float32)
+
+
+def test_a_bf16_residual_stream_with_a_float32_branch():
+    """A Llama in bf16 with float32 Dense parameters: the residual stream x is computed in the program
+    (an embedding cast to bf16) and the branch is float32, so h = x + branch upcasts x, the same
+    upcast the first norm's float32 math starts from. The norms and the residual add are taken, and
+    the bf16 x that the first norm reads stays available (it crashed the rewrite: a generated kernel
+    around the upcast gave only the float32 value)."""
+    def rms(x, w, eps=1e-5):
+        xf = x.astype(jnp.float32)
+        return (w * (xf * jax.lax.rsqrt(jnp.mean(xf ** 2, -1, keepdims=True) + eps))).astype(x.dtype)
+
+    def f(table, ids, g, w):
+        x = table[ids].astype(jnp.bfloat16)
+        h = x + rms(x, g) @ w  # float32
+        return rms(h, g)
+
+    rng = np.random.default_rng(12)
+    table = jnp.asarray(rng.standard_normal((100, 64)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 100, (2, 8)), jnp.int32)
+    g = jnp.asarray(rng.standard_normal(64), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((64, 64)) * 0.1, jnp.float32)
+    norms = [m.pattern for m in xkern.explain(f)(table, ids, g, w).matches if m.op == "rms_norm"]
+    assert len(norms) == 2, norms
+    np.testing.assert_allclose(xkern.jit(f)(table, ids, g, w), jax.jit(f)(table, ids, g, w), rtol=1e-5, atol=1e-5)

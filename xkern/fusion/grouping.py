@@ -155,29 +155,35 @@ def _order_ok(group: Group, graph, live: set[int]) -> bool:
 
 def _merge(groups: list[Group], graph, live: set[int]) -> list[Group]:
     """Merge groups over the same shape that read a common input or one another's results, so one
-    pass over the data produces all their outputs (a multi-output kernel)."""
-    def related(a: Group, b: Group) -> bool:
-        a_in, b_in = {v for v, _ in a.inputs}, {v for v, _ in b.inputs}
-        return bool(a_in & b_in or a_in & b.kinds.keys() or b_in & a.kinds.keys())
+    pass over the data produces all their outputs (a multi-output kernel). Each group takes in turn
+    every later one it can, growing as it goes; passes repeat until none merges (a grown group may
+    relate to one it passed), each pass linear in the pairs (a restart after every merge made a
+    32-layer training step's planning take minutes)."""
+    def reads(g: Group) -> set:
+        return {v for v, _ in g.inputs}
 
     changed = True
     while changed:
         changed = False
         for x in range(len(groups)):
-            for y in range(x + 1, len(groups)):
-                a, b = groups[x], groups[y]
-                if a.shape != b.shape or not related(a, b):
-                    continue
-                union = Group(a.shape, sorted(a.eqns + b.eqns), {**a.kinds, **b.kinds})
-                union.inputs = [(v, k) for v, k in a.inputs + b.inputs if v not in union.kinds]
-                union.inputs = list(dict.fromkeys(union.inputs))
-                if _order_ok(union, graph, live):
-                    groups[x] = union
-                    del groups[y]
-                    changed = True
-                    break
-            if changed:
+            if x >= len(groups):
                 break
+            a, a_in = groups[x], reads(groups[x])
+            y = x + 1
+            while y < len(groups):
+                b = groups[y]
+                if a.shape == b.shape:
+                    b_in = reads(b)
+                    if a_in & b_in or a_in & b.kinds.keys() or b_in & a.kinds.keys():
+                        union = Group(a.shape, sorted(a.eqns + b.eqns), {**a.kinds, **b.kinds})
+                        union.inputs = list(dict.fromkeys((v, k) for v, k in a.inputs + b.inputs
+                                                          if v not in union.kinds))
+                        if _order_ok(union, graph, live):
+                            groups[x], a, a_in = union, union, reads(union)
+                            del groups[y]
+                            changed = True
+                            continue
+                y += 1
     return groups
 
 

@@ -49,13 +49,16 @@ def constant_value(graph: Graph, var, max_elements: int):
     """`var`'s value (a concrete jax array, on the default device) if the program computes it from
     literals and constants alone (a causal mask built from iota, say), evaluated now; None if it
     reads a program input, has more than `max_elements` elements, or goes through an equation with
-    effects. Read it under jax.ensure_compile_time_eval() while tracing."""
+    effects, or reads a constant that is a tracer of an enclosing trace (a value of the outer
+    program, unknown now). Read it under jax.ensure_compile_time_eval() while tracing."""
     if int(np.prod(var.aval.shape, dtype=np.int64)) > max_elements:
         return None
     order: list[int] = []
 
     def computable(v) -> bool:
-        if isinstance(v, Literal) or v in graph.consts:
+        if v in graph.consts:  # (a jaxpr traced inside another's trace closes over the outer tracers)
+            return not isinstance(graph.consts[v], jax.core.Tracer)
+        if isinstance(v, Literal):
             return True
         if v not in graph.producer:
             return False  # a program input

@@ -11,7 +11,7 @@ import functools
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from xkern import _compat
 from xkern.fusion import grouping
@@ -414,6 +414,13 @@ def _fusable_neighbour(group, graph, live: set[int], claimed: set[int]) -> str |
 def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
+    # A rewrite reads its inputs at its anchor: a group must give them as outputs even where their
+    # only equation-consumer is one the match left in the program (an upcast shared with others).
+    for anchor, rewrite in plan.rewrites.items():
+        inputs, residual = rewrite.inputs()
+        for v in (*inputs, residual):
+            if isinstance(v, Var) and anchor not in graph.consumers.get(v, ()):
+                graph.consumers.setdefault(v, []).append(anchor)
     claimed = plan.skip | set(plan.rewrites)
     role = f" ({plan.role})" if plan.role else ""
     for dot, g in grouping.matmul_epilogues(graph, plan.live, claimed):

@@ -64,7 +64,10 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
 def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
                   Z_LOSS: tl.constexpr, ONE_HOT: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
-    NaN for a label out of range, 0 for an ignored row, and, as XLA, NaN across a row holding +inf.
+    0 for an ignored row, and, as XLA, NaN across a row holding +inf. A label out of range (its loss
+    NaN) takes nothing from the label: dx is the softmax's part alone, as the gradient of the
+    program's gather, which drops an index out of range; so a row masked after the loss (HF's -100
+    labels, where(labels != -100, loss, 0)) has a cotangent of 0 and a gradient of 0.
     ONE_HOT (a label out of range is a row of zeros): that row's dx is softmax * 0, NaN where the
     softmax is, as the program's gradient; smoothed (optax.smooth_labels), the row's target is
     SMOOTHING / N_COLS everywhere, of mass SMOOTHING: dx = SMOOTHING * softmax - SMOOTHING / N_COLS;
@@ -87,8 +90,6 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
         if SMOOTHING != 0.0:
             dx -= SMOOTHING / N_COLS
         dx = tl.where(valid, dx * factor, p * 0.0 if ONE_HOT else 0.0)
-        if not ONE_HOT:
-            dx = tl.where(in_range | (not valid), dx, float("nan"))
         tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
