@@ -44,7 +44,7 @@ def cases(on_gpu: bool) -> list[Case]:
                             make, 0, 2e-2, fwd_flops))
             out.append(Case(f"{name} vs {ref_name}", (b, s, h, d), "bfloat16", "fwd+bwd", bwd(_ours), bwd(ref),
                             make, 0, 3e-2, int(3.5 * fwd_flops), memory=True))
-    return out + _padded_cases(on_gpu) + _document_cases(on_gpu)
+    return out + _padded_cases(on_gpu) + _document_cases(on_gpu) + _dropout_cases(on_gpu)
 
 
 def _padded_cases(on_gpu: bool) -> list[Case]:
@@ -91,6 +91,34 @@ def _document_cases(on_gpu: bool) -> list[Case]:
     return [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(ours), fwd(ref), make, 0, 2e-2, flops),
             Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(ours), bwd(ref), make, 0, 3e-2, int(3.5 * flops))]
 
+
+def _dropout_cases(on_gpu: bool) -> list[Case]:
+    """Flax's attention with dropout (dropout_rate 0.1, broadcast over batch and heads, flax's default)
+    and a key padding mask (the last 1/8 of the keys), as a BERT-style encoder trains: the program
+    under xkern.optimize (the pattern hands the kernels the multiplier XLA draws from the program's
+    random bits) against the same program under jax.jit. FLOPs counted as if unmasked."""
+    import flax.linen as nn
+    shapes = [(32, 512, 16, 64), (4, 4096, 32, 128)] if on_gpu else [(1, 40, 2, 64)]
+    out = []
+    for b, s, h, d in shapes:
+        mask = jnp.broadcast_to(jnp.arange(s) < s - s // 8, (b, 1, 1, s))
+
+        def attend(q, k, v, rng, mask=mask):
+            return nn.dot_product_attention(q, k, v, mask=mask, dropout_rng=rng, dropout_rate=0.1,
+                                            deterministic=False)
+
+        def make(key, shape=(b, s, h, d)):
+            keys = jax.random.split(key, 5)
+            return (*(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[:4]), keys[4])
+        fwd = lambda f: (lambda q, k, v, do, rng: f(q, k, v, rng))
+        bwd = lambda f: (lambda q, k, v, do, rng: jax.vjp(lambda *a: f(*a, rng), q, k, v)[1](do))
+        flops = 4 * b * h * s * s * d
+        name = "attention, flax dropout 0.1 + padding mask, xkern.optimize vs jax.jit"
+        out += [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(xkern.optimize(attend)), fwd(attend), make, 0, 2e-2,
+                     flops),
+                Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(xkern.optimize(attend)), bwd(attend), make, 0,
+                     3e-2, int(3.5 * flops), memory=True)]
+    return out
 
 def _window_visible(s: int, left: int, right: int) -> int:
     """Scores inside a (left, right) window of an s x s problem: FLOPs count only those."""

@@ -380,6 +380,10 @@ def test_constant_causal_masks_take_the_causal_kernels():
                      "none", plain),
         "documents": (lambda q, k, v: nn.dot_product_attention(
             q, k, v, mask=jnp.asarray(doc[:, None] == doc[None, :])[None, None]), None, masked),
+        # a key padding mask shared by the batch, broadcast over the queries: no band (its one row
+        # of queries stands for all 24; read as a window, query i would see keys i ... i + 19)
+        "key padding [1,1,1,k]": (lambda q, k, v: nn.dot_product_attention(
+            q, k, v, mask=(jnp.arange(24) < 20)[None, None, None, :]), None, masked),
     }
     attention_match = lambda report: [m for m in report.matches if m.op == "attention"]
     for name, (f, kind, flags) in programs.items():
@@ -395,10 +399,16 @@ def test_constant_causal_masks_take_the_causal_kernels():
         loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
         for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
             close(g, w, jnp.bfloat16)
-    # A mask from the program's inputs is never evaluated when planning
+    # A mask from the program's inputs is never evaluated when planning; nor, in a step that
+    # differentiates, one the differentiated function closes over (a tracer of the outer program)
     [match] = attention_match(xkern.explain(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m))(
         q, k, v, jnp.ones((2, 1, 24, 24), bool)))
     assert "mask_kind" not in match.params
+    loss = lambda q, k, v, m: jnp.sum(nn.dot_product_attention(q, k, v, mask=m).astype(jnp.float32) * do)
+    documents = jnp.asarray(doc[:, None] == doc[None, :])[None, None]
+    for g, w in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(q, k, v, documents),
+                    jax.jit(jax.grad(loss, (0, 1, 2)))(*f32, documents)):
+        close(g, w, jnp.bfloat16)
 
 
 def test_a_mask_and_scale_shared_by_every_layer_are_found_in_each():
@@ -518,12 +528,12 @@ def test_masked_rows_average_against_the_reference_with_gqa_and_lengths():
         attention(q, k, v, masked_rows="mean")
 
 
-def test_attention_with_dropout_is_declined_saying_why():
-    """Dropout on the probabilities (flax's dropout_rate, nn.Dropout on the weights, or a multiplier
-    by hand): the kernels apply none, so the attention stays with XLA and explain says so; the values
-    are jax.jit's, random bits included. Without dropout the same programs are fused."""
+def test_attention_with_dropout_applies_the_programs_random_bits():
+    """Dropout on the probabilities (flax's dropout_rate with a padding mask, nn.Dropout on the
+    weights, a multiplier by hand): the program's multiplier goes to the kernels, so values and
+    gradients are jax.jit's, random bits included. A multiplier computed from a float input (which
+    could want a gradient) is declined, saying why; without dropout the programs are fused too."""
     import flax.linen as nn
-    from xkern.jaxpr_passes.attention_rules import DROPOUT_REASON
 
     class ByHand(nn.Module):
         @nn.compact
@@ -532,8 +542,10 @@ def test_attention_with_dropout_is_declined_saying_why():
             probs = nn.Dropout(0.2)(probs, deterministic=not train)
             return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
+    padding = jnp.arange(16)[None, None, None, :] < jnp.array([16, 0])[:, None, None, None]  # entry 1: none
+
     def flax_mha(q, k, v, train):
-        return nn.dot_product_attention(q, k, v, dropout_rng=jax.random.key(3), dropout_rate=0.1,
+        return nn.dot_product_attention(q, k, v, mask=padding, dropout_rng=jax.random.key(3), dropout_rate=0.1,
                                         deterministic=not train)
 
     def multiplier(q, k, v, train):
@@ -541,7 +553,7 @@ def test_attention_with_dropout_is_declined_saying_why():
         keep = jax.random.bernoulli(jax.random.key(4), 0.9, probs.shape[-2:])
         return jnp.einsum("bhqk,bhkd->bhqd", probs * (keep / 0.9).astype(q.dtype) if train else probs, v)
 
-    q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.bfloat16, seed=10)
+    q, k, v, _ = make(2, 16, 16, 2, 2, 16, jnp.bfloat16, seed=10)
     programs = {"flax": flax_mha, "nn.Dropout": lambda q, k, v, train: ByHand().apply(
                     {}, q, k, v, train, rngs={"dropout": jax.random.key(5)}), "multiplier": multiplier}
     for name, f in programs.items():
@@ -549,12 +561,56 @@ def test_attention_with_dropout_is_declined_saying_why():
             g = lambda q, k, v: f(q, k, v, train)
             report = xkern.explain(g)(q, k, v)
             fused = [m.pattern for m in report.matches if m.pattern.startswith("attention/")]
-            declined = [d for d in report.declined if d.pattern.startswith("attention/")]
-            if train:
-                assert not fused and [d.reason for d in declined] == [DROPOUT_REASON], (name, report)
-            else:
-                assert len(fused) == 1 and not declined, (name, report)
+            assert len(fused) == 1 and ("dropout" in fused[0]) == train, (name, report)
             close(xkern.jit(g)(q, k, v), jax.jit(g)(q, k, v), jnp.bfloat16)
+            if train:
+                loss = lambda q, k, v: jnp.sum(g(q, k, v).astype(jnp.float32) * v)
+                for got, want in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(q, k, v),
+                                     jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)):
+                    close(got, want, jnp.bfloat16)
+    learned = lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum(
+        "bqhd,bkhd->bhqk", q, k) * 0.25, -1) * (jax.random.bernoulli(jax.random.key(1), 0.9, (16, 16))
+                                                 * jnp.mean(v)).astype(v.dtype), v)  # a "multiplier" reading v
+    report = xkern.explain(learned)(q, k, v)
+    assert not any(m.pattern.startswith("attention/") for m in report.matches)
+    assert any("dropout multiplier is computed from a floating-point input" in d.reason for d in report.declined)
+
+
+def test_dropout_multiplier_values_and_gradients_against_the_reference(rng):
+    """xkern.ops.attention's dropout: a multiplier of every broadcast shape, with causal masking, a
+    key padding mask that empties a batch entry (masked_rows="average": the dropped mean), a bias
+    and GQA; flax's rate-and-rng form draws flax's bits; bad arguments name themselves."""
+    from xkern.kernels import attention as A
+    for b, sq, sk, h, hk, shape, causal in [(2, 19, 23, 4, 2, (1, 1, 19, 23), False),
+                                            (2, 17, 17, 2, 1, (2, 2, 17, 17), True), (2, 9, 21, 2, 2, (21,), False)]:
+        q, k, v, _ = make(b, sq, sk, h, hk, 16, jnp.float32, seed=sq)
+        multiplier = jnp.asarray((rng.random(shape) < 0.8) / 0.8, jnp.float32)
+        mask = jnp.asarray(np.arange(sk)[None, None, None, :] < np.array([sk, 0])[:, None, None, None])
+        bias = jnp.asarray(rng.standard_normal((1, h, sq, sk)), jnp.float32)
+        kw = dict(causal=causal, mask=mask, bias=bias, masked_rows="average", dropout_multiplier=multiplier)
+        f = lambda q, k, v, bias: attention(q, k, v, **{**kw, "bias": bias})
+        r = lambda q, k, v, bias: A.reference(q, k, v, **{**kw, "bias": bias})
+        close(jax.jit(f)(q, k, v, bias), r(q, k, v, bias), jnp.float32)
+        grads = lambda fn: jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), (0, 1, 2, 3)))
+        for got, want in zip(grads(f)(q, k, v, bias), grads(r)(q, k, v, bias)):
+            close(got, want, jnp.float32)
+        batched = jax.jit(jax.vmap(lambda q: attention(q, k, v, **kw)))(jnp.stack([q, -q]))
+        close(batched[1], r(-q, k, v, bias), jnp.float32)
+    import flax.linen as nn
+    q, k, v, _ = make(2, 12, 12, 2, 2, 16, jnp.float32, seed=3)
+    for broadcast in (True, False):
+        got = attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(7), broadcast_dropout=broadcast)
+        want = nn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(7),
+                                        broadcast_dropout=broadcast, deterministic=False)
+        close(got, want, jnp.float32)
+    with pytest.raises(ValueError, match="dropout_rate must be a Python number in"):
+        attention(q, k, v, dropout_rate=1.0, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="needs dropout_rng"):
+        attention(q, k, v, dropout_rate=0.1)
+    with pytest.raises(TypeError, match="dropout_multiplier must be a floating-point array"):
+        attention(q, k, v, dropout_multiplier=jnp.ones((12, 12), bool))
+    with pytest.raises(ValueError, match="dropout_multiplier must broadcast to"):
+        attention(q, k, v, dropout_multiplier=jnp.ones((3, 12, 12)))
 
 
 def test_attention_near_misses_are_not_rewritten():
@@ -591,9 +647,9 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
     fwd = st.configs[0].replace(WS=1)
     assert sk % fwd["BLOCK_N"] == 0
-    o, lse = A._launch_fwd(q, k, v, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]))
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]))
     close(o, reference(q, k, v), jnp.float32)
-    o2, lse2 = A._launch_fwd(q, k, v, None, None, None, st)
+    o2, lse2 = A._launch_fwd(q, k, v, None, None, None, None, st)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
 
 
@@ -613,11 +669,11 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1, BLOCK_M=dkdv_keys),
                                           st.configs[1].replace(WS=1, BLOCK_N=dkdv_keys),
                                           st.configs[2].replace(WS=1, BLOCK_M=dkdv_keys)))
-    o, lse = A._launch_fwd(q, k, v, None, None, None, ws)
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, ws)
     close(o, reference(q, k, v, causal=True), jnp.float32)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, st)[1]),
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, st)[1]),
                                rtol=0, atol=1e-5)
-    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
     want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do))(q, k, v)
     for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)
@@ -625,9 +681,9 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     batched = jax.vmap(lambda k: backward(q, k, v)[:2])(jnp.stack([k, k]))
     close(batched[0][1], want[0], jnp.float32)
     close(batched[1][1], want[1], jnp.float32)
-    launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, ws))(q, k, v))
+    launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, None, ws))(q, k, v))
     assert launched == ["attention_fwd", "attention_fwd_diagonal"]
-    batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, ws)[0])(jnp.stack([q, -q]))
+    batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, None, ws)[0])(jnp.stack([q, -q]))
     close(batched[1], reference(-q, k, v, causal=True), jnp.float32)
 
 
@@ -680,11 +736,11 @@ def test_warp_specialized_backward_matches_the_reference():
     for b, sq, sk, h, hk, d in [(2, 32, 48, 2, 2, 32), (1, 48, 32, 4, 2, 32)]:
         q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=5)
         st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
-        o, lse = A._launch_fwd(q, k, v, None, None, None, st)
+        o, lse = A._launch_fwd(q, k, v, None, None, None, None, st)
         delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
         ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1),
                                               st.configs[2].replace(WS=1)))
-        dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, do, lse, delta, ws)
+        dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, None, do, lse, delta, ws)
         for got, want in zip((dq, dk, dv), jax.jit(lambda *a: jax.vjp(reference, *a)[1](do))(q, k, v)):
             close(got, want, jnp.float32)
 
@@ -953,7 +1009,7 @@ def test_warp_specialized_window_dkdv_adds_the_edges_after(shape, window):
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=23)
     st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), False, window)
     ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1, BLOCK_N=32), st.configs[2]))
-    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, ws), q, k, v)[1](do)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
     want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, local_window_size=window), q, k, v)[1](do))(q, k, v)
     for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)

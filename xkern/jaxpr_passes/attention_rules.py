@@ -17,8 +17,9 @@ jax.nn and flax fill masked scores with a large negative number, so a query whos
 masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
 masks with a finite fill. With a -inf fill such a query is NaN under XLA; the kernels give it zeros.
 
-Attention with dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a
-random multiplier by hand) is found only to be declined, saying why: the kernels apply no dropout.
+With dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a random
+multiplier by hand), the multiplier the program draws (from jax's random bits, by XLA as before) is
+passed to the kernels, which apply it tile by tile: the same random bits, so jax.jit's result.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.extend.core import Literal
+
 from xkern.jaxpr_passes.graph import constant_value
 from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import attention as kernels
@@ -38,6 +41,7 @@ HALF = (jnp.bfloat16, jnp.float16)
 EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal in the template
 EXAMPLE_FILL = -98765.0  # likewise for a mask's fill value
 EXAMPLE_WINDOW = (777, 555)  # and for a sliding window's (left, right)
+EXAMPLE_KEEP = 0.777  # and for a dropout's keep probability
 # A fill that hides a key exactly: exp(fill - max) is 0 in float32 for any score the kernels see,
 # and a query whose keys are all hidden averages every value (masked_rows="average").
 MAX_FILL = -1e4
@@ -159,17 +163,42 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     return fn
 
 
-def _params_of(scale: bool, fill: bool, window: bool = False):
+def _params_of(scale: bool, fill: bool, window: bool = False, keep: bool = False):
     def params_of(match) -> dict:
         params = {"scale": literal_at(match, EXAMPLE_SCALE)} if scale else {}
         if window:
             params.update(zip(("left", "right"), (int(literal_at(match, n)) for n in EXAMPLE_WINDOW)))
+        if keep:
+            params["keep"] = literal_at(match, EXAMPLE_KEEP)
         return {**params, "fill": literal_at(match, EXAMPLE_FILL)} if fill else params
     return params_of
 
 
-def _check(layout):
+def _differentiable_multiplier(match) -> bool:
+    """Whether the dropout multiplier (the last input) is computed from a floating-point program
+    input, which could want its gradient (the kernels give it none). Random bits, keys, booleans and
+    integers carry no gradient: the walk back stops at them."""
+    graph, seen, stack = match.graph, set(), [match.inputs[-1]]
+    while stack:
+        var = stack.pop()
+        if isinstance(var, Literal) or var in seen or var in graph.consts:
+            continue
+        seen.add(var)
+        if not jnp.issubdtype(var.aval.dtype, jnp.floating):
+            continue
+        if var not in graph.producer:
+            return True
+        stack.extend(graph.eqns[graph.producer[var][0]].invars)
+    return False
+
+
+def _check(layout, dropout=None):
     def check(match, params) -> str | None:
+        if dropout and _differentiable_multiplier(match):
+            return ("the dropout multiplier is computed from a floating-point input, whose gradient the "
+                    "attention kernels do not give: left to XLA")
+        if params.get("keep", 1.0) <= 0:
+            return f"dropout keep probability {params['keep']}"
         q, k, v = match.input_avals[:3]
         if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
             return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
@@ -198,17 +227,19 @@ def _check(layout):
 CONSTANT_MASK_ELEMENTS = 1 << 28
 
 
-def _mask_facts(match) -> dict:
-    """{"mask_kind": "causal" | "none"} when the matched mask (the last input) is a constant of that
-    kind, {"mask_kind": "window", "left": l, "right": r} for the same band of keys i - l ... i + r
-    in every batch entry and head, else {}."""
-    mask = constant_value(match.graph, match.inputs[-1], CONSTANT_MASK_ELEMENTS)
+def _mask_facts(match, index: int = -1) -> dict:
+    """{"mask_kind": "causal" | "none"} when the matched mask (input `index`: the last but a
+    dropout's) is a constant of that kind, {"mask_kind": "window", "left": l, "right": r} for the
+    same band of keys i - l ... i + r in every batch entry and head, else {}."""
+    mask = constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS)
     if mask is None or mask.ndim < 2:
         return {}
     with jax.ensure_compile_time_eval():
         if bool(jnp.all(mask)):
             return {"mask_kind": "none"}
         sq, sk = mask.shape[-2:]
+        if sq == 1 or sk == 1:  # broadcast over the queries (or keys): which size it stands for is unknown
+            return {}
         offset = jnp.arange(sk)[None, :] - jnp.arange(sq)[:, None]  # key position - query position
         if bool(jnp.all(mask == (offset <= 0))):
             return {"mask_kind": "causal"}
@@ -222,11 +253,13 @@ def _mask_facts(match) -> dict:
 
 
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
-             scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False):
+             scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False,
+             dropout=None):
     """Inputs q, k, v, then the bias and the mask where the spelling has them (with_bias / with_mask:
     True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
     bias is float32, or else in q's dtype. window: jax.nn's local_window_size, whose two position
-    constants follow (unread by the replacement)."""
+    constants follow (unread by the replacement). dropout: "multiplier" (the last input multiplies
+    the probabilities) or "select" (the last input is the boolean keep; param keep, its probability)."""
     shapes = shapes or MASK_SHAPES
 
     def example(dtype):
@@ -238,9 +271,17 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                      jnp.float32 if float32_bias else dtype),) if with_bias else ()
         mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
-        return (q, kv, kv, *bias, *mask, *lengths)
+        drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
+                "select": (jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_),)}[dropout]
+        return (q, kv, kv, *bias, *mask, *lengths, *drop)
 
-    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None):
+    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
+                keep=None):
+        multiplier = None
+        if dropout:  # select(keep, probs / keep, 0) as a multiplier in the probabilities' dtype
+            extras, multiplier = extras[:-1], extras[-1]
+            if dropout == "select":
+                multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -258,19 +299,24 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
                                 kv_lengths=lengths, masked_rows="average" if average else "zeros",
-                                local_window_size=(left, right) if banded else None)
+                                local_window_size=(left, right) if banded else None,
+                                dropout_multiplier=multiplier)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
-                      **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {})}
+                      **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
+                      **({"keep": EXAMPLE_KEEP} if dropout == "select" else {})}
+    mask_index = -2 if dropout else -1
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
-                   example_params=example_params, params_of=_params_of(params, fill, window), check=_check(layout),
-                   replace=replace, facts_of=_mask_facts if with_mask else (lambda match: {}),
+                   example_params=example_params, params_of=_params_of(params, fill, window, dropout == "select"),
+                   check=_check(layout, dropout), replace=replace,
+                   facts_of=(lambda match: _mask_facts(match, mask_index)) if with_mask else (lambda match: {}),
                    ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
-                   constants=2 if window else 0)
+                   constants=2 if window else 0,
+                   requires=frozenset({"random_bits", "dot_general"}) if dropout else frozenset())
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -298,39 +344,12 @@ if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dep
     PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask) for mask in (None, *MASK_SHAPES)]
 
 
-# Attention with dropout on its probabilities: found, to say why it stays with XLA (the kernels
-# would have to draw jax's random bits per tile to give jax.jit's result). Traced only for programs
-# drawing random bits.
-DROPOUT_REASON = ("dropout on the attention probabilities: the attention kernels apply none, so this "
-                  "attention stays with XLA, its scores in memory (with dropout_rate=0 or deterministic=True "
-                  "it is fused)")
-EXAMPLE_KEEP = 0.777  # a dropout's keep probability, read off the program like the scale
-
-
-def _dropout_pattern(fn, dtypes, layout="bshd", with_mask=None, params=True, select=False):
-    def example(dtype):
-        b, s, h = (2, 8, 4) if layout == "bshd" else (2, 4, 8)
-        q = jax.ShapeDtypeStruct((b, s, h, 16), dtype)
-        mask = (jax.ShapeDtypeStruct(MASK_SHAPES[with_mask], jnp.bool_),) if with_mask else ()
-        keep = jax.ShapeDtypeStruct((2, 4, 8, 8), jnp.bool_) if select else jax.ShapeDtypeStruct((1, 1, 8, 8), dtype)
-        return (q, q, q, *mask, keep)
-
-    def params_of(match):
-        return {**_params_of(params, False)(match), **({"keep": literal_at(match, EXAMPLE_KEEP)} if select else {})}
-
-    def replace(*args, **kwargs):
-        raise AssertionError("attention with dropout is always declined")
-    return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
-                   example_params={**({"scale": EXAMPLE_SCALE} if params else {}),
-                                   **({"keep": EXAMPLE_KEEP} if select else {})}, params_of=params_of,
-                   check=lambda match, params: DROPOUT_REASON, replace=replace,
-                   requires=frozenset({"random_bits", "dot_general"}))
-
-
-PATTERNS += [_dropout_pattern(by_hand(layout, causal, upcast, scaling, dropout=dropout), HALF if upcast else ALL,
-                              layout=layout, params=scaling != "/sqrt(d)", select=dropout == "select")
+# Attention with dropout on its probabilities: the multiplier the program draws goes to the kernels.
+# Traced only for programs drawing random bits.
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, dropout=dropout), HALF if upcast else ALL,
+                      layout=layout, causal=causal, scaling=scaling, params=scaling != "/sqrt(d)", dropout=dropout)
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in ("*scale", "/sqrt(d)") for dropout in ("multiplier", "select")]
 if importlib.util.find_spec("flax") is not None:
-    PATTERNS += [_dropout_pattern(flax_attention_dropout(mask), ALL, with_mask=mask, params=False)
+    PATTERNS += [_pattern(flax_attention_dropout(mask), ALL, with_mask=mask, params=False, dropout="multiplier")
                  for mask in (None, *MASK_SHAPES)]

@@ -56,10 +56,10 @@ def constant_value(graph: Graph, var, max_elements: int):
     order: list[int] = []
 
     def computable(v) -> bool:
-        if v in graph.consts:  # (a jaxpr traced inside another's trace closes over the outer tracers)
-            return not isinstance(graph.consts[v], jax.core.Tracer)
         if isinstance(v, Literal):
             return True
+        if v in graph.consts:  # (a jaxpr traced inside another's trace closes over the outer tracers)
+            return not isinstance(graph.consts[v], jax.core.Tracer)
         if v not in graph.producer:
             return False  # a program input
         i = graph.producer[v][0]

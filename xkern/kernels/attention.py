@@ -48,7 +48,7 @@ LOG2E = 1.4426950408889634
 
 
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
-              masked_rows="zeros", local_window_size=None):
+              masked_rows="zeros", local_window_size=None, dropout_multiplier=None):
     """The definition (and the `xla` backend), float32 math: scores materialized."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -63,6 +63,8 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     m = jnp.max(s, -1, keepdims=True)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    if dropout_multiplier is not None:
+        p = p * jax.lax.stop_gradient(jnp.asarray(dropout_multiplier).astype(jnp.float32))
     return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
 
 
@@ -145,6 +147,16 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
         base = (b * BIAS_B * (HEADS if BIAS_H else 1) + h * BIAS_H).to(tl.int64) * sq * sk
         s += tl.load(bias_ptr + base + offs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
     return tl.where(visible, s, -float("inf"))
+
+
+@triton.jit
+def _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP: tl.constexpr, HEADS: tl.constexpr):
+    """The dropout multiplier's [rows, cols] tile, float32 (0 past the sequences): what multiplies
+    the probabilities that weight v. DROP: 1, + 2 if it varies over the batch, + 4 over heads."""
+    base = (b * (DROP // 2 % 2) * (HEADS if DROP // 4 else 1) + h * (DROP // 4)).to(tl.int64) * sq * sk
+    offs = rows[:, None].to(tl.int64) * sk + cols[None, :]
+    in_bounds = (rows[:, None] < sq) & (cols[None, :] < sk)
+    return tl.load(drop_ptr + base + offs, mask=in_bounds, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -247,10 +259,10 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-               mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+               mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-               BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+               BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
     cols = start + tl.arange(0, BLOCK_N)
@@ -269,7 +281,10 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
         p = tl.exp2(s * QK_SCALE - shift[:, None])
     alpha = tl.exp2(m_i - shift)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    weights = p  # what weights v; the softmax's sum is of p undropped
+    if DROP:
+        weights = p * _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
+    acc = acc * alpha[:, None] + _dot(weights.to(v.dtype), v, DOT_F32)
     return acc, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -302,18 +317,18 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
 
 
 @triton.jit
-def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inputs
+def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
          CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
          MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-         BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
         q = q_desc.load([free_dead_barriers(b * sq + pid_m * BLOCK_M, WS), h * D])
@@ -331,18 +346,18 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
                                            DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N,
-                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                        HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N,
-                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                        HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
@@ -357,14 +372,14 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
                                               BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
                                            DOT_F32, False, BLOCK_N, BLOCK_D)
             for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
-                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS,
+                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS,
                                            D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                                           BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                           BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
                                                   pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
@@ -372,13 +387,13 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr,  # inpu
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
                                            DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
                                            DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
@@ -415,10 +430,10 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     acc = _load_rows(o_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
-        # k_ptr stands for the absent mask and bias (their flags keep them unread)
+        # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
-                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
-                                   False, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False,
+                                   False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -509,8 +524,8 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False, False,
-                                   False, False, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False,
+                                   False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
     whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
@@ -545,10 +560,10 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr,
-                mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
                 CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                 MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                BIAS_H: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BIAS_H: tl.constexpr, DROP: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
@@ -564,8 +579,14 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
         delta = tl.load(delta_ptr + stats)
     p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
                        WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
-    dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
-    ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+    dp = _dot(do, tl.trans(v), DOT_F32)
+    if DROP:  # dv takes the dropped probabilities; dp the multiplier (delta already has it, through o)
+        keep = _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
+        dv += _dot(tl.trans((p * keep).to(do.dtype)), do, DOT_F32)
+        dp = dp * keep
+    else:
+        dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
+    ds = p * (dp - delta[:, None])
     dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
     return dk, dv
 
@@ -622,29 +643,29 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
 
 
 @triton.jit
-def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
               QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
               D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         first, last = (pid_n + 1) * BLOCK_N if CAUSAL else 0, sq  # causal: below the diagonal block
         if WINDOW_L >= 0 or WINDOW_R >= 0:
             _, first, last, _ = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, True, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n,
                                         b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
-        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
+        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
                                  delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
                                  KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
-                                 BIAS_H, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -671,7 +692,7 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    # k_ptr stands for the absent mask and bias (their flags keep them unread)
+    # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
     if WINDOW_L >= 0 or WINDOW_R >= 0:
         first, _, _, last = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, False, BLOCK_M, BLOCK_N)
         _, lo, hi, _ = _window_queries(pid_n * BLOCK_N // SKIPPED * SKIPPED, sk, sq, WINDOW_L, WINDOW_R, True,
@@ -682,16 +703,16 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for h in range(hk * group, hk * group + group):
             for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, False,
-                                     WINDOW_L, WINDOW_R, False, False, False, False, False, False, DOT_F32, True,
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, False,
+                                     WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0, DOT_F32, True,
                                      BLOCK_M, BLOCK_D)
     else:
         for h in range(hk * group, hk * group + group):
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False,
-                                     False, False, False, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False,
+                                     False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -700,11 +721,11 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 
 
 @triton.jit
-def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
                     sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
                     KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
                     WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
                     DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk and dv of one key block: under a mask the listed query blocks, else the interior ones
     unmasked and the edges (causal diagonal, last partial block) masked."""
@@ -721,18 +742,18 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                         WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32,
+                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                         WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32,
                                          HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk,
-                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                      DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk,
-                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                      DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
@@ -752,24 +773,24 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, False,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, False,
                                      BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DOT_F32, True,
+                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True,
                                      BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-              mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+              mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
               MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-              BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+              BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
     cols = start + tl.arange(0, BLOCK_N)
@@ -778,30 +799,33 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
                        WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
-    ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+    dp = _dot(do, tl.trans(v), DOT_F32)
+    if DROP:
+        dp = dp * _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
+    ds = p * (dp - delta[:, None])
     return dq + _dot(ds.to(k.dtype), k, DOT_F32)
 
 
 @triton.jit
-def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
             sq, sk,
             dq_ptr,  # output, like q
             QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
             D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
             HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         end = pid_m * BLOCK_M if CAUSAL else sk  # causal: left of the diagonal block
         dq = _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
                                   QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
-        dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr,
+        dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
                            delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
-                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                            HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
@@ -853,20 +877,21 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
-        # k_ptr stands for the absent mask and bias (their flags keep them unread)
+        # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
-                       k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False, False, HEADS,
+                       k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False, False, 0,
+                       HEADS,
                        DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
 
 
 @triton.jit
-def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, do_ptr, lse_ptr, delta_ptr,
+def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
                   sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
                   KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
                   WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
                   DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
@@ -884,28 +909,28 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                               MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                               MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
                            BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
+                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
                            BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
-                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True,
+                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
                            BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
@@ -916,12 +941,12 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     return dq
 
 
@@ -1121,15 +1146,16 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     """Each kernel's config, autotuned per problem on a GPU (cached on disk; see tuning/autotune)."""
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
-           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else ""))
+           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else "")
+           + (f"|dropout={st.drop_bh}" if st.drop_bh else ""))
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
         def measure(config, i=i):
             trial = dataclasses.replace(st, configs=tuple(configs[:i] + [config] + configs[i + 1:]))
             args = _random_problem(q, k, trial)
-            step = jax.jit(lambda *a: (_launch_fwd(*a[:6], trial) if i == 0 else _launch_bwd(*a, trial)))
-            return time_pipelined(step, *(args[:6] if i == 0 else args), min_seconds=0.02)
+            step = jax.jit(lambda *a: (_launch_fwd(*a[:7], trial) if i == 0 else _launch_bwd(*a, trial)))
+            return time_pipelined(step, *(args[:7] if i == 0 else args), min_seconds=0.02)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
                                     st.backend, version=autotune.version_of(_fwd, _fwd_split_kv, _bwd_dkdv, _bwd_dq))
     return tuple(configs)
@@ -1146,10 +1172,12 @@ def _random_problem(q, k, st: "Static") -> tuple:
     bias = None if st.bias_bh is None else jnp.zeros(
         (b if st.bias_bh[0] else 1, h if st.bias_bh[1] else 1, sq, k.shape[1]), jnp.float32)
     kv_len = jnp.full((b,), k.shape[1], jnp.int32) if st.has_kv_len else None
-    o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, dataclasses.replace(
+    drop = None if st.drop_bh is None else jnp.ones(
+        (b if st.drop_bh[0] else 1, h if st.drop_bh[1] else 1, sq, k.shape[1]), q.dtype)
+    o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, drop, dataclasses.replace(
         st, configs=default_configs(d, st.backend, **st.fit(q, k))))
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
-    return qs, ks, vs, mask, bias, kv_len, do, lse, delta
+    return qs, ks, vs, mask, bias, kv_len, drop, do, lse, delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1164,21 +1192,29 @@ class Static:
     configs: tuple
     average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
     window: tuple | None = None  # a sliding window's (left, right), -1 = unbounded (see attention)
+    drop_bh: tuple | None = None  # a dropout multiplier's (varies over batch, over heads), or None
 
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.window)
+        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.window or self.drop_bh)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
-        windowed = not (self.has_kv_len or self.mask_bh or self.bias_bh) and self.window
+        windowed = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh) and self.window
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
         decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
-                  and not self.window)
-        return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None, "bias": self.bias_bh is not None,
+                  and not (self.window or self.drop_bh))
+        # (a dropout multiplier's tile is counted as a bias's: a float tile loaded in the loop)
+        return {"itemsize": q.dtype.itemsize, "mask": self.mask_bh is not None,
+                "bias": self.bias_bh is not None or self.drop_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
                 "causal_square": q.shape[1] if causal_square else 0, "window_keys": k.shape[1] if windowed else 0,
                 "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
+
+    @property
+    def drop_flags(self) -> int:
+        """The kernels' DROP: 0 without dropout, else 1 + 2 if it varies over the batch + 4 over heads."""
+        return 0 if self.drop_bh is None else 1 + 2 * self.drop_bh[0] + 4 * self.drop_bh[1]
 
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
@@ -1188,7 +1224,7 @@ class Static:
                 "D": q.shape[3], "CAUSAL": self.causal, "WINDOW_L": window_l,
                 "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
                 "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
-                "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len,
+                "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len, "DROP": self.drop_flags,
                 "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
 
 
@@ -1227,21 +1263,20 @@ def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
     return jnp.concatenate(counts + [runs, listed(partly & shown), listed(partly & ~shown)], -1).astype(jnp.int32)
 
 
-def _dummies(mask, kinds, bias, kv_len):
+def _dummies(mask, kinds, bias, kv_len, drop=None):
     dummy = jnp.zeros((1,), jnp.int32)  # stands for an absent operand (its flag keeps it unread)
-    return (dummy if mask is None else mask, dummy if kinds is None else kinds,
-            dummy if bias is None else bias, dummy if kv_len is None else kv_len)
+    return tuple(dummy if a is None else a for a in (mask, kinds, bias, kv_len, drop))
 
 
-def _launch_fwd(q, k, v, mask, bias, kv_len, st: Static):
+def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     b, sq, heads, _ = q.shape
     config = st.configs[0]
-    if "SPLITS" in dict(config.meta):
+    if "SPLITS" in dict(config.meta):  # (never with dropout: Static.fit)
         return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st)
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
     grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), st.constexprs(q, k)
-    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len), sq, k.shape[1],
+    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len, drop), sq, k.shape[1],
                       kernel="attention_fwd", out_shapes=outs, grid=grid, config=config, backend=st.backend,
                       constexprs=consts)
     if not (st.causal and dict(config.meta).get("WS")):
@@ -1261,8 +1296,8 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
     rows, splits = sq * (heads // kv_heads), config["SPLITS"]
     outs = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),
             jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)]
-    mask_, _, bias_, kv_len_ = _dummies(mask, None, bias, kv_len)
-    consts = st.constexprs(q, k)
+    mask_, _, bias_, kv_len_, _ = _dummies(mask, None, bias, kv_len)
+    consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
     o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, kv_len_, sq, k.shape[1],
                                 kernel="attention_fwd_split_kv", out_shapes=outs, grid=(splits, b * kv_heads),
                                 config=config, backend=st.backend, constexprs=consts)
@@ -1314,13 +1349,13 @@ def _dq_diagonal_config(dq: L.Config, gpu: str) -> L.Config:
                        num_warps=warps, num_stages=stages)
 
 
-def _launch_bwd(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
+def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     b, sq, heads, _ = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     consts = {**st.constexprs(q, k), "SCALE": st.scale}
     dkdv, dq = st.configs[1], st.configs[2]
     args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
-                                                       kv_len), do, lse, delta, sq, sk)
+                                                       kv_len, drop), do, lse, delta, sq, sk)
     dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
                       grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
@@ -1352,18 +1387,16 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     consts = dict(constexprs)
     batch = out_shapes[0].shape[0]  # every output is per example: [batch, ...]
-    names = ARGUMENTS.get(kernel, ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta"))
+    names = ARGUMENTS.get(kernel, BACKWARD_ARGUMENTS)
     folded = []
     for name, a, d in zip(names, args, dims):
-        flag = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
-        per_batch = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B"}.get(name)
-        if (flag and not consts[flag]) or (per_batch and d is None and not consts[per_batch]):
+        if _absent(name, consts) or (name in BATCH_FLAGS and d is None and not _varies_over_batch(name, consts)):
             folded.append(a)  # absent, or the same for every example and batch entry
             continue
         a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        if per_batch:
+        if name in BATCH_FLAGS:  # [1 or batch, ...] -> [size, batch, ...]
             a = jnp.broadcast_to(a, (size, batch, *a.shape[2:]))
-            consts[per_batch] = True
+            consts[BATCH_FLAGS[name]] = consts["DROP"] | 2 if name == "drop" else True
         folded.append(a.reshape(size * batch, *a.shape[2:]))
     for i, value in scalars:
         folded.insert(i, value)
@@ -1373,8 +1406,23 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     return [r.reshape(size, -1, *r.shape[1:]) for r in results], [0] * len(results)
 
 
-# The array arguments of the kernels whose arrays differ from _batch's default
-ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len"),
+# Optional operands: the constexpr saying each is present, and the one saying it varies over the batch
+# (else it is [1, ...], shared by the batch; DROP's bit 2)
+PRESENCE_FLAGS = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN", "drop": "DROP"}
+BATCH_FLAGS = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B", "drop": "DROP"}
+
+
+def _absent(name: str, consts: dict) -> bool:
+    return name in PRESENCE_FLAGS and not consts[PRESENCE_FLAGS[name]]
+
+
+def _varies_over_batch(name: str, consts: dict) -> bool:
+    return bool(consts["DROP"] & 2) if name == "drop" else bool(consts[BATCH_FLAGS[name]])
+
+
+# The array arguments of the kernels (the backward's by default)
+BACKWARD_ARGUMENTS = ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop", "do", "lse", "delta")
+ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop"),
              "attention_fwd_split_kv": ("q", "k", "v", "mask", "bias", "kv_len"),
              "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
@@ -1384,13 +1432,9 @@ def _split(params) -> L.Split:
     a mask or bias shared by the batch, and absent operands' placeholders, are shared. Each device
     launches the same kernel on its examples: the grid's second axis (batch x heads) shrinks."""
     consts = dict(params["constexprs"])
-    names = ARGUMENTS.get(params["kernel"], ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "do", "lse", "delta"))
-    roles = []
-    for name in names:
-        flag = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN"}.get(name)
-        per_batch = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B"}.get(name)
-        shared = (flag and not consts[flag]) or (per_batch and not consts[per_batch])
-        roles.append(L.SHARED if shared else L.ROWS)
+    names = ARGUMENTS.get(params["kernel"], BACKWARD_ARGUMENTS)
+    roles = [L.SHARED if _absent(name, consts) or (name in BATCH_FLAGS and not _varies_over_batch(name, consts))
+             else L.ROWS for name in names]
     return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch)
 
 
@@ -1415,26 +1459,33 @@ for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal
 # --------------------------------------------------------------------------------------------------
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _attention(q, k, v, mask, bias, kv_len, st: Static):
-    return _attention_fwd(q, k, v, mask, bias, kv_len, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _attention(q, k, v, mask, bias, kv_len, drop, st: Static):
+    return _attention_fwd(q, k, v, mask, bias, kv_len, drop, st)[0]
 
 
-def _attention_fwd(q, k, v, mask, bias, kv_len, st: Static):
-    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, st)
-    if st.average_empty:
+def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
+    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st)
+    if st.average_empty and drop is None:
         o = jnp.where(_empty(lse)[..., None], _mean_values(v, kv_len, q.shape[2]), o)
-    return o, (q, k, v, mask, bias, kv_len, o, lse)
+    elif st.average_empty:  # each empty row its own dropped mean: computed only when there is one
+        o = jax.lax.cond(jnp.any(_empty(lse)), lambda: jnp.where(
+            _empty(lse)[..., None], _dropped_means(v, kv_len, drop, q.shape[2]).astype(o.dtype), o), lambda: o)
+    return o, (q, k, v, mask, bias, kv_len, drop, o, lse)
 
 
 def _attention_bwd(st: Static, residuals, do):
-    q, k, v, mask, bias, kv_len, o, lse = residuals
+    """The multiplier (dropout: from random bits, not differentiable) gets no cotangent."""
+    q, k, v, mask, bias, kv_len, drop, o, lse = residuals
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
-    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, do.astype(q.dtype), lse, delta, st)
-    if st.average_empty:  # the kernels saw nothing of the rows that average every value
+    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
+    if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
-    dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st)
-    return dq, dk, dv, None, dbias, None
+    elif st.average_empty:
+        dv = jax.lax.cond(jnp.any(_empty(lse)), lambda: dv + _dropped_means_vjp(
+            jnp.where(_empty(lse)[..., None], do, 0), v, kv_len, drop).astype(dv.dtype), lambda: dv)
+    dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st)
+    return dq, dk, dv, None, dbias, None, None
 
 
 # masked_rows="average": a query whose keys are all hidden gets the mean of the (real) values, as
@@ -1469,7 +1520,29 @@ def _mean_values_vjp(do_empty, v, kv_len):
     return jnp.einsum("bk,bhd->bkhd", weights, summed)
 
 
-def _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
+def _dropped_weights(v, kv_len, drop):
+    """[batch or 1, heads or 1, sq, sk]: an empty row's weights under dropout, the multiplier over
+    the count of keys inside the length."""
+    _, weights = _mean_values_parts(v, kv_len)  # [batch, sk]
+    return weights[:, None, None, :] * drop.astype(jnp.float32)
+
+
+def _dropped_means(v, kv_len, drop, heads):
+    """[batch, sq, heads, d]: what a row that sees no key gets under dropout (masked_rows="average"):
+    the mean of the values, each times its multiplier (as flax's uniform weights, dropped)."""
+    vf = jnp.repeat(v.astype(jnp.float32), heads // v.shape[2], axis=2)
+    weights = jnp.broadcast_to(_dropped_weights(v, kv_len, drop), (v.shape[0], heads, *drop.shape[2:]))
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, vf)
+
+
+def _dropped_means_vjp(do_empty, v, kv_len, drop):
+    heads, kv_heads = do_empty.shape[2], v.shape[2]
+    weights = jnp.broadcast_to(_dropped_weights(v, kv_len, drop), (v.shape[0], heads, *drop.shape[2:]))
+    dv = jnp.einsum("bhqk,bqhd->bkhd", weights, do_empty.astype(jnp.float32))
+    return dv.reshape(*dv.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)
+
+
+def _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     """dbias = ds, by XLA: the size of the bias itself (dead code, removed by XLA, unless used)."""
     group = q.shape[2] // k.shape[2]
     kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
@@ -1477,7 +1550,8 @@ def _bias_grad(q, k, v, mask, bias, kv_len, do, lse, delta, st: Static):
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
                        kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
-    ds = p * (jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf) - delta[..., None])
+    dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf)
+    ds = p * ((dp if drop is None else dp * drop.astype(jnp.float32)) - delta[..., None])
     summed = tuple(i for i in (0, 1) if bias.shape[i] == 1)
     return jnp.sum(ds, axis=summed, keepdims=True).astype(bias.dtype)
 
@@ -1562,7 +1636,9 @@ def _kernel_window(window, causal: bool, sq: int, sk: int) -> tuple[bool, tuple 
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
-              kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", backend: str | None = None):
+              kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", dropout_rate: float = 0.0,
+              dropout_rng=None, broadcast_dropout: bool = True, dropout_multiplier=None,
+              backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -1582,6 +1658,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     bias: a row whose every score is below about -1e7 keeps the forward's value, but its gradients
     lose the logsumexp's precision (the saved lse rounds to the row's max), and a bias below
     -2.3e38 (finfo.min) counts as hidden (masked_rows applies).
+    dropout_rate, dropout_rng, broadcast_dropout: dropout on the probabilities, as
+        flax.linen.dot_product_attention applies it (the same random bits for the same rng:
+        keep = jax.random.bernoulli(rng, 1 - rate, [1, 1, q_seq, kv_seq] when broadcast, else
+        [batch, heads, q_seq, kv_seq]), each kept probability divided by 1 - rate).
+    dropout_multiplier: or the multiplier itself (what flax calls it: keep / keep_prob), broadcastable
+        to [batch, heads, q_seq, kv_seq], float: the probabilities that weight v are p * multiplier
+        (the softmax's sum is not). It gets no gradient. The kernels read a tile of it per tile of
+        scores.
     """
     _check(q, k, v, scale, kv_lengths)
     window = _window_of(local_window_size)
@@ -1595,9 +1679,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     mask4, mask_bh = _as_4d("mask", mask, b, h, sq, sk) if mask is not None else (None, None)
     bias4, bias_bh = _as_4d("bias", bias, b, h, sq, sk) if bias is not None else (None, None)
     scale = 1 / math.sqrt(d) if scale is None else float(scale)
+    drop = _dropout_multiplier(dropout_rate, dropout_rng, broadcast_dropout, dropout_multiplier, q.dtype, b, h, sq, sk)
+    drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
-                         masked_rows=masked_rows, local_window_size=local_window_size)
+                         masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4)
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
@@ -1606,10 +1692,32 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows == "average",
-                window)
+                window, drop_bh)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                      None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len, st)
+                      None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len,
+                      None if drop4 is None else jax.lax.stop_gradient(drop4), st)
+
+
+def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq, sk):
+    """The multiplier of the probabilities (None: no dropout), from the rate and rng as flax draws it,
+    or as given."""
+    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
+        raise ValueError(f"attention: dropout_rate must be a Python number in [0, 1); got {rate!r}")
+    if multiplier is not None:
+        if rate:
+            raise ValueError("attention: pass dropout_rate (with dropout_rng) or dropout_multiplier, not both")
+        dt = getattr(multiplier, "dtype", None)
+        if dt is None or not jnp.issubdtype(dt, jnp.floating):
+            raise TypeError(f"attention: dropout_multiplier must be a floating-point array; got {dt or type(multiplier).__name__}")
+        return multiplier
+    if not rate:
+        return None
+    if rng is None:
+        raise ValueError("attention: dropout_rate > 0 needs dropout_rng (a jax.random key)")
+    keep_prob = 1.0 - rate
+    keep = jax.random.bernoulli(rng, keep_prob, (1, 1, sq, sk) if broadcast else (b, h, sq, sk))
+    return keep.astype(dtype) / jnp.asarray(keep_prob, dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1619,12 +1727,12 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
     heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
-    kv_lengths) and a causal sliding window at 128; for the first target of each vendor also every
+    kv_lengths, dropout) and a causal sliding window at 128; for the first target of each vendor also every
     option in float32 (the most shared memory) and a causal mask alone (its visible runs take the
     unmasked path)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
-    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True}
+    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
@@ -1646,14 +1754,15 @@ def _aot_split_kv(gpu, target, limit, d, options):
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8", "bias_ptr": "*fp32",
               "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}
     tag = "options" if len(options) > 1 else ("kv-len" if options else "plain")
-    return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays,
-            config.replace(**{**st.constexprs(q, k), **options}), (target,))
+    consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
+    return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays, config.replace(**{**consts, **options}),
+            (target,))
 
 
 def _aot_problem(gpu, target, limit, d, dtype, options):
     el = "*" + dtype
     arrays = {"q_ptr": el, "k_ptr": el, "v_ptr": el, "mask_ptr": "*i8", "kinds_ptr": "*i32", "bias_ptr": "*fp32",
-              "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32"}
+              "kv_len_ptr": "*i32", "drop_ptr": el, "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
@@ -1665,7 +1774,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
     consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 4: "options"}.get(len(options),
+    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 5: "options"}.get(len(options),
                                                                                                "causal-mask")
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
