@@ -411,6 +411,20 @@ def test_constant_causal_masks_take_the_causal_kernels():
         close(g, w, jnp.bfloat16)
 
 
+def test_llama_ports_scaled_by_a_division_and_masked_by_a_finite_fill():
+    """As Llama ports write it: scores divided by sqrt(head dim) (math's, or jnp's in q's dtype),
+    a tril mask applied with finfo.min: found, read as causal, values as jax.jit's."""
+    import math
+    q, k, v, _ = make(2, 16, 16, 4, 4, 16, jnp.float32, seed=21)
+    causal = jnp.tril(jnp.ones((16, 16), bool))
+    for divide in (lambda s: s / math.sqrt(16), lambda s: s / jnp.sqrt(16).astype(jnp.float32)):
+        f = lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(
+            causal, divide(jnp.einsum("bqhd,bkhd->bhqk", q, k)), jnp.finfo(jnp.float32).min), -1), v)
+        [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.op == "attention"]
+        assert match.params.get("mask_kind") == "causal"
+        close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
+
+
 def test_a_mask_and_scale_shared_by_every_layer_are_found_in_each():
     """Flax layers each make the same causal mask and scale (sqrt of the head dim): canonicalization
     computes them once, so every layer's attention pattern reads the same mask conversion and sqrt.

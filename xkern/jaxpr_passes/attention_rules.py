@@ -330,11 +330,13 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast e
                       causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
-# By hand with a boolean mask (a where with a large negative fill) or an additive bias, scaled by a
-# number (the common spellings; each combination is a template, so not every one is listed).
-PATTERNS += [_pattern(by_hand(layout, False, upcast, mask=mask), HALF if upcast else ALL, layout=layout,
-                      with_mask=mask, fill=True, shapes=SCORE_SHAPES)
-             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES]
+# By hand with a boolean mask (a where with a large negative fill: a constant tril is read as causal)
+# or an additive bias, scaled by a number (the common spellings; each combination is a template, so
+# not every one is listed). A mask, as Llama ports write it, also after dividing by sqrt(head dim).
+PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF if upcast else ALL, layout=layout,
+                      with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
+             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 PATTERNS += [_pattern(by_hand(layout, False, upcast, bias=bias, float32_bias=f32),  # (float32 q: one form)
                       HALF if upcast or not f32 else ALL, layout=layout, with_bias=bias, shapes=SCORE_SHAPES,
                       float32_bias=f32)
