@@ -309,7 +309,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                       **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
                       **({"keep": EXAMPLE_KEEP} if dropout == "select" else {})}
     mask_index = -2 if dropout else -1
-    return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=dtypes, example=example,
+    return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
+                   dtypes=dtypes, example=example,
                    example_params=example_params, params_of=_params_of(params, fill, window, dropout == "select"),
                    check=_check(layout, dropout), replace=replace,
                    facts_of=(lambda match: _mask_facts(match, mask_index)) if with_mask else (lambda match: {}),

@@ -113,6 +113,32 @@ def _attention(avals, params) -> str | None:
             f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
 
 
+# Attention with dropout, H200 bf16, flax's dropout_rate 0.1 with a padding mask
+# (h200-attention-dropout-session24.json, h200-dropout-tiles-session24.json): the kernels, reading the
+# multiplier tile by tile, ran at 78-114 TFLOP/s (three times their time without it, at every tile
+# tried); XLA's program, which writes and re-reads the scores, costs about a score's traffic whatever
+# the head dim: 3.3 ps a score forward at b4 s4096 h32 d128 (7.05 ms), 7.1 at b32 s512 h16 d64. So
+# the kernels win at head dim 64 (2.16x forward, 1.49x training) and lose at 128 (0.65x / 0.53x).
+DROPOUT_TFLOPS = 90
+XLA_DROPOUT_PS_PER_SCORE = 3.3
+
+
+def _attention_dropout(avals, params) -> str | None:
+    q, k = avals[0], avals[1]
+    d = q.shape[-1]
+    scores = (int(np.prod(q.shape)) // d) * max(k.shape[1], k.shape[2])
+    ours = CUSTOM_CALL_US + 4 * scores * d / DROPOUT_TFLOPS / 1e6
+    xla = XLA_FUSION_US + scores * XLA_DROPOUT_PS_PER_SCORE / 1e6
+    if ours < xla:
+        return None
+    if ours - CUSTOM_CALL_US < xla - XLA_FUSION_US:
+        return (f"too small: estimated {ours:.1f} us as a kernel vs {xla:.1f} us in XLA (a custom call costs "
+                f"~{CUSTOM_CALL_US} us)")
+    return (f"attention with dropout at head dim {d}: the kernels read the dropout multiplier per tile and "
+            f"run at ~{DROPOUT_TFLOPS} TFLOP/s (H200), estimated {ours / 1e3:.2f} ms against {xla / 1e3:.2f} in "
+            f"XLA (~{XLA_DROPOUT_PS_PER_SCORE} ps a score): they win only at head dims up to ~64")
+
+
 # Reading a key/value cache (TB/s, effective), H200 bf16 (h200-decode-session16.json): the split-key
 # kernel 3.1-4.2; XLA 0.9-1.3 where k/v heads are grouped and the batch > 1 (b8 GQA 32/8), 3.4-3.5
 # with one k/v head per q head or a batch of 1.
@@ -165,7 +191,8 @@ def _rope(avals, params) -> str | None:
 RULES = {"softmax": _softmax, "log_softmax": _log_softmax, "fused": _fused,
          "matmul_epilogue": _matmul_epilogue, "cross_entropy": _cross_entropy,
          "layer_norm": _norm, "rms_norm": _norm, "linear_cross_entropy": _linear_cross_entropy,
-         "attention": _attention, "swiglu": _glu, "geglu": _glu, "rope": _rope}
+         "attention": _attention, "attention_dropout": _attention_dropout, "swiglu": _glu, "geglu": _glu,
+         "rope": _rope}
 # Ops whose result is as large as their input: XLA may never write it (see FUSED_CONSUMERS).
 FULL_SIZE_RESULTS = frozenset({"softmax", "log_softmax"})
 # Consumers that XLA fuses a row-wise result into without ever writing it (cross-entropy's gather,
