@@ -170,9 +170,11 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     gave it."""
     escaped, match.shared = _escaping(match, live)
     if escaped:
-        return None, (f"an intermediate ({escaped}) is also used outside the pattern (by a backward pass "
-                      "if the program was differentiated before xkern saw it: give xkern the function "
-                      "that calls jax.grad, or jax.grad an xkern.optimize'd function)"), False
+        return None, (f"an intermediate ({escaped}) is also used outside the pattern: by another computation "
+                      "of the same value (two norms of one input share their statistics once jax's "
+                      "duplicates are merged), or by a backward pass if the program was differentiated "
+                      "before xkern saw it (give xkern the function that calls jax.grad, or jax.grad an "
+                      "xkern.optimize'd function)"), False
     pattern = match.pattern
     try:
         params = pattern.params_of(match)
