@@ -258,11 +258,11 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 
 
 @triton.jit
-def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-               mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-               MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-               BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
+               drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+               WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+               MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+               DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
     cols = start + tl.arange(0, BLOCK_N)
@@ -323,8 +323,8 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
          CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
          MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
@@ -346,19 +346,19 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                                           DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                           HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N,
-                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                       HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims,
+                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
-            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N,
-                                       rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                       HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+            acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
+                                       dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
+                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                       DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
@@ -372,13 +372,13 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                               BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                                           DOT_F32, False, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
-                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS,
-                                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
+                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
                                            BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
@@ -387,14 +387,14 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                                           DOT_F32, False, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                                           DOT_F32, True, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                           HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -559,11 +559,11 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
 
 
 @triton.jit
-def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr,
-                mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
-                CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                BIAS_H: tl.constexpr, DROP: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr,
+                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                DROP: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
@@ -649,8 +649,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
               QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
               D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+              DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              WS: tl.constexpr):
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
@@ -662,8 +663,8 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
         dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n,
                                         b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
-        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
-                                 delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
+        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
+                                 lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
                                  KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
                                  BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
@@ -711,8 +712,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False, False,
-                                     False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False,
+                                     False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -721,12 +722,13 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 
 
 @triton.jit
-def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
-                    sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-                    WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
+                    delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr,
+                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                    MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                    DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk and dv of one key block: under a mask the listed query blocks, else the interior ones
     unmasked and the edges (causal diagonal, last partial block) masked."""
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
@@ -741,20 +743,20 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
                                                                         n_q_blocks, MASK_B, MASK_H, HEADS)
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
-                    dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                         lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                    dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
                                          WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32,
                                          HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
-                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk,
-                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len, q_ptr,
+                                     do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D,
+                                     CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                      DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
-                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk,
-                                     kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                     DOT_F32, True, BLOCK_M, BLOCK_D)
+                dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len,
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
+                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
         # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
@@ -772,25 +774,25 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             hi = tl.where(whole, tl.maximum(lo, tl.minimum((sq // BLOCK_M) * BLOCK_M, last)), first)
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
-                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
                                      WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, False,
                                      BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
-                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr,
-                                     lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
+                dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
                                      WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True,
                                      BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-              mask_ptr, bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-              MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-              BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
+def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
+              drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+              MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+              DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
     cols = start + tl.arange(0, BLOCK_N)
@@ -813,8 +815,9 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
             QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
             D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
             HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            WS: tl.constexpr):
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
@@ -891,8 +894,9 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                   sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
                   KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
                   WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+                  HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -909,24 +913,25 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                               MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                               HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS,
+                               BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
-            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
-                           BLOCK_D)
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims, b, h,
+                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
+                           BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
-            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                           dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
-                           BLOCK_D)
+            dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows, dims, b,
+                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
+                           BLOCK_N, BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
+                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
                            b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
@@ -941,12 +946,12 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
+                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
+                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     return dq
 
 
@@ -1709,7 +1714,8 @@ def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq,
             raise ValueError("attention: pass dropout_rate (with dropout_rng) or dropout_multiplier, not both")
         dt = getattr(multiplier, "dtype", None)
         if dt is None or not jnp.issubdtype(dt, jnp.floating):
-            raise TypeError(f"attention: dropout_multiplier must be a floating-point array; got {dt or type(multiplier).__name__}")
+            raise TypeError("attention: dropout_multiplier must be a floating-point array; got "
+                            f"{dt or type(multiplier).__name__}")
         return multiplier
     if not rate:
         return None
@@ -1755,8 +1761,8 @@ def _aot_split_kv(gpu, target, limit, d, options):
               "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}
     tag = "options" if len(options) > 1 else ("kv-len" if options else "plain")
     consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
-    return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays, config.replace(**{**consts, **options}),
-            (target,))
+    return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays,
+            config.replace(**{**consts, **options}), (target,))
 
 
 def _aot_problem(gpu, target, limit, d, dtype, options):
