@@ -165,9 +165,8 @@ def _merge(groups: list[Group], graph, live: set[int]) -> list[Group]:
     changed = True
     while changed:
         changed = False
-        for x in range(len(groups)):
-            if x >= len(groups):
-                break
+        x = 0
+        while x < len(groups):  # (groups shrink as they merge)
             a, a_in = groups[x], reads(groups[x])
             y = x + 1
             while y < len(groups):
@@ -184,6 +183,7 @@ def _merge(groups: list[Group], graph, live: set[int]) -> list[Group]:
                             changed = True
                             continue
                 y += 1
+            x += 1
     return groups
 
 
