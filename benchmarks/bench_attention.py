@@ -99,9 +99,7 @@ def _dropout_cases(on_gpu: bool) -> list[Case]:
     and a key padding mask (the last 1/8 of the keys), as a BERT-style encoder trains: the program
     under xkern.optimize (the pattern hands the kernels the multiplier XLA draws from the program's
     random bits) against the same program under jax.jit. FLOPs counted as if unmasked. The cost
-    model takes head dim 64 (b32 s512 h16: the kernels won 2.16x / 1.49x) and declines 128 (b4 s4096
-    h32: they lost, 0.65x / 0.53x, reading the multiplier tile by tile): that row runs XLA's program.
-    Needs flax (a test dependency): without it, no cases."""
+    model takes both head dims (it declines above ~180). Needs flax (a test dependency): without it, no cases."""
     if importlib.util.find_spec("flax") is None:
         return []
     import flax.linen as nn

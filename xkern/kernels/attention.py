@@ -150,6 +150,16 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
 
 
 @triton.jit
+def _key_length(sk, SK16: tl.constexpr):
+    """sk, shown to be a multiple of 16 when it is (SK16): jax_triton specializes no scalar, and
+    without it the rows of a mask, bias or dropout multiplier ([.., sq, sk]) load element by element
+    instead of in 16-byte vectors."""
+    if SK16:
+        sk = sk // 16 * 16
+    return sk
+
+
+@triton.jit
 def _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP: tl.constexpr, HEADS: tl.constexpr):
     """The dropout multiplier's [rows, cols] tile, float32 (0 past the sequences): what multiplies
     the probabilities that weight v. DROP: 1, + 2 if it varies over the batch, + 4 over heads."""
@@ -323,8 +333,10 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
          QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
          CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
          MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
-         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr,
+         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+         WS: tl.constexpr):
+    sk = _key_length(sk, SK16)
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
@@ -495,12 +507,13 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                   CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
                   MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
     chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
     tl.static_assert(WINDOW_L < 0 and WINDOW_R < 0)  # sliding windows take the kernels above (Static.fit)
+    sk = _key_length(sk, SK16)
     split, bhk = tl.program_id(0), tl.program_id(1)
     b, hk = bhk // KV_HEADS, bhk % KV_HEADS
     group = HEADS // KV_HEADS
@@ -650,8 +663,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
               D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
               HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
               BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-              DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              WS: tl.constexpr):
+              SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, WS: tl.constexpr):
+    sk = _key_length(sk, SK16)
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
@@ -816,8 +830,9 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
             D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
             HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
             BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            WS: tl.constexpr):
+            SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, WS: tl.constexpr):
+    sk = _key_length(sk, SK16)
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
@@ -1230,6 +1245,7 @@ class Static:
                 "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
                 "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
                 "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len, "DROP": self.drop_flags,
+                "SK16": k.shape[1] % 16 == 0 and any((self.mask_bh, self.bias_bh, self.drop_bh)),
                 "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
 
 
@@ -1733,12 +1749,12 @@ def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq,
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
     heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
-    kv_lengths, dropout) and a causal sliding window at 128; for the first target of each vendor also every
-    option in float32 (the most shared memory) and a causal mask alone (its visible runs take the
-    unmasked path)."""
+    kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
+    first target of each vendor also every option in float32 (the most shared memory) and a causal
+    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
-    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7}
+    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
@@ -1748,7 +1764,7 @@ def aot_cases():
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
                 yield from _aot_problem(gpu, target, SHARED_MEMORY[target], d, dtype, options)
             for d, options in [(128, {"HAS_KV_LEN": True}), (256, {})] + (
-                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True})] if target == targets[0] else []):
+                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True, "SK16": True})] if target == targets[0] else []):
                 yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
 
 
@@ -1780,7 +1796,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
     consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 5: "options"}.get(len(options),
+    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options),
                                                                                                "causal-mask")
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}

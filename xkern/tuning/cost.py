@@ -113,13 +113,13 @@ def _attention(avals, params) -> str | None:
             f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
 
 
-# Attention with dropout, H200 bf16, flax's dropout_rate 0.1 with a padding mask
-# (h200-attention-dropout-session24.json, h200-dropout-tiles-session24.json): the kernels, reading the
-# multiplier tile by tile, ran at 78-114 TFLOP/s (three times their time without it, at every tile
-# tried); XLA's program, which writes and re-reads the scores, costs about a score's traffic whatever
-# the head dim: 3.3 ps a score forward at b4 s4096 h32 d128 (7.05 ms), 7.1 at b32 s512 h16 d64. So
-# the kernels win at head dim 64 (2.16x forward, 1.49x training) and lose at 128 (0.65x / 0.53x).
-DROPOUT_TFLOPS = 90
+# Attention with dropout, H200 bf16, flax's dropout_rate 0.1 with a padding mask: XLA's program, which
+# writes and re-reads the scores, costs about a score's traffic whatever the head dim: 3.3 ps a score
+# forward at b4 s4096 h32 d128 (7.05 ms), 7.1 at b32 s512 h16 d64 (h200-attention-dropout-session24.json).
+# The kernels read the multiplier beside each score tile: 223 TFLOP/s forward at d64, 304 at d128,
+# 316 in the backward (h200-attention-sk16-session25.json; ~90 before its rows loaded as vectors). So
+# they win up to head dims of ~180.
+DROPOUT_TFLOPS = 220
 XLA_DROPOUT_PS_PER_SCORE = 3.3
 
 
@@ -136,7 +136,8 @@ def _attention_dropout(avals, params) -> str | None:
                 f"~{CUSTOM_CALL_US} us)")
     return (f"attention with dropout at head dim {d}: the kernels read the dropout multiplier per tile and "
             f"run at ~{DROPOUT_TFLOPS} TFLOP/s (H200), estimated {ours / 1e3:.2f} ms against {xla / 1e3:.2f} in "
-            f"XLA (~{XLA_DROPOUT_PS_PER_SCORE} ps a score): they win only at head dims up to ~64")
+            f"XLA (~{XLA_DROPOUT_PS_PER_SCORE} ps a score): they win only at head dims up to "
+            f"~{int(XLA_DROPOUT_PS_PER_SCORE * DROPOUT_TFLOPS / 4)}")
 
 
 # Reading a key/value cache (TB/s, effective), H200 bf16 (h200-decode-session16.json): the split-key
