@@ -204,6 +204,21 @@ def test_inside_jit_vmap_scan_cond_while_remat_and_nested_jit():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_typed_prng_keys_inside_the_program():
+    """jax.random.key arrays (not numpy dtypes) split in a loop, as a sampling loop does: planned
+    around, and explain sizes them."""
+    def sample(logits, key):
+        def step(key, _):
+            key, sub = jax.random.split(key)
+            return key, jax.random.categorical(sub, jax.nn.log_softmax(logits))
+        keys = jax.random.split(key, logits.shape[0])
+        return jax.lax.scan(step, key, None, length=3)[1], jax.vmap(jax.random.categorical)(keys, logits)
+    logits, key = rand((2, 10)), jax.random.key(0)
+    for got, want in zip(xkern.jit(sample)(logits, key), jax.jit(sample)(logits, key)):
+        np.testing.assert_array_equal(got, want)
+    assert "log_softmax_fwd" in xkern.explain(sample)(logits, key).kernels
+
+
 def test_flax_module_apply():
     nn = pytest.importorskip("flax.linen")
 
@@ -273,6 +288,39 @@ def test_plans_are_cached_per_signature(monkeypatch):
     assert len(calls) == 1
     f(rand((3, 5)))
     assert len(calls) == 2
+
+
+def test_a_plan_is_reused_only_for_the_same_program_and_constants(monkeypatch):
+    """Called outside jit, optimize(f) must see what f reads now: weights swapped on a model, a
+    global changed, Python state that changes the program, a static argument of another type."""
+    calls = []
+    original = pipeline.plan
+    monkeypatch.setattr(pipeline, "plan", lambda *a: calls.append(1) or original(*a))
+    x = rand((2, 5))
+
+    class Model:
+        w = jnp.ones(5)
+
+        def __call__(self, a):
+            return jax.nn.softmax(a) * self.w
+    model = Model()
+    f = xkern.optimize(model)
+    np.testing.assert_allclose(f(x), jax.nn.softmax(x), rtol=1e-6)
+    np.testing.assert_allclose(f(x), jax.nn.softmax(x), rtol=1e-6)
+    assert len(calls) == 1  # the same program and constants: planned once
+    model.w = jnp.full(5, 3.0)
+    np.testing.assert_allclose(f(x), 3 * jax.nn.softmax(x), rtol=1e-6)
+    assert len(calls) == 2
+    count = {"n": 0}
+
+    def counted(a):
+        count["n"] += 1
+        return jax.nn.softmax(a) * count["n"]
+    g = xkern.optimize(counted)
+    for n in (1, 2, 3):
+        np.testing.assert_allclose(g(x), n * jax.nn.softmax(x), rtol=1e-6)
+    scaled = xkern.jit(lambda a, s: a * s, static_argnums=1)
+    assert scaled(jnp.arange(3), 2).dtype == jnp.int32 and scaled(jnp.arange(3), 2.0).dtype == jnp.float32
 
 
 def test_xla_backend_rewrites_nothing():

@@ -139,18 +139,13 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     if fun is None:
         return functools.partial(optimize, backend=backend)
     _check_args("optimize", fun, backend)
-    plans: dict = {}
+    plans: dict = {}  # signature -> [(the program as traced, its plan)], the latest last
 
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
         chosen = resolve_backend(backend)
         traced = _trace(fun, args, kwargs, chosen)
-        key = None if traced.key is None else (traced.key, chosen)
-        plan = plans.get(key) if key is not None else None
-        if plan is None:
-            plan = pipeline.plan(traced.closed, chosen)
-            if key is not None:
-                plans[key] = plan
+        plan = _cached_plan(plans, traced, chosen)
         if getattr(_inner_plans, "plans", None) is not None:
             _inner_plans.plans.append(plan)
         outs = evaluate(plan, traced.dynamic, chosen)
@@ -163,6 +158,36 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
         return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
 
     return optimized
+
+
+PLANS_PER_SIGNATURE = 8
+
+
+def _cached_plan(plans: dict, traced: _Traced, backend: str):
+    """The plan made for a program equal to `traced`'s, or a new one (kept for next time). Equal: the
+    same signature, the same jaxpr (a function reading Python state may trace another program at the
+    same arguments) and the same constants (arrays it closes over: weights swapped on a model, a
+    global changed), as the plan was made from their values."""
+    if traced.key is None:
+        return pipeline.plan(traced.closed, backend)
+    text = str(traced.closed.jaxpr)
+    entries = plans.setdefault((traced.key, backend), [])
+    for entry_text, consts, plan in entries:
+        if entry_text == text and _same_constants(consts, traced.closed.consts):
+            return plan
+    plan = pipeline.plan(traced.closed, backend)
+    entries.append((text, list(traced.closed.consts), plan))
+    del entries[:-PLANS_PER_SIGNATURE]
+    return plan
+
+
+def _same_constants(old: list, new: list) -> bool:
+    """The same arrays, or equal values (a numpy constant is a new array on each trace); a large one
+    not the same array counts as changed rather than be compared."""
+    return len(old) == len(new) and all(
+        a is b or (np.shape(a) == np.shape(b) and np.size(a) <= 1 << 20 and jax.numpy.result_type(a) ==
+                   jax.numpy.result_type(b) and bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)))
+        for a, b in zip(old, new))
 
 
 def _warn_if_mutating(fun: Callable) -> Callable:

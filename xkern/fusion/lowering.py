@@ -6,6 +6,7 @@ int32 values stay int32 and booleans are int1. Each rule returns a source fragme
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 SUPPORTED_DTYPES = frozenset({"float32", "bfloat16", "float16", "int32", "bool"})
@@ -15,7 +16,8 @@ TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.f
 
 
 def dtype_name(aval) -> str:
-    return np.dtype(aval.dtype).name
+    """numpy's name for an array dtype; a typed PRNG key's own (`key<fry>`, not a numpy dtype)."""
+    return str(aval.dtype) if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) else np.dtype(aval.dtype).name
 
 
 def _binary(op):

@@ -121,4 +121,4 @@ def same_literal(a, b) -> bool:
 
 def aval_bytes(aval) -> int:
     shape = getattr(aval, "shape", ())
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize if shape else 0
+    return int(np.prod(shape, dtype=np.int64)) * aval.dtype.itemsize if shape else 0  # (a PRNG key's too)
