@@ -227,6 +227,10 @@ def test_nan_propagates_like_xla_and_empty_inputs():
     assert np.isnan(np.asarray(dk)).all()
     empty = attention(q[:, :0], k, v)
     assert empty.shape == (1, 0, 1, 16)
+    no_keys = attention(q, k[:, :0], v[:, :0])  # an empty cache or encoder output: zeros, as jax.nn's
+    assert no_keys.shape == q.shape and not np.any(np.asarray(no_keys))
+    by_hand = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
+    np.testing.assert_array_equal(xkern.jit(by_hand)(q, k[:, :0], v[:, :0]), jax.jit(by_hand)(q, k[:, :0], v[:, :0]))
 
 
 def test_vmap_folds_into_the_batch():

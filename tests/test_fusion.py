@@ -43,7 +43,8 @@ def assert_matches_xla(f, *args, rtol=2e-6, atol=1e-6):
 UNARY = {
     "exp": jnp.exp, "log": jnp.log, "log1p": jnp.log1p, "expm1": jnp.expm1, "sqrt": jnp.sqrt,
     "rsqrt": jax.lax.rsqrt, "tanh": jnp.tanh, "logistic": jax.nn.sigmoid, "erf": jax.scipy.special.erf,
-    "sin": jnp.sin, "cos": jnp.cos, "abs": jnp.abs, "neg": jnp.negative, "sign": jnp.sign,
+    "erfc": jax.scipy.special.erfc, "sin": jnp.sin, "cos": jnp.cos, "abs": jnp.abs, "neg": jnp.negative,
+    "sign": jnp.sign,
     "floor": jnp.floor, "ceil": jnp.ceil, "square": jnp.square, "cube": lambda x: x ** 3,
     "recip": lambda x: 1.0 / x, "gelu": jax.nn.gelu, "gelu exact": lambda x: jax.nn.gelu(x, False),
     "silu": jax.nn.silu, "relu": jax.nn.relu, "is_finite": lambda x: jnp.where(jnp.isfinite(x), x, 7.0),
@@ -56,8 +57,18 @@ def test_each_unary_primitive_matches_xla_on_edge_values(name):
     f = lambda x: op(x * 0.5 + 0.25)  # at least two operations: a group worth a kernel
     x = edge_input()
     assert len(fused_kernels(f, x)) == 1
-    tol = {"tanh": 2e-6, "erf": 2e-6, "sin": 5e-6, "cos": 5e-6}.get(name, 2e-6)
+    tol = {"tanh": 2e-6, "erf": 2e-6, "erfc": 1e-5, "sin": 5e-6, "cos": 5e-6}.get(name, 2e-6)
     assert_matches_xla(f, x, rtol=tol, atol=1e-6)
+
+
+def test_erfc_keeps_its_tails():
+    """erfc (and ndtr, norm.cdf through it) relative to its size out to where it underflows: not
+    1 - erf, which is 0 from x ~ 4. Tolerance: erfc's condition number 2x^2 at float32 inputs."""
+    x = jnp.asarray(np.linspace(-9.0, 9.0, 181, dtype=np.float32))[None]
+    for f in (lambda x: jax.scipy.special.erfc(x * 1.0), lambda x: jax.scipy.stats.norm.cdf(x * 1.0 - 3.0)):
+        assert len(fused_kernels(f, x)) == 1
+        got, want = np.asarray(xkern.jit(f)(x), np.float64), np.asarray(jax.jit(f)(x), np.float64)
+        np.testing.assert_allclose(got, want, rtol=3e-5, atol=1e-37)
 
 
 def test_tiny_arguments_keep_relative_precision_sign_and_edge_powers():

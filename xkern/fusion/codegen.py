@@ -25,7 +25,7 @@ from xkern.kernels import launch  # noqa: F401  (fixes Triton's compile/interpre
 import triton
 import triton.language as tl
 
-from xkern.fusion.triton_math import (expm1, log1p, max_nan, min_nan, reciprocal_one_plus_exp2,  # noqa: F401
+from xkern.fusion.triton_math import (erfc, expm1, log1p, max_nan, min_nan, reciprocal_one_plus_exp2,  # noqa: F401
                                       sigmoid, tanh, tanh_absolute)
 '''
 

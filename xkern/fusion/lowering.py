@@ -88,7 +88,7 @@ ELEMENTWISE = {
     "exp": _call("tl.exp"), "exp2": _call("tl.exp2"), "log": _call("tl.log"),
     "log1p": _call("log1p"), "expm1": _call("expm1"), "sqrt": _call("tl.sqrt"),
     "rsqrt": _call("tl.rsqrt"), "tanh": _call("tanh"), "logistic": _call("sigmoid"),
-    "erf": _call("tl.erf"), "erfc": lambda a, e: f"(1.0 - tl.erf({a[0]}))",  # loses far tails
+    "erf": _call("tl.erf"), "erfc": _call("erfc"),
     "sin": _call("tl.sin"), "cos": _call("tl.cos"),
     "floor": _call("tl.floor"), "ceil": _call("tl.ceil"),
     "integer_pow": _integer_pow, "square": lambda a, e: f"({a[0]} * {a[0]})",

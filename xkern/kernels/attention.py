@@ -60,7 +60,7 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0], _window_of(local_window_size))
     s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
-    m = jnp.max(s, -1, keepdims=True)
+    m = jnp.max(s, -1, keepdims=True, initial=-jnp.inf)  # (no keys at all: o is 0)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     if dropout_multiplier is not None:
