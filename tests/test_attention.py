@@ -311,10 +311,13 @@ def test_attention_patterns_match_and_equal_jax_jit(spelling):
 @pytest.mark.parametrize("spelling", ["jax.nn.dot_product_attention(causal)+mask[b,1,q,k]",
                                       "jax.nn.dot_product_attention+mask[b,1,q,k], one k/v head per q head",
                                       "jax.nn.dot_product_attention+bias+mask[b,h,q,k]",
-                                      "flax.linen.dot_product_attention+mask[1,1,q,k]"])
+                                      "flax.linen.dot_product_attention+mask[1,1,q,k]",
+                                      "by hand + finfo.min bias[b,1,q,k]",
+                                      "jax.nn.dot_product_attention+finfo.min bias[b,h,q,k]"])
 def test_masked_spellings_average_rows_that_see_no_key(spelling):
-    """jax.nn and flax fill hidden scores with a large negative number: a query whose keys are all
-    masked gets the mean of the values, and so does its replacement (masked_rows="average")."""
+    """jax.nn and flax fill hidden scores with a large negative number, and HF ports add a bias of
+    finfo.min: a query whose keys are all masked gets the mean of the values, and so does its
+    replacement (masked_rows="average")."""
     import flax.linen as nn
 
     rng = np.random.default_rng(11)
@@ -324,6 +327,7 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
         spelling[spelling.index("["):spelling.index("]") + 1]]
     mask = jnp.asarray(rng.random(shape) > 0.3).at[0, 0, 5].set(False)  # query 5 sees no key
     bias = jnp.asarray(rng.standard_normal((1, 4, 20, 20)), jnp.float32)
+    hidden_min = jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
     f = {"jax.nn.dot_product_attention(causal)+mask[b,1,q,k]":
          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True),
          "jax.nn.dot_product_attention+mask[b,1,q,k], one k/v head per q head":
@@ -331,11 +335,15 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
          "jax.nn.dot_product_attention+bias+mask[b,h,q,k]":
          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask),
          "flax.linen.dot_product_attention+mask[1,1,q,k]":
-         lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask)}[spelling]
+         lambda q, k, v: nn.dot_product_attention(q, k, v, mask=mask),
+         "by hand + finfo.min bias[b,1,q,k]": lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(
+             jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25 + hidden_min, -1).astype(q.dtype), v),
+         "jax.nn.dot_product_attention+finfo.min bias[b,h,q,k]":
+         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=hidden_min)}[spelling]
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     # (a mask broadcast from [1, 1] and from [b, 1] trace alike: either template may take it)
-    [match] = xkern.explain(f)(q, k, v).matches
-    assert match.pattern.startswith(f"attention/{spelling.split('[')[0]}")
+    [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.op == "attention"]
+    assert match.pattern.startswith("attention/" + ("" if "finfo" in spelling else spelling.split("[")[0]))
     got = xkern.jit(f)(q, k, v)
     assert np.abs(np.asarray(got[0, 5], np.float32)).max() > 0  # averaged, not zeros
     close(got, jax.jit(f)(*f32), jnp.bfloat16)

@@ -71,6 +71,17 @@ def test_erfc_keeps_its_tails():
         np.testing.assert_allclose(got, want, rtol=3e-5, atol=1e-37)
 
 
+def test_float16_results_round_after_each_operation_as_xla():
+    """An intermediate past float16's range is inf, as in the program (loss scaling looks for it)."""
+    x = jnp.asarray([[10.0, 11.0, 12.0, 13.0, -3.0, 0.5]], jnp.float16)
+    for f in (lambda h: jnp.exp(h) * jnp.float16(0.001), lambda h: (h * h * 40.0) / h,
+              lambda h: jnp.sum(h * 6000.0, -1)):
+        assert len(fused_kernels(f, x)) == 1
+        got, want = np.asarray(xkern.jit(f)(x), np.float32), np.asarray(jax.jit(f)(x), np.float32)
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        np.testing.assert_allclose(got, want, rtol=1e-3)
+
+
 def test_tiny_arguments_keep_relative_precision_sign_and_edge_powers():
     """tanh near 0 (where its exp formula cancels) relative to its size and with -0's sign; x ** 0
     is 1 at inf and NaN, as XLA."""

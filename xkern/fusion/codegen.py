@@ -135,6 +135,8 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
             expr = lowering.reduction(eqn, args[0], "mask")
         else:  # broadcast / reshape: the value is the same, Triton broadcasts it
             expr = args[0]
+        if lowering.dtype_name(eqn.outvars[0].aval) == "float16" and name in ROUNDED_TO_FLOAT16:
+            expr = f"{expr}.to(tl.float16).to(tl.float32)"  # as XLA's float16 ops: exp(12) is inf
         names[eqn.outvars[0]] = f"v{n}"
         body.append(f"    v{n} = {expr}  # {name}")
     stores = []
@@ -170,6 +172,14 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     name = "fused_" + hashlib.sha256(text.encode()).hexdigest()[:12]
     source = f"{HEADER}\n\n@triton.jit\ndef {name}({signature}):\n{text}\n"
     return name, source
+
+
+# float16 results are rounded to float16 after each operation, as XLA computes them, so an overflow
+# is inf as in the program (float16 loss scaling looks for it). bfloat16 ones keep float32's
+# precision between operations, as XLA's GPU fusions do (--xla_allow_excess_precision, on by default),
+# and are rounded where the program converts or stores them.
+ROUNDED_TO_FLOAT16 = frozenset(lowering.ELEMENTWISE) - {"convert_element_type", "select_n", "neg", "abs", "max",
+                                                         "min", "clamp"} | frozenset(lowering.REDUCTIONS)
 
 
 def _uses(eqns) -> dict:

@@ -15,7 +15,9 @@ in and out). The scale and the fill are read off the program.
 
 jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
 masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
-masks with a finite fill. With a -inf fill such a query is NaN under XLA; the kernels give it zeros.
+masks with a finite fill, and additive biases (a bias of finfo.min hides a key, as HF ports write
+padding). With a -inf fill such a query is NaN under XLA; the kernels give it zeros (a -inf bias: the
+mean).
 
 With dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a random
 multiplier by hand), the multiplier the program draws (from jax's random bits, by XLA as before) is
@@ -295,7 +297,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
         banded = window or mask_kind == "window"  # a band can hide every key of a query
-        average = (mask is not None or banded) and (fill is None or np.isfinite(fill))
+        # A query whose keys are all hidden averages every value under a finite fill, and under a
+        # bias of finfo.min (an HF port's padding: XLA's scores there are all -3.4e38, equal)
+        average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or with_bias
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
                                 kv_lengths=lengths, masked_rows="average" if average else "zeros",

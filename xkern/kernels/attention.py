@@ -1502,6 +1502,11 @@ def _attention_bwd(st: Static, residuals, do):
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
+        if bias is not None and mask is None:  # hidden by the bias alone: XLA's gradient passes its add
+            dq_empty, dk_empty = _biased_empty_vjp(q, k, v, jnp.where(_empty(lse)[..., None], do, 0),
+                                                   jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0),
+                                                   kv_len, st.scale)
+            dq, dk = (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype)
     elif st.average_empty:
         dv = jax.lax.cond(jnp.any(_empty(lse)), lambda: dv + _dropped_means_vjp(
             jnp.where(_empty(lse)[..., None], do, 0), v, kv_len, drop).astype(dv.dtype), lambda: dv)
@@ -1539,6 +1544,28 @@ def _mean_values_vjp(do_empty, v, kv_len):
     summed = jnp.sum(do_empty.astype(jnp.float32), 1)  # [batch, heads, d]
     summed = summed.reshape(summed.shape[0], v.shape[2], group, -1).sum(2)  # [batch, kv_heads, d]
     return jnp.einsum("bk,bhd->bkhd", weights, summed)
+
+
+def _biased_empty_vjp(q, k, v, do_empty, delta_empty, kv_len, scale):
+    """dq and dk from the rows whose every key a bias hid (finfo.min added: XLA's scores there are all
+    -3.4e38, so its softmax is uniform over the keys, weights w, and its gradient reaches q and k
+    through the add). ds_j = w_j (do.v_j - delta), so per (batch, k/v head), with d x d sums:
+    dq = scale (do M - delta kbar), M = sum_j w_j v_j k_j^T, kbar = sum_j w_j k_j;
+    dk_j = scale w_j (N v_j - sum_q delta_q q_q), N = sum_q q_q do_q^T over those rows."""
+    b, sq, heads, d = q.shape
+    kv_heads = k.shape[2]
+    _, w = _mean_values_parts(v, kv_len)  # [batch, sk]
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+    grouped = lambda a: a.astype(jnp.float32).reshape(b, sq, kv_heads, heads // kv_heads, -1)
+    qf, dof = grouped(q), grouped(do_empty)
+    dlt = jnp.transpose(delta_empty, (0, 2, 1)).reshape(b, sq, kv_heads, heads // kv_heads)
+    m = jnp.einsum("bk,bkhe,bkhd->bhed", w, vf, kf)
+    kbar = jnp.einsum("bk,bkhd->bhd", w, kf)
+    dq = scale * (jnp.einsum("bqhge,bhed->bqhgd", dof, m) - dlt[..., None] * kbar[:, None, :, None])
+    n = jnp.einsum("bqhgd,bqhge->bhde", qf, dof)
+    qd = jnp.einsum("bqhg,bqhgd->bhd", dlt, qf)
+    dk = scale * w[:, :, None, None] * (jnp.einsum("bhde,bkhe->bkhd", n, vf) - qd[:, None])
+    return dq.reshape(b, sq, heads, d), dk
 
 
 def _dropped_weights(v, kv_len, drop):
@@ -1678,7 +1705,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     Float32 math inside; output in q's dtype. Hide keys with `mask` rather than a huge negative
     bias: a row whose every score is below about -1e7 keeps the forward's value, but its gradients
     lose the logsumexp's precision (the saved lse rounds to the row's max), and a bias below
-    -2.3e38 (finfo.min) counts as hidden (masked_rows applies).
+    -2.3e38 (finfo.min) counts as hidden (masked_rows applies; with "average" and no mask, such a
+    row also has XLA's gradients through the bias's add, for q and k).
     dropout_rate, dropout_rng, broadcast_dropout: dropout on the probabilities, as
         flax.linen.dot_product_attention applies it (the same random bits for the same rng:
         keep = jax.random.bernoulli(rng, 1 - rate, [1, 1, q_seq, kv_seq] when broadcast, else
