@@ -338,9 +338,9 @@ def test_patterns_match_and_equal_jax_jit(spelling):
 @pytest.mark.parametrize("spelling", ["-log_softmax[rows, labels]", "log_softmax[rows, labels]+upcast",
                                       "logsumexp-logits[rows, labels]"])
 def test_numpy_indexing_spellings_are_found_and_count_labels_from_the_end(spelling):
-    """logits[jnp.arange(n), labels] on [n, V] logits: negative labels count from the end. One still
-    out of range breaks the promise indexing makes XLA (its forward clamps it, its gradient drops
-    it): NaN, loudly."""
+    """logits[jnp.arange(n), labels] on [n, V] logits: negative labels count from the end; one still
+    out of range is clamped into range, as indexing's forward does (HF's -100 labels, masked after
+    the loss: the loss and its gradients as jax.jit's)."""
     lsm = jax.nn.log_softmax
     up = (lambda x: x.astype(jnp.float32)) if spelling.endswith("+upcast") else (lambda x: x)
     rows = lambda x: jnp.arange(x.shape[0])
@@ -356,7 +356,16 @@ def test_numpy_indexing_spellings_are_found_and_count_labels_from_the_end(spelli
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
           jnp.bfloat16)
-    assert np.isnan(float(xkern.jit(f)(logits, labels.at[2].set(37))))
+    padded = labels.at[2].set(-100).at[3].set(37)
+    keep = jnp.ones(7).at[2:4].set(0.0)
+    masked = {"-log_softmax[rows, labels]": lambda x, y: jnp.sum(-lsm(x)[rows(x), y] * keep),
+              "log_softmax[rows, labels]+upcast": lambda x, y: -jnp.sum(lsm(up(x))[rows(x), y] * keep),
+              "logsumexp-logits[rows, labels]": lambda x, y: jnp.sum((jax.nn.logsumexp(x, -1) - x[rows(x), y]) * keep),
+              }[spelling]
+    close(xkern.jit(f)(logits, padded), jax.jit(f)(logits, padded), jnp.bfloat16)  # clamped, as XLA's forward
+    close(xkern.jit(masked)(logits, padded), jax.jit(masked)(logits, padded), jnp.bfloat16)
+    close(jax.jit(jax.grad(xkern.optimize(masked)))(logits, padded), jax.jit(jax.grad(masked))(logits, padded),
+          jnp.bfloat16)
 
 
 def test_near_misses_are_not_rewritten():

@@ -17,8 +17,8 @@ logits upcast to float32. Like take_along_axis, the
 replacement counts negative labels from the end; labels still out of range give NaN, as the
 program's gather does. NumPy indexing of [n, V] logits, `log_softmax(logits)[jnp.arange(n), labels]`
 (and logsumexp minus `logits[jnp.arange(n), labels]`): negative labels count from the end; one
-still out of range breaks indexing's promise to XLA (PROMISE_IN_BOUNDS: its forward clamps, its
-gradient drops the label) and gives NaN. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
+still out of range is clamped into range, as indexing's forward does (its gradient drops such a
+label: the kernels' is the clamped label's, the same where the row is masked, as HF's -100 are). One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
 a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
 log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
@@ -191,14 +191,22 @@ def upcast(fn):
 
 def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0):
     """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
-    "indexing" count negative labels from the end (still out of range: NaN, as take_along_axis's
-    gather fills; indexing promises XLA they are in range, which its forward then clamps and its
-    gradient drops: a broken promise, made loud); "one_hot" makes a label out of range a row of zeros."""
+    "indexing" count negative labels from the end; one still out of range is NaN, as take_along_axis's
+    gather fills, and clamped into range by indexing, as its forward does (HF's -100 labels, masked
+    after the loss: finite, as under jax.jit; indexing's gradient drops such a label, the kernels'
+    is the clamped label's, the same wherever the row is masked); "one_hot" makes a label out of
+    range a row of zeros."""
     if how == "one_hot":
         return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, z_loss=z_loss,
                                              backend=backend)
-    labels = jnp.where(labels < 0, labels + logits.shape[-1], labels)
-    return kernels.cross_entropy(logits, labels, z_loss=z_loss, reduction="none", backend=backend)
+    return kernels.cross_entropy(logits, _labels_as_read(labels, how, logits.shape[-1]), z_loss=z_loss,
+                                 reduction="none", backend=backend)
+
+
+def _labels_as_read(labels, how: str, classes: int):
+    """Integer labels as take_along_axis / indexing read them (see _per_row_loss)."""
+    labels = jnp.where(labels < 0, labels + classes, labels)
+    return jnp.clip(labels, 0, classes - 1) if how == INDEXING else labels
 
 
 def _requires(labels_as: str) -> frozenset:
@@ -353,8 +361,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
-        else:  # take_along_axis and indexing count negative labels from the end
-            labels = jnp.where(labels < 0, labels + w.shape[0 if transposed else 1], labels)
+        else:  # take_along_axis and indexing count negative labels from the end; indexing clamps
+            labels = _labels_as_read(labels, labels_as, w.shape[0 if transposed else 1])
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
         if weighted and reduce is mean:
             loss = loss / labels.size
