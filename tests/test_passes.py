@@ -1,6 +1,8 @@
 """The jaxpr passes behind xkern.jit / optimize / explain: which spellings match, which near misses
 must not, and that rewritten programs equal jax.jit's. Kernels run through the interpreter."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -343,6 +345,9 @@ def test_explain_reports_kernels_matches_and_traffic():
     assert report.bytes_after == 2 * 2 * x.size * 4  # each kernel reads x and writes its output
     assert report.bytes_before > report.bytes_after
     assert "fused" in str(report) and "softmax_fwd" in str(report)
+    # a function of jax's own: no line of the user's, and none of xkern's given for it
+    own = os.path.dirname(xkern.__file__)
+    assert all(own not in m.location for m in xkern.explain(jax.nn.softmax)(x).matches)
 
 
 @pytest.mark.cost_model

@@ -33,9 +33,17 @@ def bind_equation(eqn, invals, params=None, source_info=None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_XKERN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
 def summarize_source(source_info) -> str:
-    """'file.py:12:4 (fn)' for the user frame an equation came from."""
-    return _source_info.summarize(source_info)
+    """'file.py:12:4 (fn)' for the user frame an equation came from: the innermost outside jax and
+    xkern (a function of jax's own, xkern.explain(jax.nn.softmax), is reached through xkern's trace:
+    then 'unknown' rather than xkern's line)."""
+    for frame in _source_info.user_frames(source_info.traceback):
+        if not frame.file_name.startswith(_XKERN_DIR):
+            return _source_info._summarize_frame(frame)
+    return "unknown"
 
 
 def varying_axes(aval) -> frozenset:

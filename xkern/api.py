@@ -37,7 +37,9 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
     What `fun` differentiates (a training step's jax.value_and_grad) is optimized before jax
     differentiates it, so its patterns are found in the forward pass it was written as."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _DYNAMIC)]
+    # A ShapeDtypeStruct (explain, planning at shapes only, as jax.jit(f).lower takes) is traced as
+    # the abstract value it describes.
+    dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (*_DYNAMIC, jax.ShapeDtypeStruct))]
     dynamic = [leaves[i] for i in dyn_idx]
     out_tree, mutated, static_out = [], [], {}
 
@@ -315,6 +317,8 @@ def explain(fun: Callable, *, backend: str | None = None):
         rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
         launched = kernel_names(rewritten)
         matches, declined = _decisions(inner, plan, chosen)
+        # (a matmul epilogue's derivative is planned with it, but runs only if the program differentiates)
+        matches = [m for m in matches if "in the backward pass" not in m.pattern or set(m.kernels) <= set(launched)]
         before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))
         in_place = sum(bool(f.aliases) for top in (*inner, plan) for p in top.walk() for f in p.fusions.values())
         return Report(chosen, launched, matches, declined, before, after, peak_live_bytes(traced.closed),
