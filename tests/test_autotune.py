@@ -104,6 +104,8 @@ def test_no_tuning_off_gpu_or_when_disabled(tmp_path, monkeypatch):
     monkeypatch.setenv(autotune.ENV_VAR, "maybe")
     with pytest.raises(ValueError, match="XKERN_AUTOTUNE"):
         autotune.enabled()
+    with pytest.raises(ValueError, match="XKERN_AUTOTUNE must be one of 0, 1, .*; got 'maybe'"):
+        autotune.tuned("mm", "k", [A, B], fail, "interpret", str(tmp_path / "x.json"))  # on every backend
 
 
 def test_config_json_round_trip():

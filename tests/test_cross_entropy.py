@@ -263,10 +263,26 @@ def test_bad_input_names_the_argument():
              ((x, y), {"label_smoothing": 1.5}, ValueError, "label_smoothing must be"),
              ((x, y), {"z_loss": -1.0}, ValueError, "z_loss must be"),
              ((x, y), {"ignore_index": 1.0}, TypeError, "ignore_index must be an int"),
+             ((x, y), {"ignore_index": 2**40}, ValueError, r"ignore_index must be in int32's range"),
+             ((x, y), {"label_smoothing": "0.1"}, ValueError, "label_smoothing must be a number"),
+             ((x, y), {"z_loss": True}, ValueError, "z_loss must be a non-negative number"),
              ((jnp.ones(()), y), {}, ValueError, "logits must have a class axis")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             xkern.ops.cross_entropy(*args, **kw)
+    with pytest.raises(ValueError, match="label_smoothing must be .*known when tracing"):
+        jax.jit(lambda e: xkern.ops.cross_entropy(x, y, label_smoothing=e))(0.1)
+    # NumPy and 0-d jax scalars are numbers
+    want = xkern.ops.cross_entropy(x, y, label_smoothing=0.25, z_loss=0.5)
+    assert xkern.ops.cross_entropy(x, y, label_smoothing=np.float32(0.25), z_loss=jnp.float32(0.5)) == want
+    # labels beyond int32's range stay out of range (NaN), not wrapped onto class 0 or ignore_index -100
+    wide, x3 = np.array([2**32, 2**32 - 100, 1]), jnp.ones((3, 8))
+    nan_nan_finite = lambda loss: np.isnan(loss[:2]).all() and np.isfinite(loss[2])
+    assert nan_nan_finite(xkern.ops.cross_entropy(x3, wide, ignore_index=-100, reduction="none"))
+    high = jnp.array([2**32 - 100, 2**31, 1], jnp.uint32)
+    assert nan_nan_finite(xkern.ops.cross_entropy(x3, high, ignore_index=-100, reduction="none"))
+    with jax.enable_x64(True):
+        assert nan_nan_finite(xkern.ops.cross_entropy(x3, jnp.asarray(wide), ignore_index=-100, reduction="none"))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -196,10 +196,20 @@ def test_bad_input_names_the_argument():
              ((h, w, labels), {"weights": labels}, ValueError, r"weights must be None or a float array of labels' shape \(4,\)"),
              ((h, w, labels), {"weights": h[:, 0][:3]}, ValueError, "weights must be None or a float array"),
              ((h, w, labels), {"reduction": "avg"}, ValueError, "reduction must be one of"),
-             ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "label_smoothing must be")]
+             ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "^linear_cross_entropy: label_smoothing must be"),
+             ((h, w, labels), {"z_loss": "0"}, ValueError, "^linear_cross_entropy: z_loss must be"),
+             ((h, w, labels), {"ignore_index": -2**40}, ValueError, "^linear_cross_entropy: ignore_index must be in")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             linear_cross_entropy(*args, **kw)
+    # NumPy scalars are numbers; int64 labels beyond int32's range are out of range (NaN), not wrapped
+    want = linear_cross_entropy(h, w, labels, label_smoothing=0.25, z_loss=0.5, reduction="none")
+    got = linear_cross_entropy(h, w, labels, label_smoothing=np.float32(0.25), z_loss=np.float64(0.5), reduction="none")
+    np.testing.assert_array_equal(got, want)
+    with jax.enable_x64(True):
+        wide = jnp.asarray(labels, jnp.int64).at[0].add(2**32)
+        got = linear_cross_entropy(h, w, wide, label_smoothing=np.float32(0.25), z_loss=0.5, reduction="none")
+    assert np.isnan(got[0]) and np.array_equal(got[1:], want[1:])
 
 
 # --------------------------------------------------------------------------------------------------

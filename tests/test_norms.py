@@ -128,6 +128,24 @@ def test_bad_input_names_the_argument():
         xkern.ops.rms_norm(x, eps=-1.0)
     with pytest.raises(TypeError, match="out_dtype must be"):
         xkern.ops.rms_norm(x, out_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="layer_norm: scale must have a floating-point dtype; got int32"):
+        xkern.ops.layer_norm(x, jnp.ones(8, jnp.int32))
+    with pytest.raises(TypeError, match="rms_norm: scale must have a floating-point dtype; got bool"):
+        xkern.ops.rms_norm(x, jnp.ones(8, bool))
+    with pytest.raises(TypeError, match="bias must have a floating-point dtype"):
+        xkern.ops.layer_norm(x, None, np.zeros(8, np.int32))
+    with pytest.raises(TypeError, match="scale must be an array"):
+        xkern.ops.layer_norm(x, "ones")
+    with pytest.raises(ValueError, match="eps must be .*known when tracing"):
+        jax.jit(lambda e: xkern.ops.rms_norm(x, eps=e))(1e-6)
+    with pytest.raises(ValueError, match="eps must be a non-negative number; got 'small'"):
+        xkern.ops.rms_norm(x, eps="small")
+    # array-likes are taken, as jax.numpy takes them, and NumPy / 0-d jax scalars as numbers
+    y, h = xkern.ops.layer_norm(x, [2.0] * 8, [1.0] * 8, eps=np.float32(1e-5), residual=[[1.0] * 8] * 2)
+    want = xkern.ops.layer_norm(x, jnp.full(8, 2.0), jnp.ones(8), eps=1e-5, residual=jnp.ones((2, 8)))
+    np.testing.assert_array_equal(y, want[0])
+    np.testing.assert_array_equal(h, want[1])
+    np.testing.assert_array_equal(xkern.ops.rms_norm(x, eps=jnp.float32(1e-5)), xkern.ops.rms_norm(x, eps=1e-5))
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])

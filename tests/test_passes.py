@@ -345,6 +345,8 @@ def test_explain_reports_kernels_matches_and_traffic():
     assert report.bytes_after == 2 * 2 * x.size * 4  # each kernel reads x and writes its output
     assert report.bytes_before > report.bytes_after
     assert "fused" in str(report) and "softmax_fwd" in str(report)
+    shaped = xkern.explain(f)(jax.ShapeDtypeStruct(x.shape, x.dtype))  # shapes only, as xkern.jit(f).lower takes
+    assert (shaped.kernels, shaped.bytes_after) == (report.kernels, report.bytes_after)
     # a function of jax's own: no line of the user's, and none of xkern's given for it
     own = os.path.dirname(xkern.__file__)
     assert all(own not in m.location for m in xkern.explain(jax.nn.softmax)(x).matches)

@@ -172,6 +172,10 @@ def test_bad_input_raises_naming_the_argument():
         xkern.ops.softmax(jnp.ones((2, 3)), out_dtype=jnp.int32)
     with pytest.raises(ValueError, match="axis"):
         xkern.ops.softmax(jnp.ones((2, 3)), axis=2)
+    with pytest.raises(TypeError, match="softmax: axis must be an int or a non-empty tuple of ints; got 1.0"):
+        xkern.ops.softmax(jnp.ones((2, 3)), axis=1.0)
+    with pytest.raises(TypeError, match="log_softmax: axis must be an int .* got '1'"):
+        xkern.ops.log_softmax(jnp.ones((2, 3)), axis="1")
     with pytest.raises(ValueError, match="repeats"):
         xkern.ops.softmax(jnp.ones((2, 3)), axis=(1, -1))
     with pytest.raises(ValueError, match="scalar"):

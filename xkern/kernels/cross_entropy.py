@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
     """The definition the kernels are checked against (and the `xla` backend)."""
     x = logits.astype(jnp.float32)
     n_cols = x.shape[-1]
-    labels = labels.astype(jnp.int32)
+    labels = int32_labels(labels, ignore_index)
     valid = jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
     in_range = (labels >= 0) & (labels < n_cols)
     picked = jnp.take_along_axis(x, jnp.where(in_range, labels, 0)[..., None], -1)[..., 0]
@@ -355,8 +356,46 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction):
-    op = "cross_entropy"
+def static_number(value) -> float | None:
+    """`value` as a Python float when it is a number known while tracing (a Python or NumPy scalar,
+    a 0-d concrete array), else None (a string, a bool, an array, a traced value). The ops' numeric
+    options become constants of the kernels, so they must be known when the kernel is made."""
+    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
+        return None
+    if isinstance(value, numbers.Real):  # int, float and NumPy's integer and floating scalars
+        return float(value)
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
+            jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+        return float(value)
+    return None
+
+
+def number_error(op: str, name: str, want: str, value) -> ValueError:
+    """The error for a numeric option that is not `want` (see static_number)."""
+    if isinstance(value, jax.core.Tracer):
+        return ValueError(f"{op}: {name} must be {want}, known when tracing (it is a constant of the kernel); "
+                          f"got a traced value {value}")
+    return ValueError(f"{op}: {name} must be {want}; got {value!r}")
+
+
+INT32 = np.iinfo(np.int32)
+
+
+def int32_labels(labels, ignore_index=None):
+    """`labels` as int32, as the kernels read them. A wider label beyond int32's range (int64 under
+    jax_enable_x64, uint32) would wrap onto a class or onto ignore_index: it becomes INT32.max
+    instead (INT32.max - 1 when that is ignore_index), out of [0, V) as it was."""
+    xp = np if isinstance(labels, (np.ndarray, np.generic)) else jnp  # numpy's: before jnp.asarray wraps them
+    labels = xp.asarray(labels)
+    wide = np.iinfo(labels.dtype)
+    if wide.min < INT32.min or wide.max > INT32.max:
+        inside = xp.clip(labels, max(wide.min, INT32.min), min(wide.max, INT32.max))
+        labels = xp.where(inside == labels, labels, INT32.max - int(ignore_index == INT32.max))
+    return jnp.asarray(labels).astype(jnp.int32)
+
+
+def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op="cross_entropy"):
+    """Raises for a bad argument; returns (label_smoothing, z_loss) as Python floats."""
     if not hasattr(logits, "dtype") or not hasattr(logits, "shape"):
         raise TypeError(f"{op}: logits must be a jax or numpy array; got {type(logits).__name__}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -371,12 +410,18 @@ def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction):
                          f"the class axis); got {tuple(labels.shape)}")
     if ignore_index is not None and not isinstance(ignore_index, (int, np.integer)):
         raise TypeError(f"{op}: ignore_index must be an int or None; got {ignore_index!r}")
-    if not (isinstance(label_smoothing, (int, float)) and 0.0 <= label_smoothing <= 1.0):
-        raise ValueError(f"{op}: label_smoothing must be a number in [0, 1]; got {label_smoothing!r}")
-    if not (isinstance(z_loss, (int, float)) and z_loss >= 0 and math.isfinite(z_loss)):
-        raise ValueError(f"{op}: z_loss must be a non-negative number; got {z_loss!r}")
+    if ignore_index is not None and not INT32.min <= ignore_index <= INT32.max:
+        # the kernels compare it with int32 labels (as a constant of theirs)
+        raise ValueError(f"{op}: ignore_index must be in int32's range [{INT32.min}, {INT32.max}]; "
+                         f"got {ignore_index!r}")
+    smoothing, z = static_number(label_smoothing), static_number(z_loss)
+    if smoothing is None or not 0.0 <= smoothing <= 1.0:
+        raise number_error(op, "label_smoothing", "a number in [0, 1]", label_smoothing)
+    if z is None or not (z >= 0 and math.isfinite(z)):
+        raise number_error(op, "z_loss", "a non-negative number", z_loss)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
+    return smoothing, z
 
 
 def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoothing: float = 0.0,
@@ -384,19 +429,20 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     """Softmax cross-entropy of `logits` [..., V] against integer `labels` [...], float32 math.
 
     ignore_index: rows with this label add 0 to the loss and get zero gradients; "mean" divides by
-        the number of other rows (0 when there are none). Labels outside [0, V) otherwise give NaN.
+        the number of other rows (0 when there are none). Labels outside [0, V) otherwise give NaN
+        (int64 ones beyond int32's range too: they are not wrapped into it).
     label_smoothing: the target puts 1 - e on the label and e / V on every class (optax's form).
     z_loss: adds z * logsumexp(logits)^2 per row (PaLM's auxiliary loss).
     reduction: "mean", "sum" or "none" (a float32 loss per row, shaped like labels).
     """
-    _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+    label_smoothing, z_loss = _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
     backend = L.resolve_backend(backend)
-    logits, labels = jnp.asarray(logits), jnp.asarray(labels).astype(jnp.int32)
+    logits, labels = jnp.asarray(logits), int32_labels(labels, ignore_index)
     if backend == "xla" or logits.size == 0:
         return reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
     n_cols = logits.shape[-1]
-    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, float(label_smoothing),
-              float(z_loss), reduction, backend, default_config(n_cols, backend))
+    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, label_smoothing,
+              z_loss, reduction, backend, default_config(n_cols, backend))
     return out.reshape(labels.shape) if reduction == "none" else out
 
 
@@ -409,15 +455,15 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     programs with; for new code, `cross_entropy` says what it means. label_smoothing e: the target
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
     everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label."""
-    _check(logits, labels, None, label_smoothing, z_loss, "none")
+    label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy")
     backend = L.resolve_backend(backend)
-    logits, labels = jnp.asarray(logits), jnp.asarray(labels).astype(jnp.int32)
+    logits, labels = jnp.asarray(logits), int32_labels(labels)
     n_cols = logits.shape[-1]
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
         x = logits.astype(jnp.float32)
         return -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
-    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, float(label_smoothing), float(z_loss), "none",
+    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, label_smoothing, z_loss, "none",
               backend, default_config(n_cols, backend), True)
     return out.reshape(labels.shape)
 

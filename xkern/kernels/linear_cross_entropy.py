@@ -225,8 +225,9 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     _check(h, w, labels, chunk_rows, transpose_w, weights=weights)
     n_cols = w.shape[0 if transpose_w else 1]
     logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
-    ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction)
-    options = Options(ignore_index, float(label_smoothing), float(z_loss), n_cols, False, transpose_w)
+    smoothing, z_loss = ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction,
+                                  "linear_cross_entropy")
+    options = Options(ignore_index, smoothing, z_loss, n_cols, False, transpose_w)
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
@@ -241,8 +242,9 @@ def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, 
     op = "one_hot_linear_cross_entropy"
     _check(h, w, labels, chunk_rows, transpose_w, op, weights)
     n_cols = w.shape[0 if transpose_w else 1]
-    ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None, label_smoothing, z_loss, reduction)
-    options = Options(None, float(label_smoothing), float(z_loss), n_cols, True, transpose_w)
+    smoothing, z_loss = ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None,
+                                  label_smoothing, z_loss, reduction, op)
+    options = Options(None, smoothing, z_loss, n_cols, True, transpose_w)
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
@@ -269,7 +271,7 @@ def _reference_rows(h, w, labels, options: Options):
 
 def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None):
     backend = L.resolve_backend(backend)
-    h, w, labels = jnp.asarray(h), jnp.asarray(w), jnp.asarray(labels).astype(jnp.int32)
+    h, w, labels = jnp.asarray(h), jnp.asarray(w), ce.int32_labels(labels, options.ignore_index)
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
         rows = _reference_rows(h, w, labels, options)
         if reduction == "none":

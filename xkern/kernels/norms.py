@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+from xkern.kernels.cross_entropy import number_error, static_number
 
 import triton
 import triton.language as tl
@@ -442,6 +443,17 @@ for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"
 # Public functions
 # --------------------------------------------------------------------------------------------------
 
+def _as_array(op, name, value):
+    """An optional array argument as an array: lists and other array-likes converted, as jax.numpy
+    functions take them."""
+    if value is None or (hasattr(value, "dtype") and hasattr(value, "shape")):
+        return value
+    try:
+        return jnp.asarray(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{op}: {name} must be an array (or array-like) or None; got {type(value).__name__}") from e
+
+
 def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
         raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
@@ -449,15 +461,21 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
         raise TypeError(f"{op}: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
     if x.ndim == 0:
         raise ValueError(f"{op}: x must have at least one dimension; got a scalar")
+    scale, bias, residual = (_as_array(op, name, v) for name, v in
+                             (("scale", scale), ("bias", bias), ("residual", residual)))
     for name, v in (("scale", scale), ("bias", bias)):
+        if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
+            raise TypeError(f"{op}: {name} must have a floating-point dtype; got {v.dtype}")
         if v is not None and tuple(jnp.shape(v)) != (x.shape[-1],):
             raise ValueError(f"{op}: {name} must have shape ({x.shape[-1]},) (x's last axis); "
                              f"got {tuple(jnp.shape(v))}")
     if residual is not None and (residual.shape, residual.dtype) != (x.shape, x.dtype):
         raise ValueError(f"{op}: residual must match x ({x.dtype}{list(x.shape)}); "
                          f"got {residual.dtype}{list(residual.shape)}")
-    if not (isinstance(eps, (int, float)) and eps >= 0):
-        raise ValueError(f"{op}: eps must be a non-negative Python number; got {eps!r}")
+    number = static_number(eps)
+    if number is None or not number >= 0:
+        raise number_error(op, "eps", "a non-negative number", eps)
+    eps = number
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     if out_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out_dtype}")
@@ -468,7 +486,7 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     x2 = jnp.asarray(x).reshape(-1, n_cols)
     r2 = None if residual is None else jnp.asarray(residual).reshape(-1, n_cols)
     configs = [default_config(x2.shape[0], n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
-    outs = _norm_rows(x2, r2, scale, bias, float(eps), rms, backend, *configs, out_dtype)
+    outs = _norm_rows(x2, r2, scale, bias, eps, rms, backend, *configs, out_dtype)
     y = outs[0].reshape(x.shape)
     return y if residual is None else (y, outs[1].reshape(x.shape))
 

@@ -268,7 +268,10 @@ _softmax_rows.defvjp(_softmax_rows_fwd, _softmax_rows_bwd)
 # --------------------------------------------------------------------------------------------------
 
 def _normalize_axes(op: str, axis, ndim: int) -> tuple[int, ...]:
-    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis) if axis is not None else None
+    try:
+        axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    except TypeError:  # not an int nor iterable (a float, None): the error below, naming axis
+        axes = None
     if not axes or not all(isinstance(a, (int, np.integer)) for a in axes):
         raise TypeError(f"{op}: axis must be an int or a non-empty tuple of ints; got {axis!r}")
     if any(not -ndim <= a < ndim for a in axes):

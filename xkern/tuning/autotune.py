@@ -33,10 +33,13 @@ _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict]] = {}  # cache file path -> {key: entry}
 
 
+ACCEPTED = ("0", "1", "false", "true", "off", "on", "")  # "" (or unset): on
+
+
 def enabled() -> bool:
     value = os.environ.get(ENV_VAR, "1").strip().lower()
-    if value not in ("0", "1", "false", "true", "off", "on", ""):
-        raise ValueError(f"{ENV_VAR} must be 0 or 1; got {value!r}")
+    if value not in ACCEPTED:
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(v for v in ACCEPTED if v)} (or unset); got {value!r}")
     return value not in ("0", "false", "off")
 
 
@@ -135,7 +138,8 @@ def tuned(family: str, key: str, candidates: Sequence[L.Config], measure: Callab
           backend: str, path: str | None = None, version: str = "") -> L.Config:
     """The config for `family` at `key`; candidates[0] is the heuristic, used when not tuning.
     version (version_of the kernels measured) is part of the cache key."""
-    if backend != "triton" or not enabled() or len(candidates) == 1:
+    # enabled() first: a bad XKERN_AUTOTUNE is an error on every backend, not only where it is used
+    if not enabled() or backend != "triton" or len(candidates) == 1:
         return candidates[0]
     path = path or cache_path()
     full_key = f"{family}@{version}|{key}" if version else f"{family}|{key}"
