@@ -262,6 +262,7 @@ def test_bad_input_names_the_argument():
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             attention(*args, **kw)
+    close(attention(q, k, v, scale=np.float32(0.3)), attention(q, k, v, scale=0.3), jnp.float32)
     assert xkern.ops.attention is attention
 
 
@@ -629,8 +630,10 @@ def test_dropout_multiplier_values_and_gradients_against_the_reference(rng):
         want = nn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(7),
                                         broadcast_dropout=broadcast, deterministic=False)
         close(got, want, jnp.float32)
-    with pytest.raises(ValueError, match="dropout_rate must be a Python number in"):
+    with pytest.raises(ValueError, match="dropout_rate must be a number in"):
         attention(q, k, v, dropout_rate=1.0, dropout_rng=jax.random.key(0))
+    close(attention(q, k, v, dropout_rate=np.float32(0.3), dropout_rng=jax.random.key(7)),  # a NumPy scalar
+          attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(7)), jnp.float32)
     with pytest.raises(ValueError, match="needs dropout_rng"):
         attention(q, k, v, dropout_rate=0.1)
     with pytest.raises(TypeError, match="dropout_multiplier must be a floating-point array"):

@@ -1,5 +1,7 @@
 """A small Flax transformer block, trained one step through xkern: everything xkern rewrites (named
 patterns, generated kernels, norm ops) in one program, against jax.jit."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,6 +240,15 @@ def test_flax_nnx_training_step_under_nnx_jit_updates_the_model():
     graphdef, state = nnx.split((model, optimizer))
     launched = kernel_names(jax.make_jaxpr(lambda s: xkern.optimize(step)(*nnx.merge(graphdef, s), x))(state))
     assert {"attention_fwd", "attention_bwd_dq"} <= set(launched)
+
+    def functional(state, x):  # merge, update in place, return the new state: nothing to warn about
+        model, optimizer = nnx.merge(graphdef, state)
+        loss = step(model, optimizer, x)
+        return loss, nnx.state((model, optimizer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, state = xkern.jit(functional)(state, x)
+    assert int(nnx.merge(graphdef, state)[1].step[...]) == 1
 
 
 def test_values_set_in_place_on_arguments_are_carried_out():

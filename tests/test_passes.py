@@ -348,6 +348,8 @@ def test_explain_reports_kernels_matches_and_traffic():
     shaped = xkern.explain(f)(jax.ShapeDtypeStruct(x.shape, x.dtype))  # shapes only, as xkern.jit(f).lower takes
     assert (shaped.kernels, shaped.bytes_after) == (report.kernels, report.bytes_after)
     # a function of jax's own: no line of the user's, and none of xkern's given for it
+    scaled = lambda x, scale: jax.nn.softmax(x * scale)  # a Python number: traced, as under xkern.jit
+    assert xkern.explain(scaled)(x, 2.0).kernels == kernel_names(jax.make_jaxpr(xkern.jit(scaled))(x, 2.0))
     own = os.path.dirname(xkern.__file__)
     assert all(own not in m.location for m in xkern.explain(jax.nn.softmax)(x).matches)
 

@@ -198,7 +198,10 @@ def _warn_if_mutating(fun: Callable) -> Callable:
     def checked(*args, **kwargs):
         before = [id(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))]
         out = fun(*args, **kwargs)
-        if before != [id(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))]:
+        after = jax.tree_util.tree_leaves((args, kwargs))
+        returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(out)}
+        # (a functional NNX step, merge then return nnx.state(model), returns what it set: no warning)
+        if any(old != id(new) and id(new) not in returned for old, new in zip(before, after)):
             warnings.warn(f"xkern.jit: {getattr(fun, '__name__', 'fun')} set values on its arguments in place "
                           "(as Flax NNX's optimizer.update does); like jax.jit, xkern.jit returns them nowhere "
                           "and the caller's objects keep their old values: use nnx.jit(xkern.optimize(fun)), "
@@ -308,6 +311,9 @@ def explain(fun: Callable, *, backend: str | None = None):
 
     def report(*args, **kwargs) -> Report:
         chosen = resolve_backend(backend)
+        # Python numbers traced as xkern.jit's jax.jit traces them (weakly typed), not baked in
+        args, kwargs = jax.tree.map(lambda a: jax.numpy.asarray(a) if type(a) in (int, float, complex) else a,
+                                    (args, kwargs))
         _inner_plans.plans = inner = []
         try:
             traced = _trace(fun, args, kwargs, chosen)

@@ -1643,8 +1643,9 @@ def _check(q, k, v, scale, kv_lengths):
         raise ValueError(f"attention: k's heads ({k.shape[2]}) must divide q's heads ({h})")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"attention: head_dim must be at most {MAX_HEAD_DIM}; got {d}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"attention: scale must be a positive finite Python number or None; got {scale!r}")
+    number = None if scale is None else L.static_number(scale)
+    if scale is not None and not (number is not None and math.isfinite(number) and number > 0):
+        raise L.number_error("attention", "scale", "a positive finite number or None", scale)
     if kv_lengths is not None and (not hasattr(kv_lengths, "dtype") or tuple(kv_lengths.shape) != (b,)
                                    or not jnp.issubdtype(kv_lengths.dtype, jnp.integer)):
         raise ValueError(f"attention: kv_lengths must be an integer array of shape ({b},); got "
@@ -1727,7 +1728,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         raise TypeError(f"attention: mask must be boolean; got {jnp.asarray(mask).dtype}")
     mask4, mask_bh = _as_4d("mask", mask, b, h, sq, sk) if mask is not None else (None, None)
     bias4, bias_bh = _as_4d("bias", bias, b, h, sq, sk) if bias is not None else (None, None)
-    scale = 1 / math.sqrt(d) if scale is None else float(scale)
+    scale = 1 / math.sqrt(d) if scale is None else L.static_number(scale)
     drop = _dropout_multiplier(dropout_rate, dropout_rng, broadcast_dropout, dropout_multiplier, q.dtype, b, h, sq, sk)
     drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
     if backend == "xla" or q.size == 0 or k.size == 0:
@@ -1751,8 +1752,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
 def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq, sk):
     """The multiplier of the probabilities (None: no dropout), from the rate and rng as flax draws it,
     or as given."""
-    if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0 <= rate < 1:
-        raise ValueError(f"attention: dropout_rate must be a Python number in [0, 1); got {rate!r}")
+    number = L.static_number(rate)
+    if number is None or not 0 <= number < 1:
+        raise L.number_error("attention", "dropout_rate", "a number in [0, 1)", rate)
+    rate = number
     if multiplier is not None:
         if rate:
             raise ValueError("attention: pass dropout_rate (with dropout_rng) or dropout_multiplier, not both")
@@ -1792,7 +1795,8 @@ def aot_cases():
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
                 yield from _aot_problem(gpu, target, SHARED_MEMORY[target], d, dtype, options)
             for d, options in [(128, {"HAS_KV_LEN": True}), (256, {})] + (
-                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True, "SK16": True})] if target == targets[0] else []):
+                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True, "SK16": True})]
+                    if target == targets[0] else []):
                 yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
 
 

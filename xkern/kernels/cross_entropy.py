@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+from xkern.kernels.launch import number_error, static_number
 
 import triton
 import triton.language as tl
@@ -355,28 +355,6 @@ _ce.defvjp(_ce_fwd, _ce_bwd)
 # --------------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------------
-
-def static_number(value) -> float | None:
-    """`value` as a Python float when it is a number known while tracing (a Python or NumPy scalar,
-    a 0-d concrete array), else None (a string, a bool, an array, a traced value). The ops' numeric
-    options become constants of the kernels, so they must be known when the kernel is made."""
-    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
-        return None
-    if isinstance(value, numbers.Real):  # int, float and NumPy's integer and floating scalars
-        return float(value)
-    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
-            jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
-        return float(value)
-    return None
-
-
-def number_error(op: str, name: str, want: str, value) -> ValueError:
-    """The error for a numeric option that is not `want` (see static_number)."""
-    if isinstance(value, jax.core.Tracer):
-        return ValueError(f"{op}: {name} must be {want}, known when tracing (it is a constant of the kernel); "
-                          f"got a traced value {value}")
-    return ValueError(f"{op}: {name} must be {want}; got {value!r}")
-
 
 INT32 = np.iinfo(np.int32)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import numbers
 import os
 import threading
 from typing import Any, Sequence
@@ -635,3 +636,27 @@ def launches(jaxpr) -> list:
 def kernel_names(jaxpr) -> list[str]:
     """The `kernel` param of every xkern launch in `jaxpr` (a Jaxpr or ClosedJaxpr), sub-jaxprs included."""
     return [eqn.params["kernel"] for eqn in launches(jaxpr)]
+
+
+# Numeric options of the ops (a scale, eps, label smoothing): constants of the kernels
+
+def static_number(value) -> float | None:
+    """`value` as a Python float when it is a number known while tracing (a Python or NumPy scalar,
+    a 0-d concrete array), else None (a string, a bool, an array, a traced value). The ops' numeric
+    options become constants of the kernels, so they must be known when the kernel is made."""
+    if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
+        return None
+    if isinstance(value, numbers.Real):  # int, float and NumPy's integer and floating scalars
+        return float(value)
+    if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 and (
+            jax.numpy.issubdtype(value.dtype, np.integer) or jax.numpy.issubdtype(value.dtype, np.floating)):
+        return float(value)
+    return None
+
+
+def number_error(op: str, name: str, want: str, value) -> ValueError:
+    """The error for a numeric option that is not `want` (see static_number)."""
+    if isinstance(value, jax.core.Tracer):
+        return ValueError(f"{op}: {name} must be {want}, known when tracing (it is a constant of the kernel); "
+                          f"got a traced value {value}")
+    return ValueError(f"{op}: {name} must be {want}; got {value!r}")

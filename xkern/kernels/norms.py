@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
-from xkern.kernels.cross_entropy import number_error, static_number
+from xkern.kernels.launch import number_error, static_number
 
 import triton
 import triton.language as tl
