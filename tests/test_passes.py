@@ -321,6 +321,16 @@ def test_a_plan_is_reused_only_for_the_same_program_and_constants(monkeypatch):
     g = xkern.optimize(counted)
     for n in (1, 2, 3):
         np.testing.assert_allclose(g(x), n * jax.nn.softmax(x), rtol=1e-6)
+    holder = Model()
+    holder.w = jnp.zeros(1 << 21)  # large: compared by identity, kept by weak reference
+    big = xkern.optimize(lambda a: jax.nn.softmax(a) + holder.w[:5])
+    before = len(calls)
+    big(x), big(x)
+    planned = len(calls)
+    assert planned == before + 1  # the same large array: one plan
+    holder.w = jnp.ones(1 << 21)
+    np.testing.assert_allclose(big(x), jax.nn.softmax(x) + 1, rtol=1e-6)
+    assert len(calls) == planned + 1
     scaled = xkern.jit(lambda a, s: a * s, static_argnums=1)
     assert scaled(jnp.arange(3), 2).dtype == jnp.int32 and scaled(jnp.arange(3), 2.0).dtype == jnp.float32
 
