@@ -6,7 +6,6 @@ import functools
 import re
 import threading
 import warnings
-import weakref
 from typing import Any, Callable
 
 import jax
@@ -170,7 +169,8 @@ def _cached_plan(plans: dict, traced: _Traced, backend: str):
     """The plan made for a program equal to `traced`'s, or a new one (kept for next time). Equal: the
     same signature, the same jaxpr (a function reading Python state may trace another program at the
     same arguments) and the same constants (arrays it closes over: weights swapped on a model, a
-    global changed), as the plan was made from their values."""
+    global changed), as the plan was made from their values. A plan holds its constants, so a new
+    one for the same jaxpr replaces the old (swapped-out weights are not kept alive)."""
     if traced.key is None:
         return pipeline.plan(traced.closed, backend)
     text = str(traced.closed.jaxpr)
@@ -179,32 +179,18 @@ def _cached_plan(plans: dict, traced: _Traced, backend: str):
         if entry_text == text and _same_constants(consts, traced.closed.consts):
             return plan
     plan = pipeline.plan(traced.closed, backend)
-    entries.append((text, [_kept(c) for c in traced.closed.consts], plan))
-    del entries[:-PLANS_PER_SIGNATURE]
+    entries[:] = [e for e in entries if e[0] != text][-(PLANS_PER_SIGNATURE - 1):]
+    entries.append((text, list(traced.closed.consts), plan))
     return plan
 
 
-SMALL_CONSTANT = 1 << 20  # elements: compared by value; larger ones by identity only
-
-
-def _kept(const):
-    """What a cache entry keeps of a constant: a small one itself; a large one (weights a model closes
-    over) by weak reference, so that swapped-out weights are not kept alive by old plans."""
-    try:
-        return const if np.size(const) <= SMALL_CONSTANT else weakref.ref(const)
-    except TypeError:  # (an object without weak references)
-        return const
-
-
 def _same_constants(old: list, new: list) -> bool:
-    """The same arrays, or equal small values (a numpy constant is a new array on each trace)."""
-    def same(kept, b):
-        if isinstance(kept, weakref.ref):
-            return kept() is b
-        return kept is b or (np.shape(kept) == np.shape(b) and np.size(b) <= SMALL_CONSTANT
-                             and jax.numpy.result_type(kept) == jax.numpy.result_type(b)
-                             and bool(np.array_equal(np.asarray(kept), np.asarray(b), equal_nan=True)))
-    return len(old) == len(new) and all(same(a, b) for a, b in zip(old, new))
+    """The same arrays, or equal values (a numpy constant is a new array on each trace); a large one
+    not the same array counts as changed rather than be compared."""
+    return len(old) == len(new) and all(
+        a is b or (np.shape(a) == np.shape(b) and np.size(a) <= 1 << 20 and jax.numpy.result_type(a) ==
+                   jax.numpy.result_type(b) and bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)))
+        for a, b in zip(old, new))
 
 
 def _warn_if_mutating(fun: Callable) -> Callable:
