@@ -145,6 +145,17 @@ def test_each_binary_primitive_matches_xla_on_edge_values(name):
     assert_matches_xla(f, x, y)
 
 
+@pytest.mark.parametrize("bound", [-1.0, np.nan, np.inf], ids=["finite", "nan", "inf"])
+def test_scalar_arguments_in_comparisons_and_max_min(bound):
+    """A clamp by scalar arguments (a truncated-normal initializer's): comparisons on a scalar, then
+    broadcast, crashed the interpreter (its result was typed float32)."""
+    x = edge_input()
+    f = lambda x, lo, hi: (jnp.minimum(hi, jnp.maximum(lo, x * 1.41)) * 3.0,
+                           jnp.where(lo < hi, x, -x) * 2.0 + (lo != lo))
+    assert len(fused_kernels(f, x, jnp.float32(bound), jnp.float32(2.0))) == 1
+    assert_matches_xla(f, x, jnp.float32(bound), jnp.float32(2.0))
+
+
 def test_integer_and_boolean_arithmetic():
     rng = np.random.default_rng(1)
     a = jnp.asarray(rng.integers(-50, 50, (4, 33)), jnp.int32)

@@ -504,6 +504,22 @@ def _round_interpreted_casts():
         return interpreter.TensorHandle(_bfloat16_bits(np.asarray(values)), tl.bfloat16)
 
     builder.cast_impl = cast_impl
+    _boolean_comparisons(builder)
+
+
+def _boolean_comparisons(builder):
+    """The interpreter's comparisons keep their operands' type in the result's handle, which a scalar
+    result's broadcast then converts to (`max(scalar, x)`'s NaN test `a != a` became float32, and `|`
+    refused it): comparison results are int1, as compiled Triton types them."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    for name in dir(builder):
+        if name.startswith(("create_icmp", "create_fcmp")):
+            def compare(self, lhs, rhs, _original=getattr(builder, name)):
+                result = _original(self, lhs, rhs)
+                return interpreter.TensorHandle(np.asarray(result.data, np.bool_), tl.int1)
+            setattr(builder, name, compare)
 
 
 def _run_interpreted(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, aliases,
