@@ -46,7 +46,7 @@ def cases(on_gpu: bool) -> list[Case]:
                             make, 0, 2e-2, fwd_flops))
             out.append(Case(f"{name} vs {ref_name}", (b, s, h, d), "bfloat16", "fwd+bwd", bwd(_ours), bwd(ref),
                             make, 0, 3e-2, int(3.5 * fwd_flops), memory=True))
-    return out + _padded_cases(on_gpu) + _document_cases(on_gpu) + _dropout_cases(on_gpu)
+    return out + _padded_cases(on_gpu) + _document_cases(on_gpu) + _dropout_cases(on_gpu) + _spelling_cases(on_gpu)
 
 
 def _padded_cases(on_gpu: bool) -> list[Case]:
@@ -124,6 +124,58 @@ def _dropout_cases(on_gpu: bool) -> list[Case]:
                 Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(xkern.optimize(attend)), bwd(attend), make, 0,
                      3e-2, int(3.5 * flops), memory=True)]
     return out
+
+def _hf_flax(b, s, causal, dropout):
+    """Attention as HF's Flax ports write it: the padding (and causal) mask made a bias of 0 or
+    finfo.min, then flax's dot_product_attention_weights (dropout broadcast over batch and heads) and
+    the einsum with v. The last 1/8 of each row's keys are padding."""
+    import flax.linen as nn
+    mask = jnp.broadcast_to(jnp.arange(s) < s - s // 8, (b, 1, 1, s))
+    if causal:
+        mask = nn.combine_masks(mask, nn.make_causal_mask(jnp.ones((b, s)), dtype=bool))
+
+    def attend(q, k, v, rng):
+        bias = jax.lax.select(mask > 0, jnp.zeros(mask.shape, q.dtype), jnp.full(mask.shape, jnp.finfo(q.dtype).min))
+        weights = nn.dot_product_attention_weights(q, k, bias=bias, dropout_rng=rng, dropout_rate=dropout,
+                                                   broadcast_dropout=True, deterministic=dropout == 0, dtype=q.dtype)
+        return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    return attend
+
+
+def _float32_product(q, k, v, rng):
+    """By hand, the scores' product in float32 (preferred_element_type), divided by sqrt(d), softmax
+    in float32, probabilities cast back."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / q.shape[-1] ** 0.5
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
+
+
+def _spelling_cases(on_gpu: bool) -> list[Case]:
+    """Spellings from real models, under xkern.optimize against the same program under jax.jit:
+    HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
+    by hand. FLOPs counted as if unmasked (the causal one: half). Needs flax."""
+    if importlib.util.find_spec("flax") is None:
+        return []
+    cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
+              ("HF Flax Llama: causal + padding bias", (4, 4096, 32, 128), _hf_flax(4, 4096, True, 0.0), 2),
+              ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1)]
+    if not on_gpu:
+        cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
+                   if "HF" in n else f, c) for n, _, f, c in cases_]
+    out = []
+    for name, (b, s, h, d), attend, share in cases_:
+        def make(key, shape=(b, s, h, d)):
+            keys = jax.random.split(key, 5)
+            return (*(jax.random.normal(k, shape, jnp.bfloat16) for k in keys[:4]), keys[4])
+        fwd = lambda f: (lambda q, k, v, do, rng: f(q, k, v, rng))
+        bwd = lambda f: (lambda q, k, v, do, rng: jax.vjp(lambda *a: f(*a, rng), q, k, v)[1](do))
+        flops = 4 * b * h * s * s * d // share
+        name = f"attention, {name}, xkern.optimize vs jax.jit"
+        out += [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(xkern.optimize(attend)), fwd(attend), make, 0, 2e-2,
+                     flops),
+                Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(xkern.optimize(attend)), bwd(attend), make, 0,
+                     3e-2, int(3.5 * flops), memory=True)]
+    return out
+
 
 def _window_visible(s: int, left: int, right: int) -> int:
     """Scores inside a (left, right) window of an s x s problem: FLOPs count only those."""

@@ -289,6 +289,15 @@ def _spellings():
                                         False),
         "einsum[bhsd]/sqrt(d)+float32 softmax": (lambda q, k, v: R.by_hand("bhsd", False, True, "/sqrt(d)")(q, k, v),
                                                  False),
+        # where the scale and the float32 cast come elsewhere
+        "einsum[bshd]+scaled q+causal": (lambda q, k, v: R.by_hand("bshd", True, False, scores="scaled q")(
+            q, k, v, scale=0.3), False),
+        "einsum[bhsd]/sqrt(d)+scaled q+float32 softmax": (lambda q, k, v: R.by_hand(
+            "bhsd", False, True, "/sqrt(d)", scores="scaled q")(q, k, v), False),
+        "einsum[bshd]/divisor+float32 product": (lambda q, k, v: R.by_hand(
+            "bshd", False, True, "/divisor", scores="float32 product")(q, k, v, scale=4.0), False),
+        "einsum[bhsd]+upcast product+causal": (lambda q, k, v: R.by_hand(
+            "bhsd", True, True, scores="upcast product")(q, k, v, scale=0.25), False),
     }
 
 
@@ -530,6 +539,66 @@ def test_hand_written_masks_and_biases_are_found(layout, form):
     loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
     for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
         close(g, w, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("form", ["padding", "causal and padding", "padding, dropout"])
+def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
+    """HF's Flax ports turn their masks into a bias (0 or finfo.min, in the model's dtype) and call
+    flax's dot_product_attention_weights with it (and dropout when training), then the einsum with v.
+    An entry whose every key is padding averages every value, and its gradient reaches q and k through
+    the bias's add, as under XLA (with dropout, formed 3 queries at a time here)."""
+    import flax.linen as nn
+    from xkern.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "EMPTY_ROWS_CHUNK", 3 * 4 * 3 * 20)  # 3 queries of [b3, h4, k20]
+
+    b, s, h, d = 3, 20, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=21)
+    valid = jnp.arange(s)[None, :] < jnp.array([s, 11, 0])[:, None]
+    mask = valid[:, None, None, :]
+    if form == "causal and padding":
+        mask = nn.combine_masks(mask, nn.make_causal_mask(jnp.ones((b, s)), dtype=bool))
+    dropout = form.endswith("dropout")
+
+    def f(q, k, v, mask=mask):
+        bias = jax.lax.select(mask > 0, jnp.full(mask.shape, 0.0).astype(q.dtype),
+                              jnp.full(mask.shape, jnp.finfo(q.dtype).min).astype(q.dtype))
+        weights = nn.dot_product_attention_weights(q, k, bias=bias, dropout_rng=jax.random.key(2),
+                                                   dropout_rate=0.1 if dropout else 0.0, broadcast_dropout=True,
+                                                   deterministic=not dropout, dtype=q.dtype)
+        return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+    [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.pattern.startswith("attention/")]
+    assert match.pattern == f"attention/flax.linen.dot_product_attention+bias(broadcast){'+dropout' * dropout}"
+    assert match.params.get("bias_kind") == "mask"  # run as a mask: its tile lists skip what it hides
+    got, want = xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v)
+    assert np.abs(np.asarray(got[2], np.float32)).max() > 0  # the all-padding entry: the mean of v
+    close(got, want, jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    for g, w in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)):
+        close(g, w, jnp.bfloat16)
+
+
+def test_masked_rows_bias_gives_the_gradients_of_a_finfo_min_bias():
+    """masked_rows="bias": a mask that stands for a bias of finfo.min, rows it hides entirely
+    included (their uniform weights pass gradients to q and k through the scores), with GQA, causal
+    and a mask per head, against the float32 program that adds the bias."""
+    b, sq, sk, h, hk, d = 2, 19, 23, 4, 2, 16
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=23)
+    rng = np.random.default_rng(24)
+    mask = jnp.asarray(rng.random((b, h, sq, sk)) > 0.4).at[0, 1, 3].set(False).at[1, :, 5].set(False)
+
+    def added(q, k, v):
+        bias = jnp.where(mask & jnp.tril(jnp.ones((sq, sk), bool)), 0.0, jnp.finfo(jnp.float32).min)
+        kr, vr = (jnp.repeat(a, h // hk, axis=2) for a in (k, v))
+        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kr) * 0.25 + bias, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, vr)
+
+    ours = lambda q, k, v: attention(q, k, v, mask=mask, causal=True, scale=0.25, masked_rows="bias")
+    got, want = value_and_grads(ours, (q, k, v), do), value_and_grads(added, (q, k, v), do)
+    assert np.abs(np.asarray(got[1][0][1, 5])).max() > 0  # a hidden row's dq: XLA's, not zero
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.float32)
 
 
 def test_a_small_mask_fill_is_not_taken():

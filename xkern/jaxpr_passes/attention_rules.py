@@ -91,23 +91,28 @@ def _causal_empty_as_jax_nn(out, v, lengths):
     return jnp.where((lengths <= 0)[:, None, None, None], mean.astype(out.dtype), out)
 
 
-def flax_attention(mask: str | None):
+def flax_attention(mask: str | None, bias: str | None = None):
+    """flax.linen.dot_product_attention with a mask, or with an additive bias (bias: a key of
+    SCORE_SHAPES, in q's dtype), as HF's Flax ports pass their padding and causal masks."""
     def fn(q, k, v, *extras):
         import flax.linen as nn
-        return nn.dot_product_attention(q, k, v, mask=extras[0] if mask else None)
-    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}"
+        return nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None, mask=extras[0] if mask else None)
+    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}{'+bias' + bias if bias else ''}"
     return fn
 
 
-def flax_attention_dropout(mask: str | None):
+def flax_attention_dropout(mask: str | None, bias: str | None = None):
     """flax.linen.dot_product_attention with dropout (dropout_rate > 0, not deterministic): the
     probabilities times a multiplier made from random bits (the last input: how it is made, broadcast
-    over batch and heads or not, is outside the pattern)."""
+    over batch and heads or not, is outside the pattern). HF's Flax ports call
+    dot_product_attention_weights so, with a bias, then the einsum with v."""
     def fn(q, k, v, *extras):
         import flax.linen as nn
-        weights = nn.dot_product_attention_weights(q, k, mask=extras[0] if mask else None)
+        weights = nn.dot_product_attention_weights(q, k, bias=extras[0] if bias else None,
+                                                   mask=extras[0] if mask else None)
         return jnp.einsum("...hqk,...khd->...qhd", weights * extras[-1], v)
-    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}+dropout"
+    fn.__name__ = (f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}"
+                   f"{'+bias' + bias if bias else ''}+dropout")
     return fn
 
 
@@ -124,13 +129,23 @@ def _causal(scores):
     return jnp.where(jnp.tril(jnp.ones((sq, sk), bool)), scores, -jnp.inf)
 
 
+# Where a by-hand spelling scales and upcasts its scores (by_hand's `scores`): the product of q and k
+# scaled ("product"); q scaled before the product ("scaled q", as flax and Gemma write it); the
+# product computed in float32 (preferred_element_type) and then scaled ("float32 product"); the
+# product cast to float32, then scaled ("upcast product"). The last two softmax in float32 and cast
+# the probabilities back to q's dtype.
+SCORES = ("product", "scaled q", "float32 product", "upcast product")
+
+
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
-            bias: str | None = None, float32_bias: bool = False, dropout: str | None = None):
+            bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
+            scores: str = "product"):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype). mask / bias: a key of SCORE_SHAPES, their inputs in that
     order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
-    input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input)."""
+    input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
+    scores: one of SCORES (the float32 ones imply `upcast`)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
               "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
 
@@ -141,8 +156,17 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scores / scale
         return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
+    def product(q, k, scale):
+        if scores == "scaled q":
+            return jnp.einsum(qk, scaled(q, q, scale), k)
+        if scores == "float32 product":
+            return scaled(jnp.einsum(qk, q, k, preferred_element_type=jnp.float32), q, scale)
+        if scores == "upcast product":
+            return scaled(jnp.einsum(qk, q, k).astype(jnp.float32), q, scale)
+        return scaled(jnp.einsum(qk, q, k), q, scale)
+
     def fn(q, k, v, *extras, **params):
-        scores = scaled(jnp.einsum(qk, q, k), q, params.get("scale"))
+        scores = product(q, k, params.get("scale"))
         if bias:
             scores = scores + extras[0]
         if mask:
@@ -158,10 +182,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         elif dropout == "select":
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return jnp.einsum(pv, probs, v)
-    fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}{'+causal' if causal else ''}"
+    fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
+                   f"{'' if scores == 'product' else '+' + scores}{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
                    f"{'+mask' + mask if mask else ''}"
-                   f"{'+float32 softmax' if upcast else ''}{'+dropout(' + dropout + ')' if dropout else ''}")
+                   f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
+                   f"{'+dropout(' + dropout + ')' if dropout else ''}")
     return fn
 
 
@@ -254,6 +280,62 @@ def _mask_facts(match, index: int = -1) -> dict:
     return {"mask_kind": "window", "left": left, "right": right}
 
 
+# What every spelling holds (Pattern.requires): programs without them trace none of the ~230 templates.
+SOFTMAX_AND_PRODUCTS = frozenset({"dot_general", "exp", "reduce_max"})
+
+
+SHAPING = ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims")
+
+
+def _uniform_value(graph, var) -> float | None:
+    """The one value every element of `var` holds, if the program makes it by broadcasting (and
+    casting) a literal or a small constant; else None."""
+    casts = []
+    while not isinstance(var, Literal) and var in graph.producer:
+        eqn = graph.eqns[graph.producer[var][0]]
+        if eqn.primitive.name not in SHAPING:
+            break
+        if eqn.primitive.name == "convert_element_type":
+            casts.append(eqn.params["new_dtype"])
+        var = eqn.invars[0]
+    value = var.val if isinstance(var, Literal) else constant_value(graph, var, 1 << 16)
+    if value is None:
+        return None
+    value = np.asarray(value)
+    if value.size == 0 or not np.all(value == value.flat[0]):
+        return None
+    with jax.ensure_compile_time_eval():
+        x = jnp.asarray(value.flat[0])
+        for dtype in reversed(casts):
+            x = x.astype(dtype)
+        return float(x)
+
+
+def _bias_facts(match, index: int = 3) -> dict:
+    """{"bias_kind": "mask"} when the matched bias (input `index`) is a select between 0 and a finite
+    fill that hides a key (HF's Flax ports: lax.select(mask > 0, 0, finfo.min)): the kernels then take
+    `bias == 0` as a mask, whose tile lists skip what it hides, and treat a row it hides entirely as
+    XLA does (masked_rows="bias"). A -inf fill keeps the bias (XLA's row is NaN there)."""
+    graph, var = match.graph, match.inputs[index]
+    if isinstance(var, Literal):
+        return {}
+    if var not in graph.producer:  # a constant of the program (made outside it): its values decide
+        bias = constant_value(graph, var, CONSTANT_MASK_ELEMENTS) if var in graph.consts else None
+        if bias is None or bias.size == 0:
+            return {}
+        with jax.ensure_compile_time_eval():
+            fill = float(jnp.min(bias))
+            hides = -np.inf < fill <= MAX_FILL and bool(jnp.all((bias == 0) | (bias == fill)))
+        return {"bias_kind": "mask"} if hides else {}
+    eqn = graph.eqns[graph.producer[var][0]]
+    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+        return {}
+    values = sorted((_uniform_value(graph, case) for case in eqn.invars[1:]), key=lambda x: (x is None, x))
+    if None in values or values[1] != 0 or not (-np.inf < values[0] <= MAX_FILL):
+        return {}
+    return {"bias_kind": "mask"}
+
+
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
              scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False,
              dropout=None):
@@ -278,12 +360,14 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return (q, kv, kv, *bias, *mask, *lengths, *drop)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None):
+                keep=None, bias_kind=None):
         multiplier = None
         if dropout:  # select(keep, probs / keep, 0) as a multiplier in the probabilities' dtype
             extras, multiplier = extras[:-1], extras[-1]
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
+        bias = extras[0] if with_bias and bias_kind is None else None
+        hidden_by_bias = extras[0] == 0 if bias_kind == "mask" else None
         if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
@@ -292,7 +376,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             scale = 1 / scale
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
-        mask = extras[-1] if with_mask and mask_kind is None else None
+        mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
         lengths = extras[-1] if with_lengths else None
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
@@ -301,8 +385,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         # bias of finfo.min (an HF port's padding: XLA's scores there are all -3.4e38, equal)
         average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or with_bias
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
-                                bias=extras[0] if with_bias else None, mask=mask, scale=scale, backend=backend,
-                                kv_lengths=lengths, masked_rows="average" if average else "zeros",
+                                bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
+                                masked_rows="bias" if bias_kind else "average" if average else "zeros",
                                 local_window_size=(left, right) if banded else None,
                                 dropout_multiplier=multiplier)
         if with_lengths and causal:
@@ -317,11 +401,12 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    dtypes=dtypes, example=example,
                    example_params=example_params, params_of=_params_of(params, fill, window, dropout == "select"),
                    check=_check(layout, dropout), replace=replace,
-                   facts_of=(lambda match: _mask_facts(match, mask_index)) if with_mask else (lambda match: {}),
+                   facts_of=(lambda match: _mask_facts(match, mask_index)) if with_mask else
+                   (lambda match: _bias_facts(match)) if with_bias else (lambda match: {}),
                    ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
                    constants=2 if window else 0,
-                   requires=frozenset({"random_bits", "dot_general"}) if dropout else frozenset())
+                   requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()))
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -347,8 +432,23 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, bias=bias, float32_bias=f32
                       float32_bias=f32)
              for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
              for f32 in (True, False)]
-if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
-    PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask) for mask in (None, *MASK_SHAPES)]
+FLAX = importlib.util.find_spec("flax") is not None  # flax is optional: a test dependency
+FLAX_SPELLING = ("scaled q", "bshd", "/sqrt(d)", False, None, False)  # by_hand's args for flax's
+if FLAX:
+    PATTERNS += [_pattern(flax_attention(mask), ALL, params=False, with_mask=mask, scaling="/sqrt(d)")
+                 for mask in (None, *MASK_SHAPES)]
+    PATTERNS += [_pattern(flax_attention(None, bias), ALL, params=False, with_bias=bias, shapes=SCORE_SHAPES,
+                          float32_bias=False, scaling="/sqrt(d)") for bias in SCORE_SHAPES]
+# (flax.linen.dot_product_attention without a mask is one of them: with flax installed, its name is kept.)
+# Where the scale and the float32 cast come elsewhere: q scaled before the product (with a mask, as
+# flax writes it), the product in float32 (preferred_element_type) or cast to it, then scaled.
+PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", scaling, mask=mask, scores=scores),
+                      HALF if upcast or scores != "scaled q" else ALL, layout=layout, causal=causal, with_mask=mask,
+                      fill=bool(mask), shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
+             for scores in SCORES[1:] for layout in ("bshd", "bhsd") for scaling in ("*scale", "/divisor", "/sqrt(d)")
+             for causal, mask in ((False, None), (True, None), *((False, m) for m in SCORE_SHAPES))
+             for upcast in ((False, True) if scores == "scaled q" else (True,))
+             if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
 
 
 # Attention with dropout on its probabilities: the multiplier the program draws goes to the kernels.
@@ -357,6 +457,9 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, dropout=dropout),
                       layout=layout, causal=causal, scaling=scaling, params=scaling != "/sqrt(d)", dropout=dropout)
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in ("*scale", "/sqrt(d)") for dropout in ("multiplier", "select")]
-if importlib.util.find_spec("flax") is not None:
-    PATTERNS += [_pattern(flax_attention_dropout(mask), ALL, with_mask=mask, params=False, dropout="multiplier")
-                 for mask in (None, *MASK_SHAPES)]
+if FLAX:
+    PATTERNS += [_pattern(flax_attention_dropout(mask), ALL, with_mask=mask, params=False, dropout="multiplier",
+                          scaling="/sqrt(d)") for mask in (None, *MASK_SHAPES)]
+    PATTERNS += [_pattern(flax_attention_dropout(None, bias), ALL, with_bias=bias, shapes=SCORE_SHAPES,
+                          float32_bias=False, params=False, dropout="multiplier", scaling="/sqrt(d)")
+                 for bias in SCORE_SHAPES]

@@ -58,7 +58,10 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0], _window_of(local_window_size))
-    s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
+    if masked_rows == "bias":  # hidden by adding a huge negative number: gradients pass the add
+        s = s + jnp.where(visible, 0.0, -1e30)
+    else:
+        s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
     m = jnp.max(s, -1, keepdims=True, initial=-jnp.inf)  # (no keys at all: o is 0)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -1210,9 +1213,10 @@ class Static:
     has_kv_len: bool
     backend: str
     configs: tuple
-    average_empty: bool = False  # masked_rows="average" (applied around the kernels, in XLA)
+    average_empty: bool = False  # masked_rows="average" or "bias" (applied around the kernels, in XLA)
     window: tuple | None = None  # a sliding window's (left, right), -1 = unbounded (see attention)
     drop_bh: tuple | None = None  # a dropout multiplier's (varies over batch, over heads), or None
+    empty_grads: bool = False  # masked_rows="bias": those rows' gradients reach q and k (XLA's, around the kernels)
 
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
@@ -1502,14 +1506,21 @@ def _attention_bwd(st: Static, residuals, do):
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
-        if bias is not None and mask is None:  # hidden by the bias alone: XLA's gradient passes its add
+        if st.empty_grads or bias is not None and mask is None:  # hidden by a bias: XLA's gradient passes its add
             dq_empty, dk_empty = _biased_empty_vjp(q, k, v, jnp.where(_empty(lse)[..., None], do, 0),
                                                    jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0),
                                                    kv_len, st.scale)
             dq, dk = (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype)
     elif st.average_empty:
-        dv = jax.lax.cond(jnp.any(_empty(lse)), lambda: dv + _dropped_means_vjp(
-            jnp.where(_empty(lse)[..., None], do, 0), v, kv_len, drop).astype(dv.dtype), lambda: dv)
+        def with_empty_rows():
+            do_empty = jnp.where(_empty(lse)[..., None], do, 0)
+            dv_ = dv + _dropped_means_vjp(do_empty, v, kv_len, drop).astype(dv.dtype)
+            if not st.empty_grads and (bias is None or mask is not None):
+                return dq, dk, dv_
+            dq_empty, dk_empty = _biased_empty_dropped_vjp(
+                q, k, v, do_empty, jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0), kv_len, drop, st.scale)
+            return (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype), dv_
+        dq, dk, dv = jax.lax.cond(jnp.any(_empty(lse)), with_empty_rows, lambda: (dq, dk, dv))
     dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st)
     return dq, dk, dv, None, dbias, None, None
 
@@ -1566,6 +1577,37 @@ def _biased_empty_vjp(q, k, v, do_empty, delta_empty, kv_len, scale):
     qd = jnp.einsum("bqhg,bqhgd->bhd", dlt, qf)
     dk = scale * w[:, :, None, None] * (jnp.einsum("bhde,bkhe->bkhd", n, vf) - qd[:, None])
     return dq.reshape(b, sq, heads, d), dk
+
+
+EMPTY_ROWS_CHUNK = 1 << 24  # float32 elements of ds [batch, heads, queries, keys] formed at a time
+
+
+def _biased_empty_dropped_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scale):
+    """_biased_empty_vjp under dropout: the multiplier m varies with query and key, so
+    ds_qj = w_j (m_qj do_q.v_j - delta_q) is formed for a chunk of queries at a time (bounded memory,
+    XLA's cost; it runs only when some row's keys are all hidden by the bias);
+    dq = scale ds k, dk = scale ds^T q."""
+    b, sq, heads, d = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    _, w = _mean_values_parts(v, kv_len)  # [batch, sk]
+    kf, vf = (jnp.repeat(a.astype(jnp.float32), heads // kv_heads, axis=2) for a in (k, v))
+    chunk = max(1, min(sq, EMPTY_ROWS_CHUNK // max(1, b * heads * sk)))
+    n = -(-sq // chunk)
+
+    def chunks(a, axis):  # a's query axis cut into n chunks, the chunk index first
+        a = jnp.pad(a, [(0, n * chunk - sq if i == axis else 0) for i in range(a.ndim)])
+        return jnp.moveaxis(a.reshape(*a.shape[:axis], n, chunk, *a.shape[axis + 1:]), axis, 0)
+
+    def step(dk, xs):
+        q_c, do_c, delta_c, m_c = xs
+        ds = w[:, None, None, :] * (m_c * jnp.einsum("bqhd,bkhd->bhqk", do_c, vf) - delta_c[..., None])
+        return dk + scale * jnp.einsum("bhqk,bqhd->bkhd", ds, q_c), scale * jnp.einsum("bhqk,bkhd->bqhd", ds, kf)
+
+    dk, dq = jax.lax.scan(step, jnp.zeros((b, sk, heads, d), jnp.float32),
+                          (chunks(q.astype(jnp.float32), 1), chunks(do_empty.astype(jnp.float32), 1),
+                           chunks(delta_empty, 2), chunks(drop.astype(jnp.float32), 2)))
+    dq = jnp.moveaxis(dq, 0, 1).reshape(b, n * chunk, heads, d)[:, :sq]
+    return dq, dk.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)
 
 
 def _dropped_weights(v, kv_len, drop):
@@ -1653,7 +1695,7 @@ def _check(q, k, v, scale, kv_lengths):
                          f"{list(getattr(kv_lengths, 'shape', []))}")
 
 
-MASKED_ROWS = ("zeros", "average")
+MASKED_ROWS = ("zeros", "average", "bias")
 
 
 def _window_of(local_window_size) -> tuple | None:
@@ -1702,7 +1744,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         with the sequence.
     masked_rows: what a query gets whose keys are all hidden by `mask` / `causal`: "zeros", or
         "average", the mean of every value (jax.nn.dot_product_attention's and flax's result: they
-        fill hidden scores with a large negative number). Keys past kv_lengths never count.
+        fill hidden scores with a large negative number). Keys past kv_lengths never count. "bias":
+        the same, with the gradients XLA gives when the mask is a bias of finfo.min (HF's Flax
+        ports): such a row's uniform weights pass their gradient to q and k through the scores.
     Float32 math inside; output in q's dtype. Hide keys with `mask` rather than a huge negative
     bias: a row whose every score is below about -1e7 keeps the forward's value, but its gradients
     lose the logsumexp's precision (the saved lse rounds to the row's max), and a bias below
@@ -1741,8 +1785,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
-    st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows == "average",
-                window, drop_bh)
+    st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
+                window, drop_bh, masked_rows == "bias")
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len,
