@@ -55,18 +55,19 @@ MASK_SHAPES = {"[b,h,q,k]": (2, 4, 8, 8), "[b,1,q,k]": (2, 1, 8, 8), "[1,1,q,k]"
 
 
 def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = True, lengths: bool = False,
-                 window: bool = False):
+                 window: bool = False, bias_kind: str = ""):
     """jax.nn's attention, traced with grouped k/v heads (grouped) or as many k/v heads as q heads:
     a mask broadcast over heads traces one broadcast more when k/v heads are grouped, so those masks
     take a template of each kind. lengths: with key_value_seq_lengths (the last input), as a decode
     step against a padded cache passes them. window: with local_window_size=(left, right), params
-    (jax.nn builds the window from two position constants: the template's last inputs)."""
+    (jax.nn builds the window from two position constants: the template's last inputs). bias_kind:
+    the bias's shape and dtype, where they are not [b,h,q,k] float32 (they change the trace)."""
     def fn(q, k, v, *extras, scale, left=None, right=None):
         return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
                                             mask=extras[-1] if mask else None, scale=scale, is_causal=causal,
                                             key_value_seq_lengths=extras[-1] if lengths else None,
                                             local_window_size=(left, right) if window else None)
-    fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' if bias else ''}"
+    fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' + bias_kind if bias else ''}"
                    f"{'+mask' + mask if mask else ''}{'+key_value_seq_lengths' if lengths else ''}"
                    f"{'+local_window_size' if window else ''}{'' if grouped else ', one k/v head per q head'}")
     fn.grouped = grouped
@@ -311,11 +312,18 @@ def _uniform_value(graph, var) -> float | None:
         return float(x)
 
 
+# A bias this negative, added to a score in float32 or bfloat16, leaves nothing of the score: a row
+# it hides entirely has equal scores, so XLA's softmax there is uniform (at -1e9 in float32 the
+# scores' rounding would still order them).
+HUGE_BIAS = -1e30
+
+
 def _bias_facts(match, index: int = 3) -> dict:
     """{"bias_kind": "mask"} when the matched bias (input `index`) is a select between 0 and a finite
-    fill that hides a key (HF's Flax ports: lax.select(mask > 0, 0, finfo.min)): the kernels then take
-    `bias == 0` as a mask, whose tile lists skip what it hides, and treat a row it hides entirely as
-    XLA does (masked_rows="bias"). A -inf fill keeps the bias (XLA's row is NaN there)."""
+    fill <= HUGE_BIAS (HF's Flax ports: lax.select(mask > 0, 0, finfo.min)), or a constant holding
+    only those: the kernels then take `bias == 0` as a mask, whose tile lists skip what it hides, and
+    treat a row it hides entirely as XLA does (masked_rows="bias"). A -inf fill keeps the bias (XLA's
+    row is NaN there)."""
     graph, var = match.graph, match.inputs[index]
     if isinstance(var, Literal):
         return {}
@@ -325,13 +333,26 @@ def _bias_facts(match, index: int = 3) -> dict:
             return {}
         with jax.ensure_compile_time_eval():
             fill = float(jnp.min(bias))
-            hides = -np.inf < fill <= MAX_FILL and bool(jnp.all((bias == 0) | (bias == fill)))
+            hides = -np.inf < fill <= HUGE_BIAS and bool(jnp.all((bias == 0) | (bias == fill)))
         return {"bias_kind": "mask"} if hides else {}
-    eqn = graph.eqns[graph.producer[var][0]]
+    casts = []  # (a select in float32 cast to q's dtype, broadcast: its values as cast)
+    while not isinstance(var, Literal) and var in graph.producer:
+        eqn = graph.eqns[graph.producer[var][0]]
+        if eqn.primitive.name not in SHAPING:
+            break
+        casts.append(eqn.params.get("new_dtype"))
+        var = eqn.invars[0]
     if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
         return {}
-    values = sorted((_uniform_value(graph, case) for case in eqn.invars[1:]), key=lambda x: (x is None, x))
-    if None in values or values[1] != 0 or not (-np.inf < values[0] <= MAX_FILL):
+
+    def value(case):
+        x = _uniform_value(graph, case)
+        with jax.ensure_compile_time_eval():
+            for dtype in reversed(casts):
+                x = None if x is None else x if dtype is None else float(jnp.asarray(x).astype(dtype))
+        return x
+    values = sorted((value(case) for case in eqn.invars[1:]), key=lambda x: (x is None, x))
+    if None in values or values[1] != 0 or not (-np.inf < values[0] <= HUGE_BIAS):
         return {}
     return {"bias_kind": "mask"}
 
@@ -412,6 +433,12 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
             for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)
             for grouped in ((True, False) if mask and mask != "[b,h,q,k]" else (True,))]
+# A bias broadcast over heads (or batch) or in q's dtype, as flax.nnx.dot_product_attention passes a
+# padding bias on: jax.nn broadcasts and casts it, so each is a template.
+PATTERNS += [_pattern(nn_attention(causal, True, None, grouped, bias_kind=f"{shape}{'' if f32 else ' in q dtype'}"),
+                      ALL if f32 else HALF, causal=causal, with_bias=shape, float32_bias=f32)
+             for causal in (False, True) for shape in MASK_SHAPES for f32 in (True, False)
+             if not (f32 and shape == "[b,h,q,k]") for grouped in ((True, False) if shape != "[b,h,q,k]" else (True,))]
 PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), ALL, causal=causal, with_lengths=True)
              for causal in (False, True) for grouped in (True, False)]
 PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causal=causal, window=True)
