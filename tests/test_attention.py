@@ -298,6 +298,8 @@ def _spellings():
             "bshd", False, True, "/divisor", scores="float32 product")(q, k, v, scale=4.0), False),
         "einsum[bhsd]+upcast product+causal": (lambda q, k, v: R.by_hand(
             "bhsd", True, True, scores="upcast product")(q, k, v, scale=0.25), False),
+        "einsum[bshd]*array+causal": (lambda q, k, v: R.by_hand("bshd", True, False, "*array")(
+            q, k, v, 1 / jnp.sqrt(q.shape[-1] * 1.0)), False),  # computed in the program: a constant
     }
 
 
@@ -599,6 +601,24 @@ def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
     want = value_and_grads(padded(jnp.finfo(jnp.float32).min, jnp.float32), [a.astype(jnp.float32) for a in (q, k, v)],
                            do.astype(jnp.float32))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # entry 1 sees no key: uniform, dq and dk too
+        close(g, w, jnp.bfloat16)
+
+
+def test_a_scale_passed_to_the_jitted_function_scales_q():
+    """A scale the program is given (a Python number passed to the jitted function, traced) cannot
+    be the kernels' constant: q is scaled by it (in float32, so its gradient sums precisely), and
+    its gradient is jax.jit's."""
+    def f(q, k, v, scale):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * scale
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype), v)
+
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in make(2, 19, 19, 2, 2, 16, jnp.bfloat16, seed=26))
+    [match] = xkern.explain(f)(q, k, v, 0.3).matches
+    assert match.pattern == "attention/einsum[bhsd]*array+float32 softmax" and "scale_value" not in match.params
+    loss = lambda q, k, v, s: jnp.sum(f(q, k, v, s).astype(jnp.float32) * do.astype(jnp.float32))
+    got = xkern.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(q, k, v, 0.3)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(*(a.astype(jnp.float32) for a in (q, k, v)), 0.3)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(g, w, jnp.bfloat16)
 
 

@@ -143,7 +143,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores: str = "product"):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
-    holds it), "/sqrt(d)" (in q's dtype). mask / bias: a key of SCORE_SHAPES, their inputs in that
+    holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
+    cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`). mask / bias: a key of SCORE_SHAPES, their inputs in that
     order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
     input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
     scores: one of SCORES (the float32 ones imply `upcast`)."""
@@ -155,6 +156,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scores * scale
         if scaling == "/divisor":
             return scores / scale
+        if scaling in ARRAY_SCALINGS:  # a scalar the program computes or is given, cast to the scores'
+            return scores * scale.astype(scores.dtype) if scaling == "*array" else scores / scale.astype(scores.dtype)
         return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
     def product(q, k, scale):
@@ -167,7 +170,11 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         return scaled(jnp.einsum(qk, q, k), q, scale)
 
     def fn(q, k, v, *extras, **params):
-        scores = product(q, k, params.get("scale"))
+        if scaling in ARRAY_SCALINGS:  # the scale array: the last input
+            extras, scale = extras[:-1], extras[-1]
+        else:
+            scale = params.get("scale")
+        scores = product(q, k, scale)
         if bias:
             scores = scores + extras[0]
         if mask:
@@ -357,10 +364,27 @@ def _bias_facts(match, index: int = 3) -> dict:
     return {"bias_kind": "mask"}
 
 
+ARRAY_SCALINGS = ("*array", "/array")
+
+
+def _scale_facts(match, scaling: str) -> dict:
+    """{"scale_value": x} when the array scale (the last input) is computed from constants and
+    positive (1 / jnp.sqrt(d)): the kernels take it. A traced scale (a Python number passed to the
+    jitted function, a learned temperature) or another constant scales q instead."""
+    var = match.inputs[-1]
+    value = float(var.val) if isinstance(var, Literal) else constant_value(match.graph, var, 1)
+    if value is None:
+        return {}
+    with jax.ensure_compile_time_eval():
+        value = float(value)
+    return {"scale_value": value} if value > 0 and np.isfinite(value) else {}
+
+
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
              scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False,
              dropout=None):
-    """Inputs q, k, v, then the bias and the mask where the spelling has them (with_bias / with_mask:
+    """Inputs q, k, v, then the bias and the mask where the spelling has them, then an array scale
+    (scaling "*array" or "/array") (with_bias / with_mask:
     True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
     bias is float32, or else in q's dtype. window: jax.nn's local_window_size, whose two position
     constants follow (unread by the replacement). dropout: "multiplier" (the last input multiplies
@@ -378,18 +402,28 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
                 "select": (jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_),)}[dropout]
-        return (q, kv, kv, *bias, *mask, *lengths, *drop)
+        scale = (jax.ShapeDtypeStruct((), jnp.float32),) if scaling in ARRAY_SCALINGS else ()
+        return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None, bias_kind=None):
+                keep=None, bias_kind=None, scale_value=None):
         multiplier = None
+        if scaling in ARRAY_SCALINGS:  # a constant scale goes to the kernels; else q is scaled by it
+            extras, scale_array = extras[:-1], extras[-1]
+            if scale_value is not None:
+                scale = scale_value if scaling == "*array" else 1 / scale_value
+            else:  # (in float32: the scale's gradient sums over every element of q)
+                s, qf = scale_array.astype(q.dtype).astype(jnp.float32), q.astype(jnp.float32)
+                q, scale = (qf * s if scaling == "*array" else qf / s).astype(q.dtype), 1.0
         if dropout:  # select(keep, probs / keep, 0) as a multiplier in the probabilities' dtype
             extras, multiplier = extras[:-1], extras[-1]
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
         hidden_by_bias = extras[0] == 0 if bias_kind == "mask" else None
-        if scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
+        if scaling in ARRAY_SCALINGS:
+            pass
+        elif scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
         elif scale is None:  # flax: 1 / sqrt(head dim)
             scale = 1 / math.sqrt(q.shape[-1])
@@ -417,13 +451,17 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
                       **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
                       **({"keep": EXAMPLE_KEEP} if dropout == "select" else {})}
-    mask_index = -2 if dropout else -1
+    arrays = scaling in ARRAY_SCALINGS
+    mask_index = -1 - bool(dropout) - arrays
+
+    def facts_of(match) -> dict:
+        facts = _mask_facts(match, mask_index) if with_mask else _bias_facts(match) if with_bias else {}
+        return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
                    example_params=example_params, params_of=_params_of(params, fill, window, dropout == "select"),
                    check=_check(layout, dropout), replace=replace,
-                   facts_of=(lambda match: _mask_facts(match, mask_index)) if with_mask else
-                   (lambda match: _bias_facts(match)) if with_bias else (lambda match: {}),
+                   facts_of=facts_of,
                    ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
                    constants=2 if window else 0,
@@ -477,6 +515,14 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", sc
              for upcast in ((False, True) if scores == "scaled q" else (True,))
              if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
 
+# Scaled by a scalar the program computes (1 / jnp.sqrt(d)) or is given (a Python number passed to
+# the jitted function, a learned temperature), cast to the scores' dtype, on the product or on q.
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, mask=mask, scores=scores), HALF if upcast else ALL,
+                      layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES,
+                      scaling=scaling, params=False)
+             for scores in ("product", "scaled q") for scaling in ARRAY_SCALINGS[:1 if scores == "scaled q" else 2]
+             for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
+             for upcast in (False, True)]
 
 # Attention with dropout on its probabilities: the multiplier the program draws goes to the kernels.
 # Traced only for programs drawing random bits.
