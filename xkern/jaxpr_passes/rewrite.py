@@ -199,6 +199,22 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     return (None, reason, True) if reason else (params, None, False)
 
 
+_BY_SIGNATURE: dict[int, tuple] = {}
+
+
+def _by_signature(entries: list) -> dict:
+    """{anchor signature: indices into entries}, cached per registry list: a program equation is
+    looked at once per distinct signature (a few dozen), not once per template (hundreds share an
+    anchor: every attention spelling ends in a dot_general)."""
+    cached = _BY_SIGNATURE.get(id(entries))
+    if cached is None or cached[0] is not entries:
+        index: dict = {}
+        for j, (_, template) in enumerate(entries):
+            index.setdefault(anchor_signature(template), []).append(j)
+        cached = _BY_SIGNATURE[id(entries)] = (entries, index)
+    return cached[1]
+
+
 def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     """Find the named patterns in `closed`; sub-jaxprs are planned by `plan_sub` (the pipeline)."""
     graph = Graph(closed.jaxpr, closed.consts)
@@ -213,13 +229,10 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     for i in reversed(range(len(graph.eqns))):
         if i not in plan.live or i in claimed:
             continue
-        fitting: dict = {}  # anchor signature -> whether this equation passes the cheap look
-        for pattern, template in by_anchor.get(graph.eqns[i].primitive.name, ()):
-            sig = anchor_signature(template)
-            if sig not in fitting:
-                fitting[sig] = anchor_fits(graph, i, sig)
-            if not fitting[sig]:
-                continue
+        entries = by_anchor.get(graph.eqns[i].primitive.name, ())
+        by_signature = _by_signature(entries)  # the cheap look once per distinct anchor signature
+        for j in sorted(j for sig, js in by_signature.items() if anchor_fits(graph, i, sig) for j in js):
+            pattern, template = entries[j]
             match = unify(template, graph, i, strict=False)
             if match is None or match.program_eqns & claimed:
                 continue
