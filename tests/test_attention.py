@@ -604,6 +604,35 @@ def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_gemma_attention_is_found(kv_heads):
+    """The gemma library's attention: q scaled by a number, scores [b, q, heads, k] (GQA through a
+    5-D einsum), its [b, q, k] mask (here causal and padding, made in the program) applied with
+    K_MASK, softmax cast to the values' dtype."""
+    def gemma(q, k, v, lengths):
+        b, t, n, d = q.shape
+        logits_of = lambda q: (jnp.einsum("BTNH,BSNH->BTNS", q, k) if kv_heads == n else jnp.einsum(
+            "BTKGH,BSKH->BTKGS", q.reshape(b, t, kv_heads, n // kv_heads, d), k).reshape(b, t, n, -1))
+        logits = logits_of(q * 16 ** -0.5)
+        mask = (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :]) & (
+            jnp.arange(t)[None, None, :] < lengths[:, None, None])
+        probs = jax.nn.softmax(jnp.where(jnp.expand_dims(mask, -2), logits, -2.3819763e38), axis=-1).astype(k.dtype)
+        if kv_heads == n:
+            return jnp.einsum("BTNS,BSNH->BTNH", probs, v)
+        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs.reshape(b, t, kv_heads, n // kv_heads, -1), v)
+        return out.reshape(b, t, n, d)
+
+    q, k, v, do = make(2, 20, 20, 4, kv_heads, 16, jnp.bfloat16, seed=27)
+    lengths = jnp.array([20, 9])
+    [match] = [m for m in xkern.explain(gemma)(q, k, v, lengths).matches if m.pattern.startswith("attention/")]
+    assert match.pattern == f"attention/einsum[bqhk{',gqa' * (kv_heads == 2)}]+scaled q+mask[b,q,k]"
+    loss = lambda q, k, v: jnp.sum(gemma(q, k, v, lengths).astype(jnp.float32) * do.astype(jnp.float32))
+    got = xkern.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*(a.astype(jnp.float32) for a in (q, k, v)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
+
+
 def test_a_scale_passed_to_the_jitted_function_scales_q():
     """A scale the program is given (a Python number passed to the jitted function, traced) cannot
     be the kernels' constant: q is scaled by it (in float32, so its gradient sums precisely), and

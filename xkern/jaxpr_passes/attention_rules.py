@@ -148,8 +148,22 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
     input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
     scores: one of SCORES (the float32 ones imply `upcast`)."""
-    qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"),
-              "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]
+    qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
+              "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
+
+    def qk_einsum(q, k, **kw):  # Gemma's GQA: q's heads grouped by k/v head, scores [b, q, heads, k]
+        if layout != "bqhk,gqa":
+            return jnp.einsum(qk, q, k, **kw)
+        b, t, n, d = q.shape
+        s = jnp.einsum("btkgd,bskd->btkgs", q.reshape(b, t, k.shape[2], n // k.shape[2], d), k, **kw)
+        return s.reshape(b, t, n, s.shape[-1])
+
+    def pv_einsum(p, v):
+        if layout != "bqhk,gqa":
+            return jnp.einsum(pv, p, v)
+        b, t, n, s = p.shape
+        o = jnp.einsum("btkgs,bskd->btkgd", p.reshape(b, t, v.shape[2], n // v.shape[2], s), v)
+        return o.reshape(b, t, n, v.shape[-1])
 
     def scaled(scores, q, scale):
         if scaling == "*scale":
@@ -162,12 +176,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
 
     def product(q, k, scale):
         if scores == "scaled q":
-            return jnp.einsum(qk, scaled(q, q, scale), k)
+            return qk_einsum(scaled(q, q, scale), k)
         if scores == "float32 product":
-            return scaled(jnp.einsum(qk, q, k, preferred_element_type=jnp.float32), q, scale)
+            return scaled(qk_einsum(q, k, preferred_element_type=jnp.float32), q, scale)
         if scores == "upcast product":
-            return scaled(jnp.einsum(qk, q, k).astype(jnp.float32), q, scale)
-        return scaled(jnp.einsum(qk, q, k), q, scale)
+            return scaled(qk_einsum(q, k).astype(jnp.float32), q, scale)
+        return scaled(qk_einsum(q, k), q, scale)
 
     def fn(q, k, v, *extras, **params):
         if scaling in ARRAY_SCALINGS:  # the scale array: the last input
@@ -177,7 +191,9 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         scores = product(q, k, scale)
         if bias:
             scores = scores + extras[0]
-        if mask:
+        if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
+            scores = jnp.where(jnp.expand_dims(extras[-1], -2), scores, params["fill"])
+        elif mask:
             scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
             scores = _causal(scores)
@@ -189,7 +205,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = probs * extras[-1]
         elif dropout == "select":
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
-        return jnp.einsum(pv, probs, v)
+        return pv_einsum(probs, v)
+    fn.grouped = layout == "bqhk,gqa"
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
@@ -240,7 +257,7 @@ def _check(layout, dropout=None):
             return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
         if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
             return "not 4-D q, k, v"
-        d, heads, kv_heads = q.shape[3], q.shape[2 if layout == "bshd" else 1], k.shape[2 if layout == "bshd" else 1]
+        d, heads, kv_heads = q.shape[3], q.shape[1 if layout == "bhsd" else 2], k.shape[1 if layout == "bhsd" else 2]
         if d > kernels.MAX_HEAD_DIM:
             return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
         if kv_heads == 0 or heads % kv_heads:
@@ -394,7 +411,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
         kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if getattr(fn, "grouped", False) else (2, 8, 4, 16), dtype)
-        b, s, h = (2, 8, 4) if layout == "bshd" else (2, 4, 8)
+        b, s, h = (2, 4, 8) if layout == "bhsd" else (2, 8, 4)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
         bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
                                      jnp.float32 if float32_bias else dtype),) if with_bias else ()
@@ -432,6 +449,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
+        if mask is not None and with_mask == "[b,q,k]":
+            mask = mask[:, None]
         lengths = extras[-1] if with_lengths else None
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
@@ -515,6 +534,12 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", sc
              for upcast in ((False, True) if scores == "scaled q" else (True,))
              if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
 
+# Gemma's (the gemma library): q scaled by a number, scores [b, q, heads, k] (with grouped k/v heads:
+# q reshaped to [b, q, kv heads, group, d]), its [b, q, k] mask applied with a finite fill, softmax
+# cast to the values' dtype.
+PATTERNS += [_pattern(by_hand(layout, False, upcast, mask=mask, scores="scaled q"), HALF if upcast else ALL,
+                      layout=layout, with_mask=mask, fill=bool(mask), shapes={"[b,q,k]": lambda b, h, q, k: (b, q, k)})
+             for layout in ("bqhk", "bqhk,gqa") for mask in (None, "[b,q,k]") for upcast in (False, True)]
 # Scaled by a scalar the program computes (1 / jnp.sqrt(d)) or is given (a Python number passed to
 # the jitted function, a learned temperature), cast to the scores' dtype, on the product or on q.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, mask=mask, scores=scores), HALF if upcast else ALL,
