@@ -298,6 +298,8 @@ def _spellings():
             "bshd", False, True, "/divisor", scores="float32 product")(q, k, v, scale=4.0), False),
         "einsum[bhsd]+upcast product+causal": (lambda q, k, v: R.by_hand(
             "bhsd", True, True, scores="upcast product")(q, k, v, scale=0.25), False),
+        "jax.nn.dot_product_attention(causal), vmapped per example": (lambda q, k, v: jax.vmap(
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))(q, k, v), True),
         "einsum[bshd]*array+causal": (lambda q, k, v: R.by_hand("bshd", True, False, "*array")(
             q, k, v, 1 / jnp.sqrt(q.shape[-1] * 1.0)), False),  # computed in the program: a constant
     }

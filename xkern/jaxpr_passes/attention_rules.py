@@ -74,6 +74,16 @@ def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = Tru
     return fn
 
 
+def nn_attention_per_example(causal: bool):
+    """jax.nn's attention on one example ([seq, heads, dim]), vmapped over the batch: as a model
+    written per example (equinox's style) is batched."""
+    def fn(q, k, v, *, scale):
+        return jax.vmap(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+    fn.__name__ = f"jax.nn.dot_product_attention{'(causal)' if causal else ''}, vmapped per example"
+    fn.grouped = True
+    return fn
+
+
 def _lengths_as_jax_nn(q, k, lengths):
     """(q, kv_lengths) for the kernels that give jax.nn's result: a batch entry whose
     key_value_seq_length is 0 (or less) has every score filled alike there, so it gets the mean of
@@ -490,6 +500,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
             for causal in (False, True) for bias in (False, True) for mask in (None, *MASK_SHAPES)
             for grouped in ((True, False) if mask and mask != "[b,h,q,k]" else (True,))]
+PATTERNS += [_pattern(nn_attention_per_example(causal), ALL, causal=causal) for causal in (False, True)]
 # A bias broadcast over heads (or batch) or in q's dtype, as flax.nnx.dot_product_attention passes a
 # padding bias on: jax.nn broadcasts and casts it, so each is a template.
 PATTERNS += [_pattern(nn_attention(causal, True, None, grouped, bias_kind=f"{shape}{'' if f32 else ' in q dtype'}"),
