@@ -635,6 +635,24 @@ def test_gemma_attention_is_found(kv_heads):
         close(g, w, jnp.bfloat16)
 
 
+def test_explain_names_attention_no_spelling_took():
+    """flax's force_fp32_for_softmax (float32 probabilities into a float32 product with v) is no
+    spelling the kernels take: explain says so at the softmax, which alone is fused; attention that
+    is taken, and a softmax after an unbatched product (an LM head's loss), get no such note."""
+    import flax.linen as nn
+    from xkern.jaxpr_passes.rewrite import UNMATCHED_ATTENTION
+
+    q, k, v, _ = make(2, 16, 16, 2, 2, 16, jnp.bfloat16, seed=28)
+    notes = lambda f, *args: [d for d in xkern.explain(f)(*args).declined if d.reason == UNMATCHED_ATTENTION]
+    [note] = notes(lambda q, k, v: nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True), q, k, v)
+    assert note.pattern == "attention" and "attention.py" in note.location
+    assert notes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v) == []
+    w, labels = jnp.ones((16, 50)), jnp.zeros((2, 16), jnp.int32)
+    lm = lambda w: jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(q[:, :, 0].astype(jnp.float32) @ w), labels[
+        ..., None], -1))
+    assert notes(jax.grad(lm), w) == []
+
+
 def test_a_scale_passed_to_the_jitted_function_scales_q():
     """A scale the program is given (a Python number passed to the jitted function, traced) cannot
     be the kernels' constant: q is scaled by it (in float32, so its gradient sums precisely), and

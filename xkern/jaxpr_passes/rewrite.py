@@ -215,6 +215,34 @@ def _by_signature(entries: list) -> dict:
     return cached[1]
 
 
+UNMATCHED_ATTENTION = ("a softmax between two matrix products, as in attention, written in no spelling the attention "
+                       "patterns take (float32 probabilities into the product with v, a float32 scale, a cap on "
+                       "the scores, ...): the scores exist in memory")
+
+
+def _attention_left_as_softmax(plan: Plan, graph: Graph) -> list[Declined]:
+    """explain's note at each softmax (fused or not) that reads a batched matrix product (over batch
+    and heads, as q k^T) a few equations back and feeds one a few equations on: attention that no
+    attention pattern took. (An LM head's product has no batch axes.)"""
+    def batched_product(j: int) -> bool:
+        eqn = graph.eqns[j]
+        return eqn.primitive.name == "dot_general" and bool(eqn.params["dimension_numbers"][1][0])
+
+    def reaches(start: int, step, depth: int) -> bool:
+        frontier, seen = [start], {start}
+        for _ in range(depth):
+            frontier = [j for i in frontier for j in step(i) if j not in seen and not seen.add(j)]
+            if any(batched_product(j) for j in frontier):
+                return True
+        return False
+    back = lambda i: [graph.producer[v][0] for v in graph.eqns[i].invars if isinstance(v, Var) and v in graph.producer]
+    on = lambda i: [j for v in graph.eqns[i].outvars for j in graph.consumers.get(v, ())]
+    softmaxes = {i: r.location for i, r in plan.rewrites.items() if r.match.pattern.op in ("softmax", "log_softmax")}
+    softmaxes.update({d.anchor: d.location for d in plan.declined if d.pattern.startswith(("softmax/", "log_softmax/"))})
+    return [Declined("attention", where, UNMATCHED_ATTENTION, i) for i, where in sorted(softmaxes.items())
+            if reaches(i, back, 12) and reaches(i, on, 4)]
+
+
 def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     """Find the named patterns in `closed`; sub-jaxprs are planned by `plan_sub` (the pipeline)."""
     graph = Graph(closed.jaxpr, closed.consts)
@@ -259,6 +287,7 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     for d in sorted(plan.declined, key=lambda d: d.reason.startswith(NEAR_MISS)):
         speaker.setdefault(d.anchor, d)
     plan.declined = [d for d in plan.declined if d.anchor not in claimed and speaker[d.anchor] is d]
+    plan.declined += _attention_left_as_softmax(plan, graph)
     for i in sorted(plan.live - claimed):
         eqn = graph.eqns[i]
         if eqn.primitive.name in OPAQUE:
