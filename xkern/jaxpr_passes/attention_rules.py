@@ -322,9 +322,8 @@ SOFTMAX_AND_PRODUCTS = frozenset({"dot_general", "exp", "reduce_max"})
 SHAPING = ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims")
 
 
-def _uniform_value(graph, var) -> float | None:
-    """The one value every element of `var` holds, if the program makes it by broadcasting (and
-    casting) a literal or a small constant; else None."""
+def _before_shaping(graph, var) -> tuple:
+    """(the var that `var` broadcasts, reshapes or casts, the dtypes cast to on the way, last first)."""
     casts = []
     while not isinstance(var, Literal) and var in graph.producer:
         eqn = graph.eqns[graph.producer[var][0]]
@@ -333,6 +332,13 @@ def _uniform_value(graph, var) -> float | None:
         if eqn.primitive.name == "convert_element_type":
             casts.append(eqn.params["new_dtype"])
         var = eqn.invars[0]
+    return var, casts
+
+
+def _uniform_value(graph, var) -> float | None:
+    """The one value every element of `var` holds, if the program makes it by broadcasting (and
+    casting) a literal or a small constant; else None."""
+    var, casts = _before_shaping(graph, var)
     value = var.val if isinstance(var, Literal) else constant_value(graph, var, 1 << 16)
     if value is None:
         return None
@@ -369,21 +375,16 @@ def _bias_facts(match, index: int = 3) -> dict:
             fill = float(jnp.min(bias))
             hides = -np.inf < fill <= HUGE_BIAS and bool(jnp.all((bias == 0) | (bias == fill)))
         return {"bias_kind": "mask"} if hides else {}
-    casts = []  # (a select in float32 cast to q's dtype, broadcast: its values as cast)
-    while not isinstance(var, Literal) and var in graph.producer:
-        eqn = graph.eqns[graph.producer[var][0]]
-        if eqn.primitive.name not in SHAPING:
-            break
-        casts.append(eqn.params.get("new_dtype"))
-        var = eqn.invars[0]
-    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+    var, casts = _before_shaping(graph, var)  # (a select in float32 cast to q's dtype: its values as cast)
+    eqn = graph.eqns[graph.producer[var][0]] if not isinstance(var, Literal) and var in graph.producer else None
+    if eqn is None or eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
         return {}
 
     def value(case):
         x = _uniform_value(graph, case)
         with jax.ensure_compile_time_eval():
             for dtype in reversed(casts):
-                x = None if x is None else x if dtype is None else float(jnp.asarray(x).astype(dtype))
+                x = None if x is None else float(jnp.asarray(x).astype(dtype))
         return x
     values = sorted((value(case) for case in eqn.invars[1:]), key=lambda x: (x is None, x))
     if None in values or values[1] != 0 or not (-np.inf < values[0] <= HUGE_BIAS):
