@@ -1499,6 +1499,12 @@ def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     return o, (q, k, v, mask, bias, kv_len, drop, o, lse)
 
 
+def _hidden_by_bias(st: Static, mask, bias) -> bool:
+    """Whether rows whose keys are all hidden were hidden by a bias (or a mask standing for one,
+    masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add."""
+    return st.empty_grads or (bias is not None and mask is None)
+
+
 def _attention_bwd(st: Static, residuals, do):
     """The multiplier (dropout: from random bits, not differentiable) gets no cotangent."""
     q, k, v, mask, bias, kv_len, drop, o, lse = residuals
@@ -1506,7 +1512,7 @@ def _attention_bwd(st: Static, residuals, do):
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
-        if st.empty_grads or bias is not None and mask is None:  # hidden by a bias: XLA's gradient passes its add
+        if _hidden_by_bias(st, mask, bias):  # hidden by a bias: XLA's gradient passes its add
             dq_empty, dk_empty = _biased_empty_vjp(q, k, v, jnp.where(_empty(lse)[..., None], do, 0),
                                                    jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0),
                                                    kv_len, st.scale)
@@ -1515,7 +1521,7 @@ def _attention_bwd(st: Static, residuals, do):
         def with_empty_rows():
             do_empty = jnp.where(_empty(lse)[..., None], do, 0)
             dv_ = dv + _dropped_means_vjp(do_empty, v, kv_len, drop).astype(dv.dtype)
-            if not st.empty_grads and (bias is None or mask is not None):
+            if not _hidden_by_bias(st, mask, bias):
                 return dq, dk, dv_
             dq_empty, dk_empty = _biased_empty_dropped_vjp(
                 q, k, v, do_empty, jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0), kv_len, drop, st.scale)
