@@ -149,16 +149,20 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
-def _gemma(b, s, kv_heads):
+def _gemma(b, s, kv_heads, cap=None):
     """The gemma library's attention (GQA through a 5-D einsum, scores [b, q, heads, k]) with a causal
-    mask and the last 1/8 of each row's keys padding, [b, q, k], applied with its K_MASK."""
+    mask and the last 1/8 of each row's keys padding, [b, q, k], applied with its K_MASK; `cap`:
+    Gemma 2's soft cap of the scores, tanh(logits / cap) * cap."""
     mask = (jnp.arange(s)[:, None] >= jnp.arange(s)[None, :])[None] & (jnp.arange(s) < s - s // 8)[None, None, :]
     mask = jnp.broadcast_to(mask, (b, s, s))
 
     def attend(q, k, v, rng):
         _, t, n, d = q.shape
         logits = jnp.einsum("BTKGH,BSKH->BTKGS", (q * d ** -0.5).reshape(b, t, kv_heads, n // kv_heads, d), k)
-        logits = jnp.where(jnp.expand_dims(mask, -2), logits.reshape(b, t, n, s), -2.3819763e38)
+        logits = logits.reshape(b, t, n, s)
+        if cap is not None:  # (after the reshape, as gemma writes it)
+            logits = jnp.tanh(logits / cap) * cap
+        logits = jnp.where(jnp.expand_dims(mask, -2), logits, -2.3819763e38)
         probs = jax.nn.softmax(logits, axis=-1).astype(k.dtype).reshape(b, t, kv_heads, n // kv_heads, s)
         return jnp.einsum("BTKGS,BSKH->BTKGH", probs, v).reshape(b, t, n, d)
     return attend
@@ -167,19 +171,25 @@ def _gemma(b, s, kv_heads):
 def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
-    by hand, Gemma (GQA, causal + padding mask). FLOPs counted as if unmasked (the causal one: half). Needs flax."""
+    by hand, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap of 50 as well). FLOPs counted
+    as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
               ("HF Flax Llama: causal + padding bias", (4, 4096, 32, 128), _hf_flax(4, 4096, True, 0.0), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
-              ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2)]
+              ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2),
+              ("Gemma 2: GQA 32/16, soft cap 50, causal + padding mask", (4, 4096, 32, 128),
+               _gemma(4, 4096, 16, 50.0), 2)]
+    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16}
     if not on_gpu:
+        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
-                   if "HF" in n else _gemma(1, 40, 1) if "Gemma" in n else f, c) for n, _, f, c in cases_]
+                   if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else f, c)
+                  for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:
-        kv_heads = h // 4 if "Gemma" in name and h >= 4 else h // 2 if "Gemma" in name else h
+        kv_heads = next((n for prefix, n in kv_heads_of.items() if name.startswith(prefix)), h)
 
         def make(key, shape=(b, s, h, d), kv_shape=(b, s, kv_heads, d)):
             keys = jax.random.split(key, 5)

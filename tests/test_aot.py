@@ -60,6 +60,9 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # The sliding-window kernels (forward, dk/dv, dq) on every target
     window = {r["target"] for r in results if "/window/" in r["case"]}
     assert window == set(aot.TARGETS), window
+    # The soft-capped kernels on each vendor's first target
+    capped = {r["target"] for r in results if "/softcap/" in r["case"]}
+    assert capped == {"sm_90", "gfx942"}, capped
     # The split-key (decoding) forward on every target
     split = {r["target"] for r in results if "/split-kv-" in r["case"]}
     assert split == set(aot.TARGETS), split

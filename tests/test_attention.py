@@ -63,6 +63,9 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
     "window, kv_lengths, bias": ((2, 40, 40, 2, 2, 16), {"local_window_size": 9, "kv_lengths": np.array([13, 40]),
                                                          "bias": (1, 2, 40, 40)}),
     "window and mask": ((2, 24, 30, 2, 2, 16), {"local_window_size": (3, None), "mask": (2, 1, 24, 30)}),
+    "soft cap, causal, gqa": ((1, 50, 50, 4, 2, 16), {"causal": True, "logits_soft_cap": 0.8}),
+    "soft cap, mask, bias, lengths": ((2, 18, 21, 2, 2, 16), {"mask": (2, 1, 18, 21), "bias": (1, 2, 18, 21),
+                                                             "kv_lengths": np.array([21, 11]), "logits_soft_cap": 1.5}),
 }
 
 
@@ -97,6 +100,16 @@ def test_values_and_gradients(case, dtype):
         assert g.dtype == a.dtype
         close(g, w, dtype)
 
+
+def test_the_soft_cap_is_applied_before_the_bias():
+    """The reference the soft-capped cases compare with: c tanh(s / c), then the bias; it moves the
+    result by far more than the tolerance, so a kernel that ignored it would fail them."""
+    q, k, v, _ = make(1, 18, 21, 2, 2, 16, jnp.float32, seed=3)
+    bias = jnp.asarray(np.random.default_rng(4).standard_normal((1, 2, 18, 21)), jnp.float32)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+    want = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(0.8 * jnp.tanh(s / 0.8) + bias, -1), v)
+    close(reference(q, k, v, bias=bias, logits_soft_cap=0.8), want, jnp.float32)
+    assert np.abs(np.asarray(reference(q, k, v, bias=bias) - want)).max() > 0.05
 
 
 @pytest.mark.parametrize("causal, with_bias", [(False, False), (True, False), (False, True)],
@@ -257,6 +270,8 @@ def test_bad_input_names_the_argument():
              ((q, k, v), {"bias": jnp.ones((8, 9))}, ValueError, "bias must broadcast"),
              ((q, k, v), {"scale": float("nan")}, ValueError, "scale must be"),
              ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be"),
+             *(((q, k, v), {"logits_soft_cap": c}, ValueError, "logits_soft_cap must be a positive finite number")
+               for c in (0.0, -2.0, float("inf"), jnp.ones(2))),
              *(((q, k, v), {"local_window_size": w}, ValueError, "local_window_size must be an int >= 0")
                for w in (-1, (1, 2, 3), (4, -2), "8", True, 2.5))]
     for args, kw, error, message in cases:
@@ -606,16 +621,20 @@ def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
         close(g, w, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_gemma_attention_is_found(kv_heads):
+@pytest.mark.parametrize("kv_heads, cap", [(4, None), (2, None), (2, 1.5)],
+                         ids=["mha", "gqa", "gemma 2 soft cap"])
+def test_gemma_attention_is_found(kv_heads, cap):
     """The gemma library's attention: q scaled by a number, scores [b, q, heads, k] (GQA through a
-    5-D einsum), its [b, q, k] mask (here causal and padding, made in the program) applied with
-    K_MASK, softmax cast to the values' dtype."""
+    5-D einsum), Gemma 2's soft cap on them, its [b, q, k] mask (here causal and padding, made in the
+    program) applied with K_MASK, softmax cast to the values' dtype."""
     def gemma(q, k, v, lengths):
         b, t, n, d = q.shape
         logits_of = lambda q: (jnp.einsum("BTNH,BSNH->BTNS", q, k) if kv_heads == n else jnp.einsum(
             "BTKGH,BSKH->BTKGS", q.reshape(b, t, kv_heads, n // kv_heads, d), k).reshape(b, t, n, -1))
         logits = logits_of(q * 16 ** -0.5)
+        if cap is not None:
+            logits = jnp.tanh(logits / cap)
+            logits = logits * cap
         mask = (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :]) & (
             jnp.arange(t)[None, None, :] < lengths[:, None, None])
         probs = jax.nn.softmax(jnp.where(jnp.expand_dims(mask, -2), logits, -2.3819763e38), axis=-1).astype(k.dtype)
@@ -625,14 +644,38 @@ def test_gemma_attention_is_found(kv_heads):
         return out.reshape(b, t, n, d)
 
     q, k, v, do = make(2, 20, 20, 4, kv_heads, 16, jnp.bfloat16, seed=27)
+    q = q * 3  # scores of a few units: the cap bends them
     lengths = jnp.array([20, 9])
     [match] = [m for m in xkern.explain(gemma)(q, k, v, lengths).matches if m.pattern.startswith("attention/")]
-    assert match.pattern == f"attention/einsum[bqhk{',gqa' * (kv_heads == 2)}]+scaled q+mask[b,q,k]"
+    assert match.pattern == (f"attention/einsum[bqhk{',gqa' * (kv_heads == 2)}]+scaled q"
+                             f"{'+soft cap' * (cap is not None)}+mask[b,q,k]")
+    assert match.params.get("cap") == cap
     loss = lambda q, k, v: jnp.sum(gemma(q, k, v, lengths).astype(jnp.float32) * do.astype(jnp.float32))
     got = xkern.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
     want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*(a.astype(jnp.float32) for a in (q, k, v)))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(g, w, jnp.bfloat16)
+
+
+def test_soft_capped_scores_by_hand_are_found():
+    """Scores scaled, capped (tanh(s / c) * c), causal, softmax in float32: the kernels cap them,
+    values and gradients as jax.jit's; tanh(s / a) * b with a != b is no soft cap and stays XLA's."""
+    def f(q, k, v, a=0.9, b=0.9):
+        s = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+        s = jnp.where(jnp.tril(jnp.ones((q.shape[2], k.shape[2]), bool)), jnp.tanh(s / a) * b, -jnp.inf)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype), v)
+
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in make(2, 19, 19, 2, 2, 16, jnp.bfloat16, seed=29))
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern == "attention/einsum[bhsd]+soft cap+causal+float32 softmax"
+    assert match.params["cap"] == float(jnp.bfloat16(0.9))  # as the program holds it
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    got = xkern.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*(a.astype(jnp.float32) for a in (q, k, v)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
+    assert not [m for m in xkern.explain(lambda q, k, v: f(q, k, v, 0.9, 1.2))(q, k, v).matches
+                if m.pattern.startswith("attention/")]
 
 
 def test_explain_names_attention_no_spelling_took():
@@ -671,10 +714,12 @@ def test_a_scale_passed_to_the_jitted_function_scales_q():
         close(g, w, jnp.bfloat16)
 
 
-def test_masked_rows_bias_gives_the_gradients_of_a_finfo_min_bias():
+@pytest.mark.parametrize("cap", [None, 0.7], ids=["uncapped", "soft cap"])
+def test_masked_rows_bias_gives_the_gradients_of_a_finfo_min_bias(cap):
     """masked_rows="bias": a mask that stands for a bias of finfo.min, rows it hides entirely
-    included (their uniform weights pass gradients to q and k through the scores), with GQA, causal
-    and a mask per head, against the float32 program that adds the bias."""
+    included (their uniform weights pass gradients to q and k through the scores, and through a
+    soft cap's slope), with GQA, causal and a mask per head, against the float32 program that adds
+    the bias."""
     b, sq, sk, h, hk, d = 2, 19, 23, 4, 2, 16
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=23)
     rng = np.random.default_rng(24)
@@ -683,10 +728,12 @@ def test_masked_rows_bias_gives_the_gradients_of_a_finfo_min_bias():
     def added(q, k, v):
         bias = jnp.where(mask & jnp.tril(jnp.ones((sq, sk), bool)), 0.0, jnp.finfo(jnp.float32).min)
         kr, vr = (jnp.repeat(a, h // hk, axis=2) for a in (k, v))
-        p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kr) * 0.25 + bias, axis=-1)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) * 0.25
+        p = jax.nn.softmax((s if cap is None else cap * jnp.tanh(s / cap)) + bias, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, vr)
 
-    ours = lambda q, k, v: attention(q, k, v, mask=mask, causal=True, scale=0.25, masked_rows="bias")
+    ours = lambda q, k, v: attention(q, k, v, mask=mask, causal=True, scale=0.25, masked_rows="bias",
+                                     logits_soft_cap=cap)
     got, want = value_and_grads(ours, (q, k, v), do), value_and_grads(added, (q, k, v), do)
     assert np.abs(np.asarray(got[1][0][1, 5])).max() > 0  # a hidden row's dq: XLA's, not zero
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -976,6 +1023,8 @@ DECODE_CASES = {  # name: ((b, sq, sk, h, hk, d), dtype, options)
     "mask per head, 2 queries": ((1, 2, 77, 4, 2, 32), jnp.float32, {"mask": (1, 4, 2, 77)}),
     "bias per head, scale": ((2, 2, 90, 4, 2, 32), jnp.float32, {"bias": (2, 4, 2, 90), "scale": 0.3}),
     "head dim 40 (padded), 128 keys": ((1, 1, 128, 2, 1, 40), jnp.bfloat16, {}),
+    "soft cap, lengths": ((2, 1, 100, 8, 2, 32), jnp.float32, {"kv_lengths": np.array([100, 41]),
+                                                               "logits_soft_cap": 0.5}),
 }
 
 

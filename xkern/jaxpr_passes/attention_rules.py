@@ -35,7 +35,7 @@ import numpy as np
 from jax.extend.core import Literal
 
 from xkern.jaxpr_passes.graph import constant_value
-from xkern.jaxpr_passes.patterns import Pattern, literal_at
+from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
 from xkern.kernels import attention as kernels
 
 ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -44,6 +44,7 @@ EXAMPLE_SCALE = 0.0777  # distinctive, so params_of can find the scale literal i
 EXAMPLE_FILL = -98765.0  # likewise for a mask's fill value
 EXAMPLE_WINDOW = (777, 555)  # and for a sliding window's (left, right)
 EXAMPLE_KEEP = 0.777  # and for a dropout's keep probability
+EXAMPLE_CAP = 47.7  # and for a soft cap
 # A fill that hides a key exactly: exp(fill - max) is 0 in float32 for any score the kernels see,
 # and a query whose keys are all hidden averages every value (masked_rows="average").
 MAX_FILL = -1e4
@@ -150,14 +151,15 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product")
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
-            scores: str = "product"):
+            scores: str = "product", softcap: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
-    cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`). mask / bias: a key of SCORE_SHAPES, their inputs in that
-    order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
+    cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`).
+    mask / bias: a key of SCORE_SHAPES, their inputs in that order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
     input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
-    scores: one of SCORES (the float32 ones imply `upcast`)."""
+    scores: one of SCORES (the float32 ones imply `upcast`). softcap: the scaled scores capped as
+    Gemma 2 caps them, tanh(scores / cap) * cap (the param `cap`), before the bias and mask."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -199,6 +201,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         else:
             scale = params.get("scale")
         scores = product(q, k, scale)
+        if softcap:
+            scores = jnp.tanh(scores / params["cap"]) * params["cap"]
         if bias:
             scores = scores + extras[0]
         if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
@@ -218,7 +222,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
-                   f"{'' if scores == 'product' else '+' + scores}{'+causal' if causal else ''}"
+                   f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
+                   f"{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
                    f"{'+mask' + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
@@ -226,9 +231,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     return fn
 
 
-def _params_of(scale: bool, fill: bool, window: bool = False, keep: bool = False):
+def _params_of(scale: bool, fill: bool, window: bool = False, keep: bool = False, cap: bool = False):
     def params_of(match) -> dict:
         params = {"scale": literal_at(match, EXAMPLE_SCALE)} if scale else {}
+        if cap:  # divided by one number, multiplied by another: not a soft cap (check says so)
+            caps = literals_at(match, EXAMPLE_CAP)
+            params["cap"] = caps[0] if len(set(caps)) == 1 else float("nan")
         if window:
             params.update(zip(("left", "right"), (int(literal_at(match, n)) for n in EXAMPLE_WINDOW)))
         if keep:
@@ -274,6 +282,9 @@ def _check(layout, dropout=None):
             return "k/v heads do not divide q's heads"
         if params.get("scale", 1.0) <= 0:
             return f"scale {params['scale']}: the kernels take a positive scale"
+        if not (params.get("cap", 1.0) > 0 and math.isfinite(params.get("cap", 1.0))):
+            return ("tanh(scores / a) * b with a != b, or a cap that is not positive and finite: not the soft cap "
+                    "the kernels take")
         if params.get("fill", MAX_FILL) > MAX_FILL:
             return (f"masked scores filled with {params['fill']}: only a fill <= {MAX_FILL:g} hides a "
                     "key exactly, as the kernels do")
@@ -410,13 +421,14 @@ def _scale_facts(match, scaling: str) -> dict:
 
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
              scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False,
-             dropout=None):
+             dropout=None, softcap=False):
     """Inputs q, k, v, then the bias and the mask where the spelling has them, then an array scale
     (scaling "*array" or "/array") (with_bias / with_mask:
     True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
     bias is float32, or else in q's dtype. window: jax.nn's local_window_size, whose two position
     constants follow (unread by the replacement). dropout: "multiplier" (the last input multiplies
-    the probabilities) or "select" (the last input is the boolean keep; param keep, its probability)."""
+    the probabilities) or "select" (the last input is the boolean keep; param keep, its probability).
+    softcap: the scores are capped (param cap)."""
     shapes = shapes or MASK_SHAPES
 
     def example(dtype):
@@ -434,7 +446,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None, bias_kind=None, scale_value=None):
+                keep=None, bias_kind=None, scale_value=None, cap=None):
         multiplier = None
         if scaling in ARRAY_SCALINGS:  # a constant scale goes to the kernels; else q is scaled by it
             extras, scale_array = extras[:-1], extras[-1]
@@ -473,14 +485,15 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
                                 masked_rows="bias" if bias_kind else "average" if average else "zeros",
                                 local_window_size=(left, right) if banded else None,
-                                dropout_multiplier=multiplier)
+                                dropout_multiplier=multiplier, logits_soft_cap=cap)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
                       **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
-                      **({"keep": EXAMPLE_KEEP} if dropout == "select" else {})}
+                      **({"keep": EXAMPLE_KEEP} if dropout == "select" else {}),
+                      **({"cap": EXAMPLE_CAP} if softcap else {})}
     arrays = scaling in ARRAY_SCALINGS
     mask_index = -1 - bool(dropout) - arrays
 
@@ -489,7 +502,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
-                   example_params=example_params, params_of=_params_of(params, fill, window, dropout == "select"),
+                   example_params=example_params,
+                   params_of=_params_of(params, fill, window, dropout == "select", softcap),
                    check=_check(layout, dropout), replace=replace,
                    facts_of=facts_of,
                    ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
@@ -573,3 +587,14 @@ if FLAX:
     PATTERNS += [_pattern(flax_attention_dropout(None, bias), ALL, with_bias=bias, shapes=SCORE_SHAPES,
                           float32_bias=False, params=False, dropout="multiplier", scaling="/sqrt(d)")
                  for bias in SCORE_SHAPES]
+
+# Soft-capped scores, as Gemma 2 writes them (the gemma library's layouts, q scaled first) and as a
+# hand-written program does after scaling the product: tanh(scores / cap) * cap before the mask.
+PATTERNS += [_pattern(by_hand(layout, False, upcast, mask=mask, scores="scaled q", softcap=True),
+                      HALF if upcast else ALL, layout=layout, with_mask=mask, fill=bool(mask), softcap=True,
+                      shapes={"[b,q,k]": lambda b, h, q, k: (b, q, k)})
+             for layout in ("bqhk", "bqhk,gqa") for mask in (None, "[b,q,k]") for upcast in (False, True)]
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, mask=mask, softcap=True), HALF if upcast else ALL,
+                      layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES, softcap=True)
+             for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
+             for upcast in (False, True)]

@@ -306,6 +306,17 @@ def literal_at(match: Match, example_value: float) -> float:
     """The program's literal where the template has the scalar `example_value` (a param the pattern
     was traced with, e.g. an eps or a scale: pick a distinctive example, matched within 1%, as the
     template may hold it rounded to a half-precision dtype)."""
+    found = literals_at(match, example_value)
+    if not found:
+        raise ValueError(f"no literal like {example_value} in the matched program")
+    return found[0]
+
+
+def literals_at(match: Match, example_value: float) -> list[float]:
+    """Every literal of the program where the template has `example_value`, in template order: a
+    param the template uses twice (a soft cap divides and multiplies) must be the same number in both
+    places, which matching alone does not check (any literal matches any)."""
+    found = []
     for ti, eqn in enumerate(match.template.eqns):
         for i, v in enumerate(eqn.invars):
             value = getattr(v, "val", None)
@@ -314,8 +325,8 @@ def literal_at(match: Match, example_value: float) -> float:
                 operands = match.graph.eqns[match.eqns[ti]].invars
                 if eqn.primitive.name in COMMUTATIVE and as_literal(match.graph, operands[i]) is None:
                     operands = operands[::-1]  # matched the other way round (2 * x for x * 2)
-                return float(as_literal(match.graph, operands[i]).val)
-    raise ValueError(f"no literal like {example_value} in the matched program")
+                found.append(float(as_literal(match.graph, operands[i]).val))
+    return found
 
 
 def same_jaxpr(a, b) -> bool:

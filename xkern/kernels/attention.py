@@ -38,6 +38,7 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
+from xkern.fusion.triton_math import tanh_absolute
 from xkern.kernels.hopper import free_dead_barriers
 from xkern.tuning import autotune
 from xkern.tuning.timing import time_pipelined
@@ -48,13 +49,13 @@ LOG2E = 1.4426950408889634
 
 
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
-              masked_rows="zeros", local_window_size=None, dropout_multiplier=None):
+              masked_rows="zeros", local_window_size=None, dropout_multiplier=None, logits_soft_cap=None):
     """The definition (and the `xla` backend), float32 math: scores materialized."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale
+    s = _capped(jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale, logits_soft_cap)
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     visible = _visible(q.shape[1], k.shape[1], causal, mask, None, q.shape[0], _window_of(local_window_size))
@@ -69,6 +70,11 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     if dropout_multiplier is not None:
         p = p * jax.lax.stop_gradient(jnp.asarray(dropout_multiplier).astype(jnp.float32))
     return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
+
+
+def _capped(s, cap):
+    """Scaled scores under a soft cap (None: none): cap * tanh(s / cap), as Gemma 2 caps them."""
+    return s if not cap else cap * jnp.tanh(s / cap)
 
 
 def _visible(sq, sk, causal, mask, kv_lengths, batch, window=None):
@@ -126,14 +132,29 @@ def _tile_list(tiles_ptr, b, h, row, n_rows, n_cols, MASK_B: tl.constexpr, MASK_
 
 
 @triton.jit
+def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """log2-domain logits of the q.k products, and their derivative by scale q.k: under a soft cap c
+    (Gemma 2's), c tanh(scale q.k / c) and 1 - tanh^2; else scale q.k and 1. (tanh to ~1e-7
+    absolute: the cap multiplies it, and the softmax sees only differences of order c.)"""
+    if SOFTCAP > 0:  # (one return: the compiler checks every return's type, even one not taken)
+        t = tanh_absolute(product * (QK_SCALE / (SOFTCAP * 1.4426950408889634)))
+        logits, slope = t * (SOFTCAP * 1.4426950408889634), 1.0 - t * t
+    else:
+        logits, slope = product * QK_SCALE, 1.0
+    return logits, slope
+
+
+@triton.jit
 def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-            QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-            HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr):
+            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+            WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
+            DOT_F32: tl.constexpr):
     """log2-domain scores of a [BLOCK_M, BLOCK_N] block with every mask applied (-inf where a key is
-    not visible): for the blocks on an edge (the causal diagonal, the last keys or queries) and for
-    problems with a mask or bias. Interior blocks of a plain problem skip all of it."""
-    s = _dot(q, k_t, DOT_F32) * QK_SCALE
+    not visible), and the soft cap's derivative (_logits): for the blocks on an edge (the causal
+    diagonal, the last keys or queries) and for problems with a mask or bias. Interior blocks of a
+    plain problem skip all of it."""
+    s, slope = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP)
     visible = (cols[None, :] < kv_len) & (rows[:, None] < sq)
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None])
@@ -149,7 +170,7 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
     if HAS_BIAS:
         base = (b * BIAS_B * (HEADS if BIAS_H else 1) + h * BIAS_H).to(tl.int64) * sq * sk
         s += tl.load(bias_ptr + base + offs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
-    return tl.where(visible, s, -float("inf"))
+    return tl.where(visible, s, -float("inf")), slope
 
 
 @triton.jit
@@ -272,20 +293,25 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-               drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-               WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-               MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-               DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+               BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
+               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
-                    WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+        s, _ = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
+                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
+        p = tl.exp2(s - shift[:, None])
+    elif SOFTCAP > 0:  # capped: the scale is inside the tanh
+        s, _ = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(s - shift[:, None])
     else:  # the scale is applied in the exponent (one fused multiply-add per score; scale > 0)
         s = _dot(q, tl.trans(k), DOT_F32)
@@ -333,7 +359,7 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
 def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
-         QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+         QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
          CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
          MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
          BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr,
@@ -343,7 +369,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
         q = q_desc.load([free_dead_barriers(b * sq + pid_m * BLOCK_M, WS), h * D])
@@ -361,19 +387,19 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
                                            WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                            HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims,
-                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                                       DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                       KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS,
+                                       BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                                       dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D,
-                                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                                       DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                       dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                       KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                                       BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
@@ -387,14 +413,14 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                               BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
                                            WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                            HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
                                            rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
-                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                                           BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                           SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
                                                   pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
@@ -402,12 +428,12 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
                                            WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                            HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL,
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
                                            WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
                                            HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
@@ -447,8 +473,8 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False,
-                                   False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, KV_HEADS, D, True, -1, -1, False, False, False,
+                                   False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -461,12 +487,12 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
 
 @triton.jit
 def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
-                     QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                     QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
                      MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
                      BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, N_ROWS):
     """As _scores, for the split-key kernel's rows (each its own query and head): -inf where a key
     is past `end` (the chunk's or the length's), after the query (causal) or hidden by the mask."""
-    s = _dot(q, k_t, DOT_F32) * QK_SCALE
+    s, _ = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP)
     visible = (cols[None, :] < end) & (rows[:, None] < N_ROWS)
     if CAUSAL:
         visible = visible & (cols[None, :] <= queries[:, None])
@@ -483,17 +509,18 @@ def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_pt
 
 @triton.jit
 def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims, b, sq, sk, end,
-                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                    CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
-                    DOT_F32: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
+                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr,
+                    D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                    MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                    HEADS: tl.constexpr, DOT_F32: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, N_ROWS):
     """One key block of the split-key kernel's online softmax, with its masks (_split_kv_scores);
     BOUNDED: its keys may run past sk."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, BOUNDED)
     s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE,
-                         CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, N_ROWS)
+                         SOFTCAP, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, N_ROWS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
     p = tl.exp2(s - shift[:, None])
@@ -507,11 +534,12 @@ def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries
 def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
-                  QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                  BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
+                  QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+                  HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
     chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
@@ -540,21 +568,21 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, False, -1, -1, False, False, False,
-                                   False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, False, -1, -1, False, False,
+                                   False, False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
     whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
     for start in range(interior, whole, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
-                                        MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False, BLOCK_N,
-                                        BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
+                                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False,
+                                        BLOCK_N, BLOCK_D, n_rows)
     for start in range(whole, end, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, HAS_MASK,
-                                        MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True, BLOCK_N,
-                                        BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
+                                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True,
+                                        BLOCK_N, BLOCK_D, n_rows)
     part = bhk.to(tl.int64) * SPLITS + split
     _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
                dims, part, n_rows, D)
@@ -562,25 +590,28 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
 
 @triton.jit
 def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
-                   QK_SCALE: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-                   HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
-                   MASKED: tl.constexpr):
-    """p of a block recomputed from the forward's lse (both backward kernels)."""
+                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+                   WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
+                   DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+    """p of a block recomputed from the forward's lse (both backward kernels), and the soft cap's
+    derivative (_logits)."""
     if MASKED:
-        s = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
-                    WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
-        return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None]))
-    return tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
+        s, slope = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
+                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                           DOT_F32)
+        return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None])), slope
+    s, slope = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP)
+    return tl.exp2(s - lse[:, None]), slope
 
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr,
-                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-                MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-                DROP: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr,
+                D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+                HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, DOT_F32: tl.constexpr,
+                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
@@ -593,8 +624,9 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
     else:
         lse = tl.load(lse_ptr + stats)
         delta = tl.load(delta_ptr + stats)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
-                       WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
+                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                       MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:  # dv takes the dropped probabilities; dp the multiplier (delta already has it, through o)
         keep = _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
@@ -603,6 +635,8 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
     else:
         dv += _dot(tl.trans(p.to(do.dtype)), do, DOT_F32)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * slope
     dk += _dot(tl.trans(ds.to(q.dtype)), q, DOT_F32)
     return dk, dv
 
@@ -662,18 +696,18 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
 def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
-              QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-              D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-              HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-              BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-              SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, WS: tl.constexpr):
+              QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr,
+              KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+              WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+              HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     sk = _key_length(sk, SK16)
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
         first, last = (pid_n + 1) * BLOCK_N if CAUSAL else 0, sq  # causal: below the diagonal block
         if WINDOW_L >= 0 or WINDOW_R >= 0:
             _, first, last, _ = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, True, BLOCK_M, BLOCK_N)
@@ -681,9 +715,9 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
                                         b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
-                                 lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE, HEADS,
-                                 KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
-                                 BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE,
+                                 SOFTCAP, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                 HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -721,16 +755,16 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for h in range(hk * group, hk * group + group):
             for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, False,
-                                     WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0, DOT_F32, True,
-                                     BLOCK_M, BLOCK_D)
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, HEADS, D,
+                                     False, WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0, DOT_F32,
+                                     True, BLOCK_M, BLOCK_D)
     else:
         for h in range(hk * group, hk * group + group):
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, HEADS, D, True, -1, -1, False, False,
-                                     False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, HEADS, D, True, -1, -1, False,
+                                     False, False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -741,11 +775,11 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 @triton.jit
 def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
                     delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr,
-                    HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-                    MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-                    DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                    CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                    BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk and dv of one key block: under a mask the listed query blocks, else the interior ones
     unmasked and the edges (causal diagonal, last partial block) masked."""
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
@@ -761,19 +795,19 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                         WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32,
-                                         HAS_BIAS, BLOCK_M, BLOCK_D)
+                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
+                                         WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                         DOT_F32, HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len, q_ptr,
-                                     do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D,
-                                     CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                     DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                     HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                                     BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS,
-                                     D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                                     DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
+                                     SOFTCAP, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                     HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
         # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
@@ -792,36 +826,39 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, False,
-                                     BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
+                                     WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                     DOT_F32, False, BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, HEADS, D, CAUSAL, WINDOW_L,
-                                     WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True,
-                                     BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
+                                     WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                                     DOT_F32, True, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-              drop_ptr, QK_SCALE: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-              MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-              DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+              MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+              BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
+              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
-    p = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, CAUSAL, WINDOW_L,
-                       WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
+    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
+                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                       MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:
         dp = dp * _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
     ds = p * (dp - delta[:, None])
+    if SOFTCAP > 0:
+        ds = ds * slope
     return dq + _dot(ds.to(k.dtype), k, DOT_F32)
 
 
@@ -829,25 +866,25 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
 def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
             sq, sk,
             dq_ptr,  # output, like q
-            QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-            D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-            HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-            BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
-            SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, WS: tl.constexpr):
+            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr,
+            KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+            WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+            HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+            HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     sk = _key_length(sk, SK16)
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
         end = pid_m * BLOCK_M if CAUSAL else sk  # causal: left of the diagonal block
         dq = _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
                                   QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
-                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, HEADS, KV_HEADS,
-                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                           HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, SOFTCAP, HEADS,
+                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                           BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
@@ -900,8 +937,8 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
-                       k_ptr, k_ptr, QK_SCALE, KV_HEADS, D, True, -1, -1, False, False, False, False, False, False, 0,
-                       HEADS,
+                       k_ptr, k_ptr, QK_SCALE, 0.0, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
+                       False, 0, HEADS,
                        DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
@@ -909,12 +946,12 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
 
 @triton.jit
 def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
-                  sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, HEADS: tl.constexpr,
-                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-                  WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
-                  HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                  WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                  MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                  DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -931,30 +968,31 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
                                HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS,
                                BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims, b, h,
-                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
-                           BLOCK_N, BLOCK_D)
+                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
+                           WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32,
+                           True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows, dims, b,
-                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
-                           BLOCK_N, BLOCK_D)
+                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
+                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                           DOT_F32, True, BLOCK_N, BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N,
+                           BLOCK_D)
         for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
-                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
-                           BLOCK_N, BLOCK_D)
+                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
+                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                           DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         interior = 0  # as the forward's: key blocks every query of the block sees
@@ -964,12 +1002,14 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N,
+                           BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
+                           BLOCK_D)
     return dq
 
 
@@ -1170,7 +1210,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
            f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else "")
-           + (f"|dropout={st.drop_bh}" if st.drop_bh else ""))
+           + (f"|dropout={st.drop_bh}" if st.drop_bh else "") + (f"|softcap={st.softcap}" if st.softcap else ""))
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
@@ -1217,13 +1257,15 @@ class Static:
     window: tuple | None = None  # a sliding window's (left, right), -1 = unbounded (see attention)
     drop_bh: tuple | None = None  # a dropout multiplier's (varies over batch, over heads), or None
     empty_grads: bool = False  # masked_rows="bias": those rows' gradients reach q and k (XLA's, around the kernels)
+    softcap: float = 0.0  # logits_soft_cap, 0 for none
 
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        plain = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.window or self.drop_bh)
+        masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh or self.softcap
+        plain = not (masked or self.window)  # (a soft cap: the warp-specialized kernels take none)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
-        windowed = not (self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh) and self.window
+        windowed = not masked and self.window
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
         decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
@@ -1244,7 +1286,7 @@ class Static:
         mask_b, mask_h = self.mask_bh or (False, False)
         bias_b, bias_h = self.bias_bh or (False, False)
         window_l, window_r = self.window or (-1, -1)
-        return {"QK_SCALE": self.scale * LOG2E, "HEADS": q.shape[2], "KV_HEADS": k.shape[2],
+        return {"QK_SCALE": self.scale * LOG2E, "SOFTCAP": self.softcap, "HEADS": q.shape[2], "KV_HEADS": k.shape[2],
                 "D": q.shape[3], "CAUSAL": self.causal, "WINDOW_L": window_l,
                 "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
                 "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
@@ -1513,9 +1555,16 @@ def _attention_bwd(st: Static, residuals, do):
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
         if _hidden_by_bias(st, mask, bias):  # hidden by a bias: XLA's gradient passes its add
-            dq_empty, dk_empty = _biased_empty_vjp(q, k, v, jnp.where(_empty(lse)[..., None], do, 0),
-                                                   jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0),
-                                                   kv_len, st.scale)
+            do_empty = jnp.where(_empty(lse)[..., None], do, 0)
+            delta_empty = jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0)
+            if st.softcap:  # the cap's slope varies with every score: formed in chunks, when a row is empty
+                dq_empty, dk_empty = jax.lax.cond(
+                    jnp.any(_empty(lse)),
+                    lambda: _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, None, st.scale,
+                                                      st.softcap),
+                    lambda: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)))
+            else:
+                dq_empty, dk_empty = _biased_empty_vjp(q, k, v, do_empty, delta_empty, kv_len, st.scale)
             dq, dk = (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype)
     elif st.average_empty:
         def with_empty_rows():
@@ -1523,8 +1572,9 @@ def _attention_bwd(st: Static, residuals, do):
             dv_ = dv + _dropped_means_vjp(do_empty, v, kv_len, drop).astype(dv.dtype)
             if not _hidden_by_bias(st, mask, bias):
                 return dq, dk, dv_
-            dq_empty, dk_empty = _biased_empty_dropped_vjp(
-                q, k, v, do_empty, jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0), kv_len, drop, st.scale)
+            dq_empty, dk_empty = _biased_empty_chunked_vjp(
+                q, k, v, do_empty, jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0), kv_len, drop, st.scale,
+                st.softcap)
             return (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype), dv_
         dq, dk, dv = jax.lax.cond(jnp.any(_empty(lse)), with_empty_rows, lambda: (dq, dk, dv))
     dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st)
@@ -1588,11 +1638,11 @@ def _biased_empty_vjp(q, k, v, do_empty, delta_empty, kv_len, scale):
 EMPTY_ROWS_CHUNK = 1 << 24  # float32 elements of ds [batch, heads, queries, keys] formed at a time
 
 
-def _biased_empty_dropped_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scale):
-    """_biased_empty_vjp under dropout: the multiplier m varies with query and key, so
-    ds_qj = w_j (m_qj do_q.v_j - delta_q) is formed for a chunk of queries at a time (bounded memory,
-    XLA's cost; it runs only when some row's keys are all hidden by the bias);
-    dq = scale ds k, dk = scale ds^T q."""
+def _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scale, softcap=0.0):
+    """_biased_empty_vjp under dropout or a soft cap: the multiplier m and the cap's slope c' vary with
+    query and key, so ds_qj = w_j (m_qj do_q.v_j - delta_q) c'_qj is formed for a chunk of queries at
+    a time (bounded memory, XLA's cost; it runs only when some row's keys are all hidden by the
+    bias); dq = scale ds k, dk = scale ds^T q. drop: None for no dropout; softcap: 0 for none."""
     b, sq, heads, d = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     _, w = _mean_values_parts(v, kv_len)  # [batch, sk]
@@ -1606,12 +1656,16 @@ def _biased_empty_dropped_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scal
 
     def step(dk, xs):
         q_c, do_c, delta_c, m_c = xs
-        ds = w[:, None, None, :] * (m_c * jnp.einsum("bqhd,bkhd->bhqk", do_c, vf) - delta_c[..., None])
+        dp = jnp.einsum("bqhd,bkhd->bhqk", do_c, vf)
+        ds = w[:, None, None, :] * ((dp if drop is None else m_c * dp) - delta_c[..., None])
+        if softcap:
+            ds = ds * (1 - jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q_c, kf) * scale / softcap) ** 2)
         return dk + scale * jnp.einsum("bhqk,bqhd->bkhd", ds, q_c), scale * jnp.einsum("bhqk,bkhd->bqhd", ds, kf)
 
+    multiplier = jnp.zeros((1, 1, sq, 1), jnp.float32) if drop is None else drop.astype(jnp.float32)  # (unread)
     dk, dq = jax.lax.scan(step, jnp.zeros((b, sk, heads, d), jnp.float32),
                           (chunks(q.astype(jnp.float32), 1), chunks(do_empty.astype(jnp.float32), 1),
-                           chunks(delta_empty, 2), chunks(drop.astype(jnp.float32), 2)))
+                           chunks(delta_empty, 2), chunks(multiplier, 2)))
     dq = jnp.moveaxis(dq, 0, 1).reshape(b, n * chunk, heads, d)[:, :sq]
     return dq, dk.reshape(b, sk, kv_heads, heads // kv_heads, d).sum(3)
 
@@ -1642,7 +1696,8 @@ def _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     """dbias = ds, by XLA: the size of the bias itself (dead code, removed by XLA, unless used)."""
     group = q.shape[2] // k.shape[2]
     kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
-    s = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale + bias.astype(jnp.float32)
+    s = _capped(jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale, st.softcap)
+    s = s + bias.astype(jnp.float32)
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
                        kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
@@ -1735,7 +1790,7 @@ def _kernel_window(window, causal: bool, sq: int, sk: int) -> tuple[bool, tuple 
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
               kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", dropout_rate: float = 0.0,
               dropout_rng=None, broadcast_dropout: bool = True, dropout_multiplier=None,
-              backend: str | None = None):
+              logits_soft_cap: float | None = None, backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -1766,8 +1821,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         to [batch, heads, q_seq, kv_seq], float: the probabilities that weight v are p * multiplier
         (the softmax's sum is not). It gets no gradient. The kernels read a tile of it per tile of
         scores.
+    logits_soft_cap: c > 0 caps the scaled scores before the bias and masks, c * tanh(q k^T * scale
+        / c), as Gemma 2 does (None: no cap). The kernels compute it per tile; the warp-specialized
+        Hopper kernels take no cap, so a capped problem runs the others.
     """
     _check(q, k, v, scale, kv_lengths)
+    cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
+    if logits_soft_cap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
+        raise L.number_error("attention", "logits_soft_cap", "a positive finite number or None", logits_soft_cap)
     window = _window_of(local_window_size)
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"attention: masked_rows must be one of {', '.join(MASKED_ROWS)}; got {masked_rows!r}")
@@ -1783,7 +1844,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
-                         masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4)
+                         masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4,
+                         logits_soft_cap=cap)
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
@@ -1792,7 +1854,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
-                window, drop_bh, masked_rows == "bias")
+                window, drop_bh, masked_rows == "bias", float(cap or 0.0))
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len,
@@ -1831,15 +1893,17 @@ def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
     heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
     kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
-    first target of each vendor also every option in float32 (the most shared memory) and a causal
-    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)."""
+    first target of each vendor also every option in float32 (the most shared memory), a causal
+    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)
+    and a causal soft cap."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
-                  (128, "bf16", {})]  # on sm_90 the warp-specialized forward and dk/dv
+                  (128, "bf16", {}),  # on sm_90 the warp-specialized forward and dk/dv
+                  (128, "bf16", {"CAUSAL": True, "SOFTCAP": 50.0})]
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
         for target in targets:
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
@@ -1878,8 +1942,8 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
     consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
-    kind = "window" if "WINDOW_L" in options else {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options),
-                                                                                               "causal-mask")
+    kind = ("window" if "WINDOW_L" in options else "softcap" if "SOFTCAP" in options else
+            {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options), "causal-mask"))
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
     fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
