@@ -149,6 +149,13 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
+def _flax_fp32_softmax(q, k, v, rng):
+    """flax.linen.dot_product_attention(force_fp32_for_softmax=True): float32 probabilities into the
+    product with v, a float32 result."""
+    import flax.linen as nn
+    return nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True)
+
+
 def _gemma(b, s, kv_heads, cap=None):
     """The gemma library's attention (GQA through a 5-D einsum, scores [b, q, heads, k]) with a causal
     mask and the last 1/8 of each row's keys padding, [b, q, k], applied with its K_MASK; `cap`:
@@ -168,16 +175,23 @@ def _gemma(b, s, kv_heads, cap=None):
     return attend
 
 
+def _vjp_at(f, args, do):
+    """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
+    out, vjp = jax.vjp(f, *args)
+    return vjp(do.astype(out.dtype))
+
+
 def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
-    by hand, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap of 50 as well). FLOPs counted
-    as if unmasked (the causal ones: half). Needs flax."""
+    by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
+    of 50 as well). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
               ("HF Flax Llama: causal + padding bias", (4, 4096, 32, 128), _hf_flax(4, 4096, True, 0.0), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
+              ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2),
               ("Gemma 2: GQA 32/16, soft cap 50, causal + padding mask", (4, 4096, 32, 128),
                _gemma(4, 4096, 16, 50.0), 2)]
@@ -197,7 +211,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                            for kk, sh in zip(keys[:4], (shape, kv_shape, kv_shape, shape)))
             return q, k, v, do, keys[4]
         fwd = lambda f: (lambda q, k, v, do, rng: f(q, k, v, rng))
-        bwd = lambda f: (lambda q, k, v, do, rng: jax.vjp(lambda *a: f(*a, rng), q, k, v)[1](do))
+        bwd = lambda f: (lambda q, k, v, do, rng: _vjp_at(lambda *a: f(*a, rng), (q, k, v), do))
         flops = 4 * b * h * s * s * d // share
         name = f"attention, {name}, xkern.optimize vs jax.jit"
         out += [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(xkern.optimize(attend)), fwd(attend), make, 0, 2e-2,

@@ -679,21 +679,85 @@ def test_soft_capped_scores_by_hand_are_found():
 
 
 def test_explain_names_attention_no_spelling_took():
-    """flax's force_fp32_for_softmax (float32 probabilities into a float32 product with v) is no
-    spelling the kernels take: explain says so at the softmax, which alone is fused; attention that
-    is taken, and a softmax after an unbatched product (an LM head's loss), get no such note."""
+    """A temperature per head (scores times a [heads] array) is no spelling the kernels take: explain
+    says so at the softmax, which alone is fused; attention that is taken, and a softmax after an
+    unbatched product (an LM head's loss), get no such note."""
     import flax.linen as nn
     from xkern.jaxpr_passes.rewrite import UNMATCHED_ATTENTION
 
+    def per_head(q, k, v, temperature):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * temperature[None, :, None, None]
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
     q, k, v, _ = make(2, 16, 16, 2, 2, 16, jnp.bfloat16, seed=28)
     notes = lambda f, *args: [d for d in xkern.explain(f)(*args).declined if d.reason == UNMATCHED_ATTENTION]
-    [note] = notes(lambda q, k, v: nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True), q, k, v)
+    [note] = notes(per_head, q, k, v, jnp.array([0.2, 0.3], jnp.bfloat16))
     assert note.pattern == "attention" and "attention.py" in note.location
     assert notes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v) == []
     w, labels = jnp.ones((16, 50)), jnp.zeros((2, 16), jnp.int32)
     lm = lambda w: jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(q[:, :, 0].astype(jnp.float32) @ w), labels[
         ..., None], -1))
     assert notes(jax.grad(lm), w) == []
+
+
+def test_float32_out_stores_the_accumulator():
+    """out_dtype=float32 from bfloat16 inputs: a float32 result nearer the float32 reference than the
+    bfloat16 one (not the rounded result cast up), with GQA, causal, a mask with an empty row, and
+    the split-key forward; its gradients in q's dtype against the reference's; errors name it."""
+    b, sq, sk, h, hk, d = 2, 19, 23, 4, 2, 16
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.bfloat16, seed=31)
+    mask = jnp.asarray(np.random.default_rng(32).random((b, 1, sq, sk)) > 0.3).at[1, 0, 4].set(False)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    for kw in ({"causal": True}, {"mask": mask, "masked_rows": "average"}):
+        (out, grads), (want, grads_ref) = (value_and_grads(lambda *a, **kw: attention(*a, out_dtype=jnp.float32, **kw),
+                                                           (q, k, v), do.astype(jnp.float32), **kw),
+                                           value_and_grads(reference, f32, do.astype(jnp.float32), **kw))
+        assert out.dtype == jnp.float32 and all(g.dtype == jnp.bfloat16 for g in grads)
+        close(out, want, jnp.bfloat16)
+        rounded = attention(q, k, v, **kw).astype(jnp.float32)
+        assert np.mean(np.abs(out - want)) < 0.6 * np.mean(np.abs(rounded - want))
+        for g, w in zip(grads, grads_ref):
+            close(g, w, jnp.bfloat16)
+    q1 = q[:, :1]  # a decode step: the split-key forward, merged in float32
+    out = attention(q1, k, v, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    close(out, reference(q1.astype(jnp.float32), *f32[1:]), jnp.bfloat16)
+    with pytest.raises(TypeError, match="out_dtype must be q's dtype \\(bfloat16\\) or float32"):
+        attention(q, k, v, out_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("spelling", ["flax force_fp32_for_softmax", "np.sqrt(d), float32 out",
+                                      "lax.rsqrt(d), probabilities cast back"])
+def test_float32_scales_and_probabilities_are_found(spelling):
+    """Float32 enters the scores through a float32 scale (numpy's, lax.rsqrt's) or flax's
+    force_fp32_for_softmax; where the float32 probabilities weight v, the result is float32 (the
+    kernels' out_dtype). Values and gradients as jax.jit's."""
+    import flax.linen as nn
+
+    def f(q, k, v):
+        if spelling.startswith("flax"):
+            return nn.dot_product_attention(q, k, v, force_fp32_for_softmax=True)
+        if spelling.startswith("np.sqrt"):
+            s = jnp.einsum("bhqd,bhkd->bhqk", q, k) / np.sqrt(q.shape[-1])
+            return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * jax.lax.rsqrt(jnp.float32(q.shape[-1]))
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
+
+    q, k, v, do = make(2, 19, 19, 2, 2, 16, jnp.bfloat16, seed=33)
+    out_dtype = jnp.bfloat16 if "cast back" in spelling else jnp.float32
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern == {"flax force_fp32_for_softmax": "attention/flax.linen.dot_product_attention"
+                                                           "+force_fp32_for_softmax",
+                             "np.sqrt(d), float32 out": "attention/einsum[bhsd]/divisor+upcast product+float32 out",
+                             "lax.rsqrt(d), probabilities cast back": "attention/einsum[bshd]*array+upcast product"
+                                                                      "+causal"}[spelling]
+    assert xkern.jit(f)(q, k, v).dtype == jax.eval_shape(f, q, k, v).dtype == out_dtype
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+    got = xkern.jit(jax.value_and_grad(loss, (0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(*(a.astype(jnp.float32) for a in (q, k, v)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
 
 
 def test_a_scale_passed_to_the_jitted_function_scales_q():

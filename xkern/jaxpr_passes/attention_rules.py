@@ -103,13 +103,18 @@ def _causal_empty_as_jax_nn(out, v, lengths):
     return jnp.where((lengths <= 0)[:, None, None, None], mean.astype(out.dtype), out)
 
 
-def flax_attention(mask: str | None, bias: str | None = None):
+def flax_attention(mask: str | None, bias: str | None = None, force_fp32: bool = False):
     """flax.linen.dot_product_attention with a mask, or with an additive bias (bias: a key of
-    SCORE_SHAPES, in q's dtype), as HF's Flax ports pass their padding and causal masks."""
+    SCORE_SHAPES, in q's dtype), as HF's Flax ports pass their padding and causal masks;
+    force_fp32: force_fp32_for_softmax (float32 probabilities into the product with v: a float32
+    result)."""
     def fn(q, k, v, *extras):
         import flax.linen as nn
-        return nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None, mask=extras[0] if mask else None)
-    fn.__name__ = f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}{'+bias' + bias if bias else ''}"
+        return nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None, mask=extras[0] if mask else None,
+                                        force_fp32_for_softmax=force_fp32)
+    fn.__name__ = (f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}{'+bias' + bias if bias else ''}"
+                   f"{'+force_fp32_for_softmax' if force_fp32 else ''}")
+    fn.float32_out = force_fp32
     return fn
 
 
@@ -151,15 +156,18 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product")
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
-            scores: str = "product", softcap: bool = False):
+            scores: str = "product", softcap: bool = False, float32_out: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
     cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`).
-    mask / bias: a key of SCORE_SHAPES, their inputs in that order after v. dropout, on the probabilities before the einsum: "multiplier" (times the last
-    input) or "select" (flax's nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
+    mask / bias: a key of SCORE_SHAPES, their inputs in that order after v. dropout, on the
+    probabilities before the einsum: "multiplier" (times the last input) or "select" (flax's
+    nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
     scores: one of SCORES (the float32 ones imply `upcast`). softcap: the scaled scores capped as
-    Gemma 2 caps them, tanh(scores / cap) * cap (the param `cap`), before the bias and mask."""
+    Gemma 2 caps them, tanh(scores / cap) * cap (the param `cap`), before the bias and mask.
+    float32_out (with `upcast`): the float32 probabilities weight v as they are (not cast back to
+    q's dtype): the einsum promotes, and the result is float32."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -212,7 +220,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         if causal:
             scores = _causal(scores)
         if upcast:
-            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
+            probs = probs if float32_out else probs.astype(q.dtype)
         else:
             probs = jax.nn.softmax(scores, axis=-1)
         if dropout == "multiplier":
@@ -221,12 +230,14 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
+    fn.float32_out = float32_out
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
                    f"{'+mask' + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
+                   f"{'+float32 out' if float32_out else ''}"
                    f"{'+dropout(' + dropout + ')' if dropout else ''}")
     return fn
 
@@ -485,7 +496,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
                                 masked_rows="bias" if bias_kind else "average" if average else "zeros",
                                 local_window_size=(left, right) if banded else None,
-                                dropout_multiplier=multiplier, logits_soft_cap=cap)
+                                dropout_multiplier=multiplier, logits_soft_cap=cap,
+                                out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
         return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
@@ -598,3 +610,19 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, mask=mask, softcap=True), 
                       layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES, softcap=True)
              for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
              for upcast in (False, True)]
+
+# Float32 probabilities into the product with v, a float32 result (flax's force_fp32_for_softmax; by
+# hand, a float32 scale such as np.sqrt(d) or lax.rsqrt(d) promotes the scores and nothing casts the
+# probabilities back): the kernels store their float32 accumulator as it is (out_dtype). A float32
+# scale the program computes (lax.rsqrt(d)) with the probabilities cast back: q's dtype out.
+FLOAT32_SPELLINGS = (*(("upcast product", s, True) for s in ("*scale", "/divisor", *ARRAY_SCALINGS)),
+                     *(("float32 product", s, True) for s in ("*scale", "/divisor")),
+                     *(("upcast product", s, False) for s in ARRAY_SCALINGS))
+if FLAX:
+    PATTERNS += [_pattern(flax_attention(mask, force_fp32=True), HALF, params=False, with_mask=mask,
+                          scaling="/sqrt(d)") for mask in (None, *MASK_SHAPES)]
+PATTERNS += [_pattern(by_hand(layout, causal, True, scaling, mask=mask, scores=scores, float32_out=out), HALF,
+                      layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES,
+                      scaling=scaling, params=scaling not in ARRAY_SCALINGS)
+             for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
+             for scores, scaling, out in FLOAT32_SPELLINGS]

@@ -49,7 +49,8 @@ LOG2E = 1.4426950408889634
 
 
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
-              masked_rows="zeros", local_window_size=None, dropout_multiplier=None, logits_soft_cap=None):
+              masked_rows="zeros", local_window_size=None, dropout_multiplier=None, logits_soft_cap=None,
+              out_dtype=None):
     """The definition (and the `xla` backend), float32 math: scores materialized."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
@@ -69,7 +70,7 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     if dropout_multiplier is not None:
         p = p * jax.lax.stop_gradient(jnp.asarray(dropout_multiplier).astype(jnp.float32))
-    return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(out_dtype or q.dtype)
 
 
 def _capped(s, cap):
@@ -1210,7 +1211,8 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
            f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else "")
-           + (f"|dropout={st.drop_bh}" if st.drop_bh else "") + (f"|softcap={st.softcap}" if st.softcap else ""))
+           + (f"|dropout={st.drop_bh}" if st.drop_bh else "") + (f"|softcap={st.softcap}" if st.softcap else "")
+           + ("|float32 out" if st.float32_out else ""))
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
@@ -1258,6 +1260,10 @@ class Static:
     drop_bh: tuple | None = None  # a dropout multiplier's (varies over batch, over heads), or None
     empty_grads: bool = False  # masked_rows="bias": those rows' gradients reach q and k (XLA's, around the kernels)
     softcap: float = 0.0  # logits_soft_cap, 0 for none
+    float32_out: bool = False  # out_dtype=float32: o stored unrounded (else in q's dtype)
+
+    def out_dtype(self, q):
+        return jnp.float32 if self.float32_out else q.dtype
 
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
@@ -1340,7 +1346,7 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     config = st.configs[0]
     if "SPLITS" in dict(config.meta):  # (never with dropout: Static.fit)
         return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st)
-    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
+    outs = [jax.ShapeDtypeStruct(q.shape, st.out_dtype(q)), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
     grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), st.constexprs(q, k)
     o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len, drop), sq, k.shape[1],
@@ -1368,7 +1374,7 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
     o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, kv_len_, sq, k.shape[1],
                                 kernel="attention_fwd_split_kv", out_shapes=outs, grid=(splits, b * kv_heads),
                                 config=config, backend=st.backend, constexprs=consts)
-    return _merge_splits(o_part, lse_part, heads, q.dtype)
+    return _merge_splits(o_part, lse_part, heads, st.out_dtype(q))
 
 
 def _merge_splits(o_part, lse_part, heads: int, dtype):
@@ -1534,7 +1540,7 @@ def _attention(q, k, v, mask, bias, kv_len, drop, st: Static):
 def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st)
     if st.average_empty and drop is None:
-        o = jnp.where(_empty(lse)[..., None], _mean_values(v, kv_len, q.shape[2]), o)
+        o = jnp.where(_empty(lse)[..., None], _mean_values(v, kv_len, q.shape[2], o.dtype), o)
     elif st.average_empty:  # each empty row its own dropped mean: computed only when there is one
         o = jax.lax.cond(jnp.any(_empty(lse)), lambda: jnp.where(
             _empty(lse)[..., None], _dropped_means(v, kv_len, drop, q.shape[2]).astype(o.dtype), o), lambda: o)
@@ -1590,10 +1596,11 @@ def _empty(lse):
     return jnp.transpose(lse == -jnp.inf, (0, 2, 1))
 
 
-def _mean_values(v, kv_len, heads):
-    """[batch, 1, heads, d]: each q head's mean value over the keys inside the length."""
+def _mean_values(v, kv_len, heads, dtype=None):
+    """[batch, 1, heads, d]: each q head's mean value over the keys inside the length, in `dtype`
+    (default v's)."""
     values, _ = _mean_values_parts(v, kv_len)
-    return jnp.repeat(values, heads // v.shape[2], axis=1)[:, None].astype(v.dtype)
+    return jnp.repeat(values, heads // v.shape[2], axis=1)[:, None].astype(dtype or v.dtype)
 
 
 def _mean_values_parts(v, kv_len):
@@ -1790,7 +1797,7 @@ def _kernel_window(window, causal: bool, sq: int, sk: int) -> tuple[bool, tuple 
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
               kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", dropout_rate: float = 0.0,
               dropout_rng=None, broadcast_dropout: bool = True, dropout_multiplier=None,
-              logits_soft_cap: float | None = None, backend: str | None = None):
+              logits_soft_cap: float | None = None, out_dtype=None, backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -1824,11 +1831,18 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     logits_soft_cap: c > 0 caps the scaled scores before the bias and masks, c * tanh(q k^T * scale
         / c), as Gemma 2 does (None: no cap). The kernels compute it per tile; the warp-specialized
         Hopper kernels take no cap, so a capped problem runs the others.
+    out_dtype: the output's dtype, q's (the default) or float32: the float32 accumulator stored
+        unrounded, as a program that multiplies float32 probabilities by v gets it (flax's
+        force_fp32_for_softmax). The probabilities weight v in q's dtype either way, as the
+        tensor cores take them; XLA's float32 product on a GPU rounds them too (TF32).
     """
     _check(q, k, v, scale, kv_lengths)
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
     if logits_soft_cap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
         raise L.number_error("attention", "logits_soft_cap", "a positive finite number or None", logits_soft_cap)
+    if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
+        raise TypeError(f"attention: out_dtype must be q's dtype ({jnp.dtype(q.dtype)}) or float32; got "
+                        f"{jnp.dtype(out_dtype)}")
     window = _window_of(local_window_size)
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"attention: masked_rows must be one of {', '.join(MASKED_ROWS)}; got {masked_rows!r}")
@@ -1845,7 +1859,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
                          masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4,
-                         logits_soft_cap=cap)
+                         logits_soft_cap=cap, out_dtype=out_dtype)
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
@@ -1854,7 +1868,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
-                window, drop_bh, masked_rows == "bias", float(cap or 0.0))
+                window, drop_bh, masked_rows == "bias", float(cap or 0.0),
+                out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
                       None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len,
