@@ -133,12 +133,20 @@ def _tile_list(tiles_ptr, b, h, row, n_rows, n_cols, MASK_B: tl.constexpr, MASK_
 
 
 @triton.jit
-def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
+def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     """log2-domain logits of the q.k products, and their derivative by scale q.k: under a soft cap c
-    (Gemma 2's), c tanh(scale q.k / c) and 1 - tanh^2; else scale q.k and 1. (tanh to ~1e-7
-    absolute: the cap multiplies it, and the softmax sees only differences of order c.)"""
+    (Gemma 2's), c tanh(scale q.k / c) and 1 - tanh^2; else scale q.k and 1. tanh to ~1e-7
+    absolute (two special-function instructions an element), or, FAST_TANH (CUDA, 16-bit inputs),
+    PTX's tanh.approx.f32: one instruction, relative error 2^-11, below the 16-bit scores' own
+    rounding (a bf16 score near a cap of 50 is 0.25 from the next). On the H200 the precise form
+    made the capped forward 2.4x slower than the uncapped one: the exponentials' unit is the limit."""
     if SOFTCAP > 0:  # (one return: the compiler checks every return's type, even one not taken)
-        t = tanh_absolute(product * (QK_SCALE / (SOFTCAP * 1.4426950408889634)))
+        x = product * (QK_SCALE / (SOFTCAP * 1.4426950408889634))
+        if FAST_TANH:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        else:
+            t = tanh_absolute(x)
         logits, slope = t * (SOFTCAP * 1.4426950408889634), 1.0 - t * t
     else:
         logits, slope = product * QK_SCALE, 1.0
@@ -147,15 +155,15 @@ def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-            WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-            HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
-            DOT_F32: tl.constexpr):
+            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
+            WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+            MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+            HEADS: tl.constexpr, DOT_F32: tl.constexpr):
     """log2-domain scores of a [BLOCK_M, BLOCK_N] block with every mask applied (-inf where a key is
     not visible), and the soft cap's derivative (_logits): for the blocks on an edge (the causal
     diagonal, the last keys or queries) and for problems with a mask or bias. Interior blocks of a
     plain problem skip all of it."""
-    s, slope = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP)
+    s, slope = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
     visible = (cols[None, :] < kv_len) & (rows[:, None] < sq)
     if CAUSAL:
         visible = visible & (cols[None, :] <= rows[:, None])
@@ -294,23 +302,25 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-               drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-               CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-               MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-               BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
-               MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+               drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+               KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+               WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+               HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+               HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr):
     """One key/value block of the online softmax."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     if MASKED:
         s, _ = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
+                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                       HEADS, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
         p = tl.exp2(s - shift[:, None])
     elif SOFTCAP > 0:  # capped: the scale is inside the tanh
-        s, _ = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP)
+        s, _ = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)
         p = tl.exp2(s - shift[:, None])
@@ -360,12 +370,12 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
 def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
-         QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-         CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-         MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-         BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr,
-         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-         WS: tl.constexpr):
+         QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
+         KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+         WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+         HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+         HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     sk = _key_length(sk, SK16)
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
@@ -388,19 +398,19 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                           HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
+                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims,
-                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
                                        KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS,
                                        BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
                                        dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
-                                       KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
-                                       BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                       FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                       HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
@@ -414,14 +424,15 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                               BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
+                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
                                            rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
-                                           SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
-                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                           SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
+                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
+                                           BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
                                                   pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
@@ -429,14 +440,14 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
+                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                           HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
+                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -474,8 +485,8 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, KV_HEADS, D, True, -1, -1, False, False, False,
-                                   False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False, KV_HEADS, D, True, -1, -1, False, False,
+                                   False, False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -488,12 +499,12 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
 
 @triton.jit
 def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
-                     QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                     MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                     BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, N_ROWS):
+                     QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
+                     HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, N_ROWS):
     """As _scores, for the split-key kernel's rows (each its own query and head): -inf where a key
     is past `end` (the chunk's or the length's), after the query (causal) or hidden by the mask."""
-    s, _ = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP)
+    s, _ = _logits(_dot(q, k_t, DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
     visible = (cols[None, :] < end) & (rows[:, None] < N_ROWS)
     if CAUSAL:
         visible = visible & (cols[None, :] <= queries[:, None])
@@ -510,18 +521,19 @@ def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_pt
 
 @triton.jit
 def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims, b, sq, sk, end,
-                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr,
-                    D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-                    MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-                    HEADS: tl.constexpr, DOT_F32: tl.constexpr, BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, N_ROWS):
+                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
+                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                    BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, BOUNDED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
     """One key block of the split-key kernel's online softmax, with its masks (_split_kv_scores);
     BOUNDED: its keys may run past sk."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, BOUNDED)
     s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE,
-                         SOFTCAP, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, N_ROWS)
+                         SOFTCAP, FAST_TANH, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
+                         DOT_F32, N_ROWS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
     p = tl.exp2(s - shift[:, None])
@@ -535,12 +547,12 @@ def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries
 def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
-                  QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                  D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-                  HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+                  WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                  SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
     chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
@@ -569,21 +581,21 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, False, -1, -1, False, False,
-                                   False, False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, False, -1, -1,
+                                   False, False, False, False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
     whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
     for start in range(interior, whole, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, False,
-                                        BLOCK_N, BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                        False, BLOCK_N, BLOCK_D, n_rows)
     for start in range(whole, end, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                                        HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32, True,
-                                        BLOCK_N, BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
+                                        True, BLOCK_N, BLOCK_D, n_rows)
     part = bhk.to(tl.int64) * SPLITS + split
     _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
                dims, part, n_rows, D)
@@ -591,28 +603,28 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
 
 @triton.jit
 def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
-                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-                   WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr,
-                   DOT_F32: tl.constexpr, MASKED: tl.constexpr):
+                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
+                   WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                   MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                   HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr):
     """p of a block recomputed from the forward's lse (both backward kernels), and the soft cap's
     derivative (_logits)."""
     if MASKED:
         s, slope = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
-                           DOT_F32)
+                           FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                           HEADS, DOT_F32)
         return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None])), slope
-    s, slope = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP)
+    s, slope = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
     return tl.exp2(s - lse[:, None]), slope
 
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr,
-                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, HEADS: tl.constexpr,
-                D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
-                HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-                BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, DOT_F32: tl.constexpr,
-                MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+                WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+                DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
@@ -626,8 +638,8 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
         lse = tl.load(lse_ptr + stats)
         delta = tl.load(delta_ptr + stats)
     p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                       MASKED)
+                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                       HEADS, DOT_F32, MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:  # dv takes the dropped probabilities; dp the multiplier (delta already has it, through o)
         keep = _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
@@ -697,12 +709,12 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
 def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
               sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
-              QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr,
-              KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-              WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-              HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
-              HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+              QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
+              HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+              WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+              MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+              DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     sk = _key_length(sk, SK16)
     pid_n, bhk = tl.program_id(0), tl.program_id(1)
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
@@ -717,8 +729,8 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
                                  lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE,
-                                 SOFTCAP, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
-                                 HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+                                 SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -756,16 +768,16 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for h in range(hk * group, hk * group + group):
             for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, HEADS, D,
-                                     False, WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0, DOT_F32,
-                                     True, BLOCK_M, BLOCK_D)
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False,
+                                     HEADS, D, False, WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0,
+                                     DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         for h in range(hk * group, hk * group + group):
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, HEADS, D, True, -1, -1, False,
-                                     False, False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False, HEADS, D, True, -1, -1,
+                                     False, False, False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -776,11 +788,11 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 @triton.jit
 def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
                     delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr,
-                    SOFTCAP: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                    CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                    BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                    SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                    D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+                    HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                    DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk and dv of one key block: under a mask the listed query blocks, else the interior ones
     unmasked and the edges (causal diagonal, last partial block) masked."""
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
@@ -796,18 +808,18 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
-                                         WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                         DOT_F32, HAS_BIAS, BLOCK_M, BLOCK_D)
+                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS,
+                                         D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                                         BIAS_H, DROP, DOT_F32, HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len, q_ptr,
                                      do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
-                                     HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
-                                     BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS,
+                                     BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len,
                                      q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
-                                     SOFTCAP, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                     SOFTCAP, FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                      HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
@@ -827,33 +839,34 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
-                                     WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                     DOT_F32, False, BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D,
+                                     CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     DROP, DOT_F32, False, BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, HEADS, D, CAUSAL,
-                                     WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                                     DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D,
+                                     CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                                     DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
 def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-              drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-              MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-              BIAS_H: tl.constexpr, DROP: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
-              MASKED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+              drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+              KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+              WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
+              HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
+              HEADS: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr):
     """One key block's contribution to a query block's dq."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                       MASKED)
+                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                       HEADS, DOT_F32, MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:
         dp = dp * _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
@@ -867,8 +880,8 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
 def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
             sq, sk,
             dq_ptr,  # output, like q
-            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr,
-            KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
+            QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
+            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
             WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
             HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
             HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -883,8 +896,8 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
                                   QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
-                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, SOFTCAP, HEADS,
-                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, SOFTCAP, FAST_TANH,
+                           HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
                            BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
@@ -938,7 +951,7 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
-                       k_ptr, k_ptr, QK_SCALE, 0.0, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
+                       k_ptr, k_ptr, QK_SCALE, 0.0, False, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
                        False, 0, HEADS,
                        DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
@@ -948,11 +961,11 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
 @triton.jit
 def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
                   sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
-                  WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
-                  MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
-                  DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                  FAST_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
+                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
+                  BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -969,31 +982,31 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
-                               HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS,
-                               BLOCK_N, BLOCK_D)
+                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL,
+                               WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                               DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims, b, h,
-                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                           WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32,
-                           True, BLOCK_N, BLOCK_D)
+                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                           CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                           DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows, dims, b,
-                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
                            DOT_F32, True, BLOCK_N, BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
-                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N,
-                           BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False,
+                           BLOCK_N, BLOCK_D)
         for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
-                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL,
-                           WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                           DOT_F32, True, BLOCK_N, BLOCK_D)
+                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS,
+                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                           HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         interior = 0  # as the forward's: key blocks every query of the block sees
@@ -1003,14 +1016,14 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
-                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N,
-                           BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False,
+                           BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
-                           HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N,
-                           BLOCK_D)
+                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
+                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
+                           BLOCK_N, BLOCK_D)
     return dq
 
 
@@ -1292,13 +1305,16 @@ class Static:
         mask_b, mask_h = self.mask_bh or (False, False)
         bias_b, bias_h = self.bias_bh or (False, False)
         window_l, window_r = self.window or (-1, -1)
-        return {"QK_SCALE": self.scale * LOG2E, "SOFTCAP": self.softcap, "HEADS": q.shape[2], "KV_HEADS": k.shape[2],
+        dot_f32 = q.dtype == jnp.float32 or self.backend == "interpret"
+        return {"QK_SCALE": self.scale * LOG2E, "SOFTCAP": self.softcap,
+                "FAST_TANH": self.softcap > 0 and not dot_f32 and vendor() == "cuda", "HEADS": q.shape[2],
+                "KV_HEADS": k.shape[2],
                 "D": q.shape[3], "CAUSAL": self.causal, "WINDOW_L": window_l,
                 "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
                 "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
                 "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len, "DROP": self.drop_flags,
                 "SK16": k.shape[1] % 16 == 0 and any((self.mask_bh, self.bias_bh, self.drop_bh)),
-                "DOT_F32": q.dtype == jnp.float32 or self.backend == "interpret"}
+                "DOT_F32": dot_f32}
 
 
 def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
@@ -1956,7 +1972,8 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
-    consts = {**st.constexprs(q, k), **options, "SCALE": st.scale}
+    consts = {**st.constexprs(q, k), **options, "SCALE": st.scale,
+              "FAST_TANH": bool(options.get("SOFTCAP")) and gpu == "cuda" and dtype != "fp32"}
     kind = ("window" if "WINDOW_L" in options else "softcap" if "SOFTCAP" in options else
             {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options), "causal-mask"))
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
