@@ -988,6 +988,27 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     close(batched[1], reference(-q, k, v, causal=True), jnp.float32)
 
 
+@pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_values_and_gradients' soft cap cases")
+@pytest.mark.parametrize("causal", [False, True])
+def test_warp_specialized_forward_takes_a_soft_cap(causal):
+    """A soft cap is no masking: the warp-specialized forward (and, causal, _fwd_diagonal after it)
+    caps the scores in its loop; its backward kernels do not, so only the forward is offered it."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    b, sq, sk, h, hk, d = 2, 32, 32, 2, 1, 32
+    q, k, v, _ = make(b, sq, sk, h, hk, d, jnp.float32, seed=34)
+    q = q * 3
+    st = A.Static(causal, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), softcap=1.5)
+    ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1),) + st.configs[1:])
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, ws)
+    close(o, reference(q, k, v, causal=causal, logits_soft_cap=1.5), jnp.float32)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, st)[1]),
+                               rtol=0, atol=1e-5)
+    fit = {"unmasked_keys": 4096, "unmasked_queries": 4096, "softcap": True}
+    assert [bool(A.candidates(kernel, 128, "triton", "cuda", tma=True, **fit)[0]["WS"])
+            for kernel in ("fwd", "dkdv", "dq")] == [True, False, False]
+
+
 def test_warp_specialized_forward_is_offered_only_where_it_applies():
     """First candidate on a TMA GPU for 16-bit problems without masking at head dims 128 and 256
     (where it won on the H200) and for causal ones with as many queries as keys (a multiple of its

@@ -340,8 +340,8 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
 
 @triton.jit
 def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCALE: tl.constexpr,
-                          KV_HEADS: tl.constexpr, D: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                          SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                          HEADS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """The key blocks before `end` of a problem without masking (no mask, bias or kv_lengths; sk a
     multiple of BLOCK_N; causal: only the blocks left of the diagonal block, which _fwd_diagonal
     adds after), for Hopper's warp specialization (Triton 3.6): one producer warp group
@@ -349,15 +349,21 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
     query rows. What the pass takes, found on an H200: one loop, every load a TMA load of a 2-D view
     (a second loop or a pointer load fails to compile; 3-D views compile and hang; a branch in the
     loop is silently not specialized), and no masking: masking every block cost all of the gain
-    (477 against 583 TFLOP/s), so problems that need it take the two loops instead."""
+    (477 against 583 TFLOP/s), so problems that need it take the two loops instead. A soft cap is
+    no masking: it is taken here (the backward's warp-specialized kernels take none)."""
     batch = tl.num_programs(1) // HEADS
     k_desc = tl.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
     v_desc = tl.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, BLOCK_D])
     for start in tl.range(0, end, BLOCK_N, warp_specialize=True):
         k = k_desc.load([b * sk + start, hk * D])
         s = _dot(q, tl.trans(k), DOT_F32)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * QK_SCALE)
-        p = tl.exp2(s * QK_SCALE - m_new[:, None])
+        if SOFTCAP > 0:  # (a constant: the loop keeps no branch)
+            s, _ = _logits(s, QK_SCALE, SOFTCAP, FAST_TANH)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * QK_SCALE)
+            p = tl.exp2(s * QK_SCALE - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         v = v_desc.load([b * sk + start, hk * D])
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
@@ -380,7 +386,7 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:  # q by TMA from the [batch * sq, HEADS * D] view (rows past sq: never stored)
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         q_desc = tl.make_tensor_descriptor(q_ptr, [tl.num_programs(1) // HEADS * sq, HEADS * D], [HEADS * D, 1],
                                            [BLOCK_M, BLOCK_D])
         q = q_desc.load([free_dead_barriers(b * sq + pid_m * BLOCK_M, WS), h * D])
@@ -435,7 +441,8 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                            BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
-                                                  pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, KV_HEADS, D,
+                                                  pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, SOFTCAP, FAST_TANH,
+                                                  KV_HEADS, D,
                                                   HEADS, DOT_F32, BLOCK_N, BLOCK_D)
         else:
             for start in range(0, interior, BLOCK_N):
@@ -466,9 +473,9 @@ def _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D: tl.
 def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
                   sq, sk,
                   o_ptr, lse_ptr,  # outputs, written over o_part and lse_part
-                  QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SKIPPED: tl.constexpr):
+                  QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
+                  KV_HEADS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
     """Causal attention's diagonal blocks, after the warp-specialized forward did the keys left of
     them (it cannot mask: see _fwd_warp_specialized) for its query blocks of SKIPPED rows. A query
     block (BLOCK_M divides SKIPPED) resumes the online softmax from that result: (o, lse) is the
@@ -485,7 +492,8 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False, KV_HEADS, D, True, -1, -1, False, False,
+                                   k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, True, -1, -1, False,
+                                   False,
                                    False, False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
@@ -1151,7 +1159,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
                tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
-               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
+               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None,
+               softcap: bool = False) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
@@ -1162,7 +1171,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     _dkdv_diagonal); or `window_keys`, the key count of a sliding-window problem with no other
     masking (dk/dv's: the window's edges then take _dkdv_diagonal). `split_kv`: (query rows per key
     head, batch x key heads, keys) of a problem the split-key forward takes (Static.fit), whose
-    tiles then come first."""
+    tiles then come first. `softcap`: a soft cap, which only the warp-specialized forward takes."""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
     split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
@@ -1176,7 +1185,8 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tma = (L.tma_supported() if on_device else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
     tiles = TILES[(gpu, kernel, width)]
-    if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys):
+    if (gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys)
+            and not (softcap and kernel != "fwd")):
         def fits(bm, bn):
             if window_keys:  # dk/dv only: the forward tied the two-loop kernel (H200, windows 256-4096)
                 return kernel == "dkdv" and window_keys % bn == 0
@@ -1281,10 +1291,10 @@ class Static:
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh or self.softcap
-        plain = not (masked or self.window)  # (a soft cap: the warp-specialized kernels take none)
+        masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh
+        plain = not (masked or self.window)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
-        windowed = not masked and self.window
+        windowed = not (masked or self.softcap) and self.window
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
         decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
@@ -1294,7 +1304,8 @@ class Static:
                 "bias": self.bias_bh is not None or self.drop_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
                 "causal_square": q.shape[1] if causal_square else 0, "window_keys": k.shape[1] if windowed else 0,
-                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
+                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None,
+                "softcap": self.softcap > 0}
 
     @property
     def drop_flags(self) -> int:
@@ -1374,7 +1385,8 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     return L.launch(_fwd_diagonal, q, k, v, o, lse, sq, k.shape[1], kernel="attention_fwd_diagonal",
                     out_shapes=outs, grid=(L.cdiv(sq, diagonal["BLOCK_M"]), b * heads), config=diagonal,
                     backend=st.backend, aliases={3: 0, 4: 1},
-                    constexprs={n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+                    constexprs={n: consts[n] for n in ("QK_SCALE", "SOFTCAP", "FAST_TANH", "HEADS", "KV_HEADS", "D",
+                                                       "DOT_F32")})
 
 
 def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
@@ -1965,8 +1977,9 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
-           "unmasked_queries": 0 if options else 4096, "causal_square": 4096 if options == {"CAUSAL": True} else 0,
-           "window_keys": 4096 if "WINDOW_L" in options else 0}
+           "unmasked_queries": 0 if options else 4096,
+           "causal_square": 4096 if options in ({"CAUSAL": True}, {"CAUSAL": True, "SOFTCAP": 50.0}) else 0,
+           "window_keys": 4096 if "WINDOW_L" in options else 0, "softcap": "SOFTCAP" in options}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
@@ -1982,7 +1995,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
     if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
         diagonal = _fwd_diagonal_config(fwd, gpu).replace(**{n: fwd_consts[n] for n in (
-            "QK_SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+            "QK_SCALE", "SOFTCAP", "FAST_TANH", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
