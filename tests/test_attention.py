@@ -990,13 +990,14 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
 
 @pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_values_and_gradients' soft cap cases")
 @pytest.mark.parametrize("causal", [False, True])
-def test_warp_specialized_forward_takes_a_soft_cap(causal):
-    """A soft cap is no masking: the warp-specialized forward (and, causal, _fwd_diagonal after it)
-    caps the scores in its loop; its backward kernels do not, so only the forward is offered it."""
+def test_warp_specialized_kernels_take_a_soft_cap(causal):
+    """A soft cap is no masking: the warp-specialized kernels (and, causal, the diagonal ones after
+    them) cap the scores in their loops, the backward's multiply ds by the cap's slope; forward and
+    every gradient against the reference, lse against the two-loop kernel's."""
     import dataclasses
     from xkern.kernels import attention as A
     b, sq, sk, h, hk, d = 2, 32, 32, 2, 1, 32
-    q, k, v, _ = make(b, sq, sk, h, hk, d, jnp.float32, seed=34)
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=34)
     q = q * 3
     st = A.Static(causal, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), softcap=1.5)
     ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1),) + st.configs[1:])
@@ -1004,9 +1005,14 @@ def test_warp_specialized_forward_takes_a_soft_cap(causal):
     close(o, reference(q, k, v, causal=causal, logits_soft_cap=1.5), jnp.float32)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, st)[1]),
                                rtol=0, atol=1e-5)
-    fit = {"unmasked_keys": 4096, "unmasked_queries": 4096, "softcap": True}
-    assert [bool(A.candidates(kernel, 128, "triton", "cuda", tma=True, **fit)[0]["WS"])
-            for kernel in ("fwd", "dkdv", "dq")] == [True, False, False]
+    ws = dataclasses.replace(ws, configs=(ws.configs[0], st.configs[1].replace(WS=1), st.configs[2].replace(WS=1)))
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
+    want = jax.vjp(lambda *a: reference(*a, causal=causal, logits_soft_cap=1.5), q, k, v)[1](do)
+    for g, w in zip(jax.jit(backward)(q, k, v), want):
+        close(g, w, jnp.float32)
+    assert {"attention_dkdv_diagonal", "attention_dq_diagonal"} <= set(
+        kernel_names(jax.make_jaxpr(backward)(q, k, v))) or not causal
+    assert A.Static(False, 1.0, None, None, False, "triton", (), softcap=1.5).fit(q, k)["unmasked_keys"] == sk
 
 
 def test_warp_specialized_forward_is_offered_only_where_it_applies():
@@ -1083,15 +1089,20 @@ def _bf16_against_the_reference_with_launches(shape, seed, **options) -> dict:
 
 
 @pytest.mark.skipif(not L.tma_supported(), reason="needs a GPU with TMA (Hopper): the tiles the H200 runs")
-@pytest.mark.parametrize("shape,causal", [((1, 256, 256, 4, 2, 128), False), ((1, 256, 256, 4, 2, 128), True),
-                                          ((1, 256, 256, 2, 2, 256), False), ((1, 256, 256, 2, 1, 256), True)],
-                         ids=["d128", "d128 causal", "d256", "d256 causal mqa"])
-def test_warp_specialized_kernels_on_hopper(shape, causal):
+@pytest.mark.parametrize("shape,causal,cap", [((1, 256, 256, 4, 2, 128), False, None),
+                                              ((1, 256, 256, 4, 2, 128), True, None),
+                                              ((1, 256, 256, 2, 2, 256), False, None),
+                                              ((1, 256, 256, 2, 1, 256), True, None),
+                                              ((1, 256, 256, 4, 2, 128), False, 2.0),
+                                              ((1, 256, 256, 4, 2, 128), True, 2.0)],
+                         ids=["d128", "d128 causal", "d256", "d256 causal mqa", "d128 soft cap", "d128 causal soft cap"])
+def test_warp_specialized_kernels_on_hopper(shape, causal, cap):
     """On a Hopper GPU the public op picks the warp-specialized kernels at the tiles measured there
     (the interpreter tests above run their source at 16-wide tiles): values and every gradient
-    against the float32 reference, and the launches' configs say which kernels ran."""
+    against the float32 reference, and the launches' configs say which kernels ran. A soft cap (of
+    2: the scores bend) takes them too, its tanh PTX's."""
     d = shape[-1]
-    ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal)
+    ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
     assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)

@@ -680,7 +680,8 @@ def _backward_descriptors(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, batch
 
 @triton.jit
 def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n, b, hk,
-                           QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                           QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                            DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, WS: tl.constexpr):
     """dk and dv of one key block over the query blocks in [first, last) of every query head sharing
@@ -706,9 +707,12 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
         do = do_desc.load([b * sq + start, h * D])
         lse = lse_desc.load([(b * HEADS + h) * sq + start])
         delta = delta_desc.load([(b * HEADS + h) * sq + start])
-        p_t = tl.exp2(_dot(k, tl.trans(q), DOT_F32) * QK_SCALE - lse[None, :])  # [keys, queries]
+        s_t, slope_t = _logits(_dot(k, tl.trans(q), DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)  # [keys, queries]
+        p_t = tl.exp2(s_t - lse[None, :])
         dv += _dot(p_t.to(do.dtype), do, DOT_F32)
         ds_t = p_t * (_dot(v, tl.trans(do), DOT_F32) - delta[None, :])
+        if SOFTCAP > 0:
+            ds_t = ds_t * slope_t
         dk += _dot(ds_t.to(q.dtype), q, DOT_F32)
     return dk, dv
 
@@ -728,12 +732,13 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
     b, hk, cols, dims, kv_offs = _key_tile(pid_n, bhk, sk, KV_HEADS, D, BLOCK_N, BLOCK_D)
     group = HEADS // KV_HEADS
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         first, last = (pid_n + 1) * BLOCK_N if CAUSAL else 0, sq  # causal: below the diagonal block
         if WINDOW_L >= 0 or WINDOW_R >= 0:
             _, first, last, _ = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, True, BLOCK_M, BLOCK_N)
         dk, dv = _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, first, last, pid_n,
-                                        b, hk, QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
+                                        b, hk, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M,
+                                        BLOCK_N, BLOCK_D, WS)
     else:
         dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
                                  lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE,
@@ -748,10 +753,10 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
 def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr, dv_part_ptr,  # inputs
                    sq, sk,
                    dk_ptr, dv_ptr,  # outputs, written over dk_part and dv_part
-                   QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                   D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr, SKIPPED_M: tl.constexpr, WINDOW_L: tl.constexpr,
-                   WINDOW_R: tl.constexpr):
+                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
+                   HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr,
+                   SKIPPED_M: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr):
     """Causal dk and dv: the part of the diagonal blocks the warp-specialized kernel skipped (for
     its key block of SKIPPED keys, the queries [first key, first key + SKIPPED)), masked, for each
     query head sharing the key head, added to what it wrote. Its own key blocks may be smaller
@@ -776,7 +781,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for h in range(hk * group, hk * group + group):
             for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False,
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP,
+                                     FAST_TANH,
                                      HEADS, D, False, WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0,
                                      DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
@@ -784,7 +790,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, 0.0, False, HEADS, D, True, -1, -1,
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D, True, -1,
+                                     -1,
                                      False, False, False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -898,10 +905,11 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
     if WS:
-        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP or SOFTCAP > 0) and BLOCK_D == D)
+        tl.static_assert(not (HAS_MASK or HAS_BIAS or HAS_KV_LEN or DROP) and BLOCK_D == D)
         end = pid_m * BLOCK_M if CAUSAL else sk  # causal: left of the diagonal block
         dq = _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
-                                  QK_SCALE, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D, WS)
+                                  QK_SCALE, SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N,
+                                  BLOCK_D, WS)
     else:
         dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
                            delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, SOFTCAP, FAST_TANH,
@@ -913,9 +921,9 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
 
 @triton.jit
 def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, end, pid_m, b, h, hk,
-                         QK_SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                         DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_D: tl.constexpr, WS: tl.constexpr):
+                         QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
+                         KV_HEADS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     """dq of one query block over the key blocks before `end`, for a problem without masking (sq and
     sk multiples of the tiles; causal: the blocks left of the diagonal block, which _dq_diagonal adds
     after), warp-specialized as the forward. On the H200: head dim 256 (b2 s4096 h16) 1.36 ms against
@@ -931,8 +939,11 @@ def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk
     for start in tl.range(0, end, BLOCK_N, warp_specialize=True):
         k = k_desc.load([b * sk + start, hk * D])
         v = v_desc.load([b * sk + start, hk * D])
-        p = tl.exp2(_dot(q, tl.trans(k), DOT_F32) * QK_SCALE - lse[:, None])
+        s, slope = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
+        p = tl.exp2(s - lse[:, None])
         ds = p * (_dot(do, tl.trans(v), DOT_F32) - delta[:, None])
+        if SOFTCAP > 0:
+            ds = ds * slope
         dq += _dot(ds.to(k.dtype), k, DOT_F32)
     return dq
 
@@ -941,9 +952,9 @@ def _dq_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk
 def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  # inputs
                  sq, sk,
                  dq_ptr,  # output, written over dq_part
-                 QK_SCALE: tl.constexpr, SCALE: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                 D: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
+                 QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
+                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SKIPPED: tl.constexpr):
     """Causal dq: the keys the warp-specialized kernel skipped for its query block of SKIPPED rows
     (its diagonal block: keys from the block's first query on), masked, added to what it wrote.
     Its own query blocks may be smaller (BLOCK_M divides SKIPPED). sq == sk."""
@@ -959,9 +970,8 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
         # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
         dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
-                       k_ptr, k_ptr, QK_SCALE, 0.0, False, KV_HEADS, D, True, -1, -1, False, False, False, False, False,
-                       False, 0, HEADS,
-                       DOT_F32, True, BLOCK_N, BLOCK_D)
+                       k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, True, -1, -1, False, False, False,
+                       False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     tl.store(dq_ptr + q_offs, dq.to(dq_ptr.dtype.element_ty), mask=(rows[:, None] < sq) & (dims[None, :] < D))
 
@@ -1159,8 +1169,7 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
                tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
-               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None,
-               softcap: bool = False) -> list[L.Config]:
+               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
@@ -1171,7 +1180,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     _dkdv_diagonal); or `window_keys`, the key count of a sliding-window problem with no other
     masking (dk/dv's: the window's edges then take _dkdv_diagonal). `split_kv`: (query rows per key
     head, batch x key heads, keys) of a problem the split-key forward takes (Static.fit), whose
-    tiles then come first. `softcap`: a soft cap, which only the warp-specialized forward takes."""
+    tiles then come first. (A soft cap is no masking: every kernel takes it.)"""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
     split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
@@ -1185,8 +1194,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tma = (L.tma_supported() if on_device else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
     tiles = TILES[(gpu, kernel, width)]
-    if (gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys)
-            and not (softcap and kernel != "fwd")):
+    if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys):
         def fits(bm, bn):
             if window_keys:  # dk/dv only: the forward tied the two-loop kernel (H200, windows 256-4096)
                 return kernel == "dkdv" and window_keys % bn == 0
@@ -1294,7 +1302,7 @@ class Static:
         masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh
         plain = not (masked or self.window)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
-        windowed = not (masked or self.softcap) and self.window
+        windowed = not masked and self.window
         plain = plain and not self.causal
         rows = q.shape[1] * (q.shape[2] // k.shape[2])  # query rows per key head
         decode = (rows <= SPLIT_KV_ROWS and SPLIT_KV_KEYS_PER_QUERY * q.shape[1] <= k.shape[1]
@@ -1304,8 +1312,7 @@ class Static:
                 "bias": self.bias_bh is not None or self.drop_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
                 "causal_square": q.shape[1] if causal_square else 0, "window_keys": k.shape[1] if windowed else 0,
-                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None,
-                "softcap": self.softcap > 0}
+                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
 
     @property
     def drop_flags(self) -> int:
@@ -1463,7 +1470,8 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
                       constexprs=consts)
     if (st.causal or st.window) and dict(dkdv.meta).get("WS"):
         diagonal = _dkdv_diagonal_config(dkdv, "interpret" if st.backend == "interpret" else "cuda")
-        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L", "WINDOW_R")
+        names = ("QK_SCALE", "SOFTCAP", "FAST_TANH", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L",
+                 "WINDOW_R")
         dk, dv = L.launch(_dkdv_diagonal, q, k, v, do, lse, delta, dk, dv, sq, sk, kernel="attention_dkdv_diagonal",
                           out_shapes=dkdv_shapes, grid=(L.cdiv(sk, diagonal["BLOCK_N"]), b * kv_heads),
                           config=diagonal, backend=st.backend, aliases={6: 0, 7: 1},
@@ -1474,7 +1482,7 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
                       constexprs=consts)
     if st.causal and dict(dq.meta).get("WS"):
         diagonal = _dq_diagonal_config(dq, "interpret" if st.backend == "interpret" else "cuda")
-        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
+        names = ("QK_SCALE", "SOFTCAP", "FAST_TANH", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")
         (dq_,) = L.launch(_dq_diagonal, q, k, v, do, lse, delta, dq_, sq, sk, kernel="attention_dq_diagonal",
                           out_shapes=dq_shape, grid=(L.cdiv(sq, diagonal["BLOCK_M"]), b * heads), config=diagonal,
                           backend=st.backend, aliases={6: 0}, constexprs={n: consts[n] for n in names})
@@ -1979,7 +1987,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
            "unmasked_queries": 0 if options else 4096,
            "causal_square": 4096 if options in ({"CAUSAL": True}, {"CAUSAL": True, "SOFTCAP": 50.0}) else 0,
-           "window_keys": 4096 if "WINDOW_L" in options else 0, "softcap": "SOFTCAP" in options}
+           "window_keys": 4096 if "WINDOW_L" in options else 0}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
@@ -2001,14 +2009,15 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
     if dkdv["WS"] and (options.get("CAUSAL") or "WINDOW_L" in options):
         diagonal = _dkdv_diagonal_config(dkdv, gpu).replace(**{n: consts[n] for n in (
-            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L", "WINDOW_R")})
+            "QK_SCALE", "SOFTCAP", "FAST_TANH", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32", "WINDOW_L",
+            "WINDOW_R")})
         yield (f"{tag}/dkdv_diagonal", _dkdv_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dk_part_ptr": el, "dv_part_ptr": el, "sq": "i32",
                "sk": "i32", "dk_ptr": el, "dv_ptr": el}, diagonal, (target,))
     yield (f"{tag}/bwd_dq", _bwd_dq, {**arrays, **grads, "dq_ptr": el}, dq, (target,))
     if dq["WS"] and options.get("CAUSAL"):
         diagonal = _dq_diagonal_config(dq, gpu).replace(**{n: consts[n] for n in (
-            "QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
+            "QK_SCALE", "SOFTCAP", "FAST_TANH", "SCALE", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/dq_diagonal", _dq_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "dq_part_ptr": el, "sq": "i32", "sk": "i32",
                "dq_ptr": el}, diagonal, (target,))
