@@ -137,9 +137,10 @@ def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: t
     """log2-domain logits of the q.k products, and their derivative by scale q.k: under a soft cap c
     (Gemma 2's), c tanh(scale q.k / c) and 1 - tanh^2; else scale q.k and 1. tanh to ~1e-7
     absolute (two special-function instructions an element), or, FAST_TANH (CUDA, 16-bit inputs),
-    PTX's tanh.approx.f32: one instruction, relative error 2^-11, below the 16-bit scores' own
-    rounding (a bf16 score near a cap of 50 is 0.25 from the next). On the H200 the precise form
-    made the capped forward 2.4x slower than the uncapped one: the exponentials' unit is the limit."""
+    PTX's tanh.approx.f32: one instruction, relative error about 2^-11, below the 16-bit scores'
+    own rounding (a bf16 score near a cap of 50 is 0.25 from the next). On the H200 (b4 s4096 h32
+    d128, two-loop kernels) the precise form ran the capped forward at 230 TFLOP/s, PTX's at 403,
+    the uncapped at 550-562 (h200-attention-softcap-*-session27.json)."""
     if SOFTCAP > 0:  # (one return: the compiler checks every return's type, even one not taken)
         x = product * (QK_SCALE / (SOFTCAP * 1.4426950408889634))
         if FAST_TANH:
@@ -1870,7 +1871,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     out_dtype: the output's dtype, q's (the default) or float32: the float32 accumulator stored
         unrounded, as a program that multiplies float32 probabilities by v gets it (flax's
         force_fp32_for_softmax). The probabilities weight v in q's dtype either way, as the
-        tensor cores take them; XLA's float32 product on a GPU rounds them too (TF32).
+        tensor cores take them (on the H200, still nearer float32 math than XLA's program:
+        h200-attention-softcap-probe-session27.json).
     """
     _check(q, k, v, scale, kv_lengths)
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
