@@ -64,6 +64,8 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
                                                          "bias": (1, 2, 40, 40)}),
     "window and mask": ((2, 24, 30, 2, 2, 16), {"local_window_size": (3, None), "mask": (2, 1, 24, 30)}),
     "soft cap, causal, gqa": ((1, 50, 50, 4, 2, 16), {"causal": True, "logits_soft_cap": 0.8}),
+    "soft cap, sliding window": ((1, 40, 40, 2, 1, 16), {"causal": True, "local_window_size": (12, 0),
+                                                         "logits_soft_cap": 1.0}),  # Gemma 2's local layers
     "soft cap, mask, bias, lengths": ((2, 18, 21, 2, 2, 16), {"mask": (2, 1, 18, 21), "bias": (1, 2, 18, 21),
                                                              "kv_lengths": np.array([21, 11]), "logits_soft_cap": 1.5}),
 }
