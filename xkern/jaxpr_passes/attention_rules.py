@@ -22,6 +22,10 @@ mean).
 With dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a random
 multiplier by hand), the multiplier the program draws (from jax's random bits, by XLA as before) is
 passed to the kernels, which apply it tile by tile: the same random bits, so jax.jit's result.
+
+Scores soft-capped as Gemma 2 caps them (tanh(scores / c) * c, before the mask) take the kernels'
+logits_soft_cap. Float32 probabilities that weight v as they are (flax's force_fp32_for_softmax; by
+hand after a float32 scale such as np.sqrt(d)) give a float32 result: the kernels' out_dtype.
 """
 from __future__ import annotations
 

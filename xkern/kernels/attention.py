@@ -9,6 +9,8 @@ head, over the keys j it may see (j < kv_length, j <= i when causal, mask[i, j])
     backward, with delta_i = do_i . o_i:
     dv_j = sum_i p_ij do_i     ds_ij = p_ij (do_i . v_j - delta_i)
     dq_i = scale sum_j ds_ij k_j                dk_j = scale sum_i ds_ij q_i      dbias_ij = ds_ij
+    (with a soft cap c, s_ij = c tanh(scale q_i . k_j / c) + bias_ij, and dq, dk take ds_ij times
+    its slope 1 - tanh^2)
 
 The forward streams key/value blocks through an online softmax in the log2 domain (exp2 of
 pre-scaled scores) and saves o and lse only. The backward recomputes p block by block: one kernel
