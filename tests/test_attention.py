@@ -248,12 +248,13 @@ def test_nan_propagates_like_xla_and_empty_inputs():
     np.testing.assert_array_equal(xkern.jit(by_hand)(q, k[:, :0], v[:, :0]), jax.jit(by_hand)(q, k[:, :0], v[:, :0]))
 
 
-def test_vmap_folds_into_the_batch():
+@pytest.mark.parametrize("cap", [None, 1.0], ids=["uncapped", "soft cap"])
+def test_vmap_folds_into_the_batch(cap):
     q, k, v, do = make(2, 17, 17, 2, 1, 16, jnp.bfloat16, seed=5)
-    qs = jnp.stack([q, q * 0.5, -q])
+    qs = jnp.stack([q, q * 0.5, -q * 3])
     mask = jnp.asarray(np.random.default_rng(6).random((3, 17, 17)) > 0.2)
-    f = lambda q, m: attention(q, k, v, mask=m, causal=True)
-    r = lambda q, m: reference(q, k, v, mask=m, causal=True)
+    f = lambda q, m: attention(q, k, v, mask=m, causal=True, logits_soft_cap=cap)
+    r = lambda q, m: reference(q, k, v, mask=m, causal=True, logits_soft_cap=cap)
     close(jax.jit(jax.vmap(f))(qs, mask), jax.jit(jax.vmap(r))(qs, mask), jnp.bfloat16)
     g = jax.jit(jax.vmap(jax.grad(lambda q, m: jnp.sum(f(q, m).astype(jnp.float32) * do))))(qs, mask)
     w = jax.jit(jax.vmap(jax.grad(lambda q, m: jnp.sum(r(q, m).astype(jnp.float32) * do))))(qs, mask)
@@ -1123,6 +1124,7 @@ DECODE_CASES = {  # name: ((b, sq, sk, h, hk, d), dtype, options)
     "head dim 40 (padded), 128 keys": ((1, 1, 128, 2, 1, 40), jnp.bfloat16, {}),
     "soft cap, lengths": ((2, 1, 100, 8, 2, 32), jnp.float32, {"kv_lengths": np.array([100, 41]),
                                                                "logits_soft_cap": 0.5}),
+    "soft cap, bf16 (PTX tanh on CUDA)": ((2, 1, 130, 8, 2, 64), jnp.bfloat16, {"logits_soft_cap": 0.5}),
 }
 
 
