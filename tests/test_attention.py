@@ -681,6 +681,125 @@ def test_soft_capped_scores_by_hand_are_found():
                 if m.pattern.startswith("attention/")]
 
 
+def _sunk(q, k, v, sinks, causal=False, mask=None, lengths=None):
+    """Attention with sinks as gpt-oss's reference defines it, in float32: a column of sink logits
+    [b, h, q, 1] joined to the masked scores, the softmax, the column dropped (GQA by repeating k, v)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, 2), jnp.repeat(v, group, 2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    visible = jnp.ones(s.shape, bool) if mask is None else jnp.broadcast_to(mask, s.shape)
+    if causal:
+        visible = visible & jnp.tril(jnp.ones(s.shape[-2:], bool))
+    if lengths is not None:
+        visible = visible & (jnp.arange(s.shape[-1]) < lengths[:, None, None, None])
+    column = jnp.broadcast_to(sinks.reshape((1, -1, 1, 1) if sinks.ndim == 1 else sinks.shape), s.shape[:-1] + (1,))
+    p = jax.nn.softmax(jnp.concatenate([jnp.where(visible, s, -jnp.inf), column], -1), -1)[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("case", ["per head, gqa, causal", "per row, mask with an empty row, lengths",
+                                  "bf16, soft cap, edge sinks"])
+def test_sinks_values_and_gradients_against_the_reference(case):
+    """Attention sinks (a zero-valued key of its own logit per row): values and every gradient, the
+    sinks' included, against gpt-oss's definition in float32: sinks per head and per row (4-D, as a
+    program joins them to its scores), GQA, causal, a mask that hides a whole row (zero, whatever
+    masked_rows says), kv_lengths, and sinks of -inf (no sink) and far above the scores (o ~ 0)."""
+    b, sq, sk, h, hk, d = 2, 19, 23, 4, 2, 16
+    dtype = jnp.bfloat16 if case.startswith("bf16") else jnp.float32
+    q, k, v, do = make(b, sq, sk, h, hk, d, dtype, seed=33)
+    rng = np.random.default_rng(34)
+    kw, ref_kw = {}, {}
+    if case.startswith("per head"):
+        sinks, kw = jnp.asarray(rng.standard_normal(h) * 2, jnp.float32), {"causal": True}
+    elif case.startswith("per row"):
+        sinks = jnp.asarray(rng.standard_normal((b, h, sq, 1)), jnp.float32)
+        mask = jnp.asarray(rng.random((b, 1, sq, sk)) > 0.3).at[1, 0, 4].set(False)
+        lengths = jnp.array([23, 15])
+        kw = {"mask": mask, "masked_rows": "average", "kv_lengths": lengths}
+        ref_kw = {"mask": mask, "lengths": lengths}
+    else:
+        sinks = jnp.asarray([-jnp.inf, 40.0, 0.5, -1.0], dtype)
+        kw = ref_kw = {"causal": True}
+    cap = 30.0 if dtype == jnp.bfloat16 else None
+    ref_kw = ref_kw or kw
+    f32 = [a.astype(jnp.float32) for a in (q, k, v, sinks)]
+    (out, grads), (want, grads_ref) = (
+        value_and_grads(lambda *a, **kw: attention(*a[:3], sinks=a[3], logits_soft_cap=cap, **kw),
+                        (q, k, v, sinks), do, **kw),
+        value_and_grads(lambda q, k, v, s, **kw: _sunk(q, k, v, s, **kw) if cap is None else reference(
+            q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.broadcast_to(s[None, :, None], (b, h, sq))),
+            f32, do.astype(jnp.float32), **ref_kw))
+    assert out.dtype == dtype and grads[3].dtype == sinks.dtype and grads[3].shape == sinks.shape
+    close(out, want, dtype)
+    for g, w in zip(grads, grads_ref):
+        close(g, w, dtype)
+    if case.startswith("per row"):  # the hidden row: zero, and its sink gets no gradient
+        assert not np.any(np.asarray(out[1, 4, :2])) and grads[3][1, 0, 4, 0] == 0
+    if cap is not None:  # the reference's sinks are the definition's: the first one is no sink
+        close(reference(q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.full((b, h, sq), -jnp.inf)),
+              reference(q, k, v, causal=True, logits_soft_cap=cap), dtype)
+        assert np.abs(np.asarray(out[:, :, 1], np.float32)).max() < 1e-6  # a sink of 40 takes every weight
+
+
+def test_sinks_errors_name_the_argument():
+    q, k, v, _ = make(1, 8, 8, 4, 2, 16, jnp.float32)
+    for sinks, error, words in [(jnp.zeros(3), ValueError, "[heads] = [4]"), (jnp.zeros((1, 4, 8, 2)), ValueError,
+                                                                              "[batch, heads, q_seq, 1]"),
+                                (jnp.zeros(4, jnp.int32), TypeError, "floating-point")]:
+        with pytest.raises(error, match=r"sinks") as info:
+            attention(q, k, v, sinks=sinks)
+        assert words in str(info.value)
+
+
+@pytest.mark.parametrize("form", ["causal window as a -inf bias", "float32 softmax"])
+def test_gpt_oss_attention_sinks_are_found(form):
+    """gpt-oss's attention as a JAX program writes it: scores scaled, its causal (here also sliding
+    window) mask a constant -inf bias, the sinks [heads] joined as a column, softmax, the column
+    dropped: one kernel call, its mask read as a window; values and gradients (the sinks' too) as
+    jax.jit's. The sink column first is a near miss, XLA's; a -inf bias that hides a whole row stays
+    a bias (that row weights only its sink: zero, as under XLA)."""
+    b, s, h, d = 2, 24, 4, 16
+    qp, kp = np.arange(s)[:, None], np.arange(s)[None, :]
+    window = np.where(kp > qp, -np.inf, 0.0) + np.where(qp - kp > 5, -np.inf, 0.0)
+
+    def gpt_oss(q, k, v, sinks, mask=window if form.startswith("causal") else None, first=False):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
+        if mask is not None:
+            scores = scores + jnp.asarray(mask, scores.dtype)[None, None]
+        scores = scores.astype(jnp.float32) if form == "float32 softmax" else scores
+        column = jnp.broadcast_to(sinks.reshape(1, h, 1, 1).astype(scores.dtype), (b, h, s, 1))
+        if first:
+            w = jax.nn.softmax(jnp.concatenate([column, scores], -1), -1)[..., 1:]
+        else:
+            w = jax.nn.softmax(jnp.concatenate([scores, column], -1), -1)[..., :-1]
+        return jnp.einsum("bhqk,bkhd->bqhd", w.astype(q.dtype), v)
+
+    q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=35)
+    sinks = jnp.asarray(np.random.default_rng(36).standard_normal(h), jnp.bfloat16)
+    attention_matches = lambda f: [m for m in xkern.explain(f)(q, k, v, sinks).matches
+                                   if m.pattern.startswith("attention/")]
+    [match] = attention_matches(gpt_oss)
+    assert match.pattern.endswith("+sinks")
+    if form.startswith("causal"):
+        assert (match.params["mask_kind"], match.params["left"], match.params["right"]) == ("window", 5, 0)
+    # (each output and gradient element, not their sum with do: 3072 roundings of bf16 outputs)
+    vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(gpt_oss, *a))
+    got = xkern.jit(vjp)(q, k, v, sinks)
+    want = jax.jit(vjp)(*(a.astype(jnp.float32) for a in (q, k, v, sinks)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
+    assert not attention_matches(lambda *a: gpt_oss(*a, first=True))
+    if form.startswith("causal"):
+        hides_a_row = window.copy()
+        hides_a_row[3] = -np.inf
+        [match] = attention_matches(lambda *a: gpt_oss(*a, mask=hides_a_row))
+        assert "bias_kind" not in match.params
+        got = xkern.jit(lambda *a: gpt_oss(*a, mask=hides_a_row))(q, k, v, sinks)
+        close(got, jax.jit(lambda *a: gpt_oss(*a, mask=hides_a_row))(*(a.astype(jnp.float32) for a in (q, k, v, sinks))),
+              jnp.bfloat16)
+        assert not np.any(np.asarray(got[:, 3]))
+
+
 def test_explain_names_attention_no_spelling_took():
     """A temperature per head (scores times a [heads] array) is no spelling the kernels take: explain
     says so at the softmax, which alone is fused; attention that is taken, and a softmax after an

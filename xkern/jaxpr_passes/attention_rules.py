@@ -160,7 +160,7 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product")
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
-            scores: str = "product", softcap: bool = False, float32_out: bool = False):
+            scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -171,7 +171,9 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     scores: one of SCORES (the float32 ones imply `upcast`). softcap: the scaled scores capped as
     Gemma 2 caps them, tanh(scores / cap) * cap (the param `cap`), before the bias and mask.
     float32_out (with `upcast`): the float32 probabilities weight v as they are (not cast back to
-    q's dtype): the einsum promotes, and the result is float32."""
+    q's dtype): the einsum promotes, and the result is float32. sinks: gpt-oss's attention sinks, a
+    column of logits (the last input, [b, h, q, 1] in the softmax's dtype) joined to the masked
+    scores for the softmax and dropped from its result."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -208,6 +210,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         return scaled(qk_einsum(q, k), q, scale)
 
     def fn(q, k, v, *extras, **params):
+        if sinks:
+            extras, sink = extras[:-1], extras[-1]
         if scaling in ARRAY_SCALINGS:  # the scale array: the last input
             extras, scale = extras[:-1], extras[-1]
         else:
@@ -223,18 +227,18 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
             scores = _causal(scores)
-        if upcast:
-            probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1)
-            probs = probs if float32_out else probs.astype(q.dtype)
-        else:
-            probs = jax.nn.softmax(scores, axis=-1)
+        scores = scores.astype(jnp.float32) if upcast else scores
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1) if sinks else scores, axis=-1)
+        probs = probs[..., :-1] if sinks else probs
+        if upcast and not float32_out:
+            probs = probs.astype(q.dtype)
         if dropout == "multiplier":
             probs = probs * extras[-1]
         elif dropout == "select":
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
-    fn.float32_out = float32_out
+    fn.float32_out, fn.upcast = float32_out, upcast
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
@@ -242,7 +246,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
                    f"{'+mask' + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
                    f"{'+float32 out' if float32_out else ''}"
-                   f"{'+dropout(' + dropout + ')' if dropout else ''}")
+                   f"{'+dropout(' + dropout + ')' if dropout else ''}{'+sinks' if sinks else ''}")
     return fn
 
 
@@ -278,8 +282,10 @@ def _differentiable_multiplier(match) -> bool:
     return False
 
 
-def _check(layout, dropout=None):
+def _check(layout, dropout=None, sinks=False):
     def check(match, params) -> str | None:
+        if sinks and match.input_avals[-1].shape[-1] != 1:
+            return "more than one column joined to the scores: not one sink logit per row"
         if dropout and _differentiable_multiplier(match):
             return ("the dropout multiplier is computed from a floating-point input, whose gradient the "
                     "attention kernels do not give: left to XLA")
@@ -320,7 +326,11 @@ def _mask_facts(match, index: int = -1) -> dict:
     """{"mask_kind": "causal" | "none"} when the matched mask (input `index`: the last but a
     dropout's) is a constant of that kind, {"mask_kind": "window", "left": l, "right": r} for the
     same band of keys i - l ... i + r in every batch entry and head, else {}."""
-    mask = constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS)
+    return _mask_kind(constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS))
+
+
+def _mask_kind(mask) -> dict:
+    """_mask_facts of a mask's value (None: not a constant)."""
     if mask is None or mask.ndim < 2:
         return {}
     with jax.ensure_compile_time_eval():
@@ -388,19 +398,21 @@ def _bias_facts(match, index: int = 3) -> dict:
     """{"bias_kind": "mask"} when the matched bias (input `index`) is a select between 0 and a finite
     fill <= HUGE_BIAS (HF's Flax ports: lax.select(mask > 0, 0, finfo.min)), or a constant holding
     only those: the kernels then take `bias == 0` as a mask, whose tile lists skip what it hides, and
-    treat a row it hides entirely as XLA does (masked_rows="bias"). A -inf fill keeps the bias (XLA's
-    row is NaN there)."""
+    treat a row it hides entirely as XLA does (masked_rows="bias"). A constant may also fill with
+    -inf (gpt-oss's causal and sliding-window masks) where it hides no row entirely (XLA's row is
+    NaN there). A constant's mask is also read for its kind (_mask_facts: causal, a window)."""
     graph, var = match.graph, match.inputs[index]
     if isinstance(var, Literal):
         return {}
-    if var not in graph.producer:  # a constant of the program (made outside it): its values decide
-        bias = constant_value(graph, var, CONSTANT_MASK_ELEMENTS) if var in graph.consts else None
-        if bias is None or bias.size == 0:
+    bias = constant_value(graph, var, CONSTANT_MASK_ELEMENTS)
+    if bias is not None:  # a constant, or computed from constants: its values decide
+        if bias.size == 0:
             return {}
         with jax.ensure_compile_time_eval():
-            fill = float(jnp.min(bias))
-            hides = -np.inf < fill <= HUGE_BIAS and bool(jnp.all((bias == 0) | (bias == fill)))
-        return {"bias_kind": "mask"} if hides else {}
+            fill, visible = float(jnp.min(bias)), bias == 0
+            hides = fill <= HUGE_BIAS and bool(jnp.all(visible | (bias == fill))) and (
+                fill > -np.inf or bool(jnp.all(jnp.any(visible, -1))))
+        return {"bias_kind": "mask", **_mask_kind(visible)} if hides else {}
     var, casts = _before_shaping(graph, var)  # (a select in float32 cast to q's dtype: its values as cast)
     eqn = graph.eqns[graph.producer[var][0]] if not isinstance(var, Literal) and var in graph.producer else None
     if eqn is None or eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
@@ -436,14 +448,14 @@ def _scale_facts(match, scaling: str) -> dict:
 
 def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_mask=None, params=True,
              scaling="*scale", fill=False, shapes=None, float32_bias=True, with_lengths=False, window=False,
-             dropout=None, softcap=False):
+             dropout=None, softcap=False, sinks=False):
     """Inputs q, k, v, then the bias and the mask where the spelling has them, then an array scale
     (scaling "*array" or "/array") (with_bias / with_mask:
     True or a key of `shapes`, MASK_SHAPES by default; a bias alone has jax.nn's [b,h,q,k]); the
     bias is float32, or else in q's dtype. window: jax.nn's local_window_size, whose two position
     constants follow (unread by the replacement). dropout: "multiplier" (the last input multiplies
     the probabilities) or "select" (the last input is the boolean keep; param keep, its probability).
-    softcap: the scores are capped (param cap)."""
+    softcap: the scores are capped (param cap). sinks: a column of sink logits (the last input)."""
     shapes = shapes or MASK_SHAPES
 
     def example(dtype):
@@ -458,11 +470,14 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
                 "select": (jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_),)}[dropout]
         scale = (jax.ShapeDtypeStruct((), jnp.float32),) if scaling in ARRAY_SCALINGS else ()
-        return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale)
+        sink = (jax.ShapeDtypeStruct((b, h, s, 1), jnp.float32 if fn.upcast else dtype),) if sinks else ()
+        return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
                 keep=None, bias_kind=None, scale_value=None, cap=None):
-        multiplier = None
+        multiplier, sink = None, None
+        if sinks:
+            extras, sink = extras[:-1], extras[-1]
         if scaling in ARRAY_SCALINGS:  # a constant scale goes to the kernels; else q is scaled by it
             extras, scale_array = extras[:-1], extras[-1]
             if scale_value is not None:
@@ -475,7 +490,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
-        hidden_by_bias = extras[0] == 0 if bias_kind == "mask" else None
+        hidden_by_bias = extras[0] == 0 if bias_kind == "mask" and mask_kind is None else None
         if scaling in ARRAY_SCALINGS:
             pass
         elif scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
@@ -500,7 +515,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
                                 masked_rows="bias" if bias_kind else "average" if average else "zeros",
                                 local_window_size=(left, right) if banded else None,
-                                dropout_multiplier=multiplier, logits_soft_cap=cap,
+                                dropout_multiplier=multiplier, logits_soft_cap=cap, sinks=sink,
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
@@ -511,7 +526,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                       **({"keep": EXAMPLE_KEEP} if dropout == "select" else {}),
                       **({"cap": EXAMPLE_CAP} if softcap else {})}
     arrays = scaling in ARRAY_SCALINGS
-    mask_index = -1 - bool(dropout) - arrays
+    mask_index = -1 - bool(dropout) - arrays - sinks
 
     def facts_of(match) -> dict:
         facts = _mask_facts(match, mask_index) if with_mask else _bias_facts(match) if with_bias else {}
@@ -520,9 +535,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    dtypes=dtypes, example=example,
                    example_params=example_params,
                    params_of=_params_of(params, fill, window, dropout == "select", softcap),
-                   check=_check(layout, dropout), replace=replace,
+                   check=_check(layout, dropout, sinks), replace=replace,
                    facts_of=facts_of,
-                   ignores=lambda params: ({3 + bool(with_bias)} if params.get("mask_kind") else
+                   ignores=lambda params: ({3 + bool(with_bias and with_mask)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()))
@@ -630,3 +645,11 @@ PATTERNS += [_pattern(by_hand(layout, causal, True, scaling, mask=mask, scores=s
                       scaling=scaling, params=scaling not in ARRAY_SCALINGS)
              for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
              for scores, scaling, out in FLOAT32_SPELLINGS]
+
+# Attention sinks, as gpt-oss writes them: a column of per-head logits (broadcast to one per row)
+# joined to the scores after the masks, the softmax, the column dropped. Its causal and sliding-window
+# masks are a constant -inf bias, read as their kinds (_bias_facts).
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, bias=bias, sinks=True), HALF if upcast else ALL, layout=layout,
+                      causal=causal, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=False, sinks=True)
+             for layout in ("bshd", "bhsd") for causal, bias in ((False, None), (True, None), (False, "(broadcast)"))
+             for upcast in (False, True)]

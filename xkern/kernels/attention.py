@@ -52,8 +52,9 @@ LOG2E = 1.4426950408889634
 
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
               masked_rows="zeros", local_window_size=None, dropout_multiplier=None, logits_soft_cap=None,
-              out_dtype=None):
-    """The definition (and the `xla` backend), float32 math: scores materialized."""
+              out_dtype=None, sinks=None):
+    """The definition (and the `xla` backend), float32 math: scores materialized. sinks: float
+    [batch, heads, sq] (a logit per row whose value is zero)."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
@@ -67,9 +68,11 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     else:
         s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
-    m = jnp.max(s, -1, keepdims=True, initial=-jnp.inf)  # (no keys at all: o is 0)
+    sink = -jnp.inf if sinks is None else jnp.asarray(sinks, jnp.float32)[..., None]
+    m = jnp.maximum(jnp.max(s, -1, keepdims=True, initial=-jnp.inf), sink)  # (no keys at all: o is 0)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    p = p / jnp.maximum(jnp.sum(p, -1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    total = jnp.sum(p, -1, keepdims=True) + jnp.exp(sink - jnp.where(jnp.isfinite(m), m, 0.0))
+    p = p / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
     if dropout_multiplier is not None:
         p = p * jax.lax.stop_gradient(jnp.asarray(dropout_multiplier).astype(jnp.float32))
     return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(out_dtype or q.dtype)
@@ -1594,8 +1597,13 @@ def _hidden_by_bias(st: Static, mask, bias) -> bool:
 
 def _attention_bwd(st: Static, residuals, do):
     """The multiplier (dropout: from random bits, not differentiable) gets no cotangent."""
+    o = residuals[7]
+    return _gradients(st, residuals, do, jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32)))
+
+
+def _gradients(st: Static, residuals, do, delta):
+    """dq, dk, dv, dbias (and None for the rest) from the kernels, given delta = rowsum(do * o)."""
     q, k, v, mask, bias, kv_len, drop, o, lse = residuals
-    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
@@ -1756,6 +1764,55 @@ def _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+# Attention sinks (gpt-oss; StreamingLLM): one more logit per query row, of a key whose value is zero,
+# so the row's weights sum to less than one. The kernels need not know: with the row's logsumexp
+# lse, the sink s adds to it (lse' = log(e^lse + e^s)) and scales the output by e^(lse - lse'),
+# and the backward kernels given lse' compute the keys' gradients of the sunk softmax as they are
+# (delta = rowsum(do * o') is unchanged: the sink's value is zero). The sink's own gradient is
+# -e^(s - lse') * delta. Around the kernels this costs XLA one pass over o.
+
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention_sunk(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
+    return _attention_sunk_fwd(q, k, v, mask, bias, kv_len, drop, sinks, st)[0]
+
+
+def _attention_sunk_fwd(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
+    """sinks: float32 [batch, heads, sq]. o comes from the kernels in float32 (st.float32_out), so
+    that scaling it rounds once."""
+    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st)
+    lse_sunk = jnp.logaddexp2(lse, sinks * LOG2E)
+    kept = jnp.where(lse == -jnp.inf, 0.0, jnp.exp2(lse - lse_sunk))  # (a row without keys: o = 0)
+    o = o * jnp.transpose(kept, (0, 2, 1))[..., None]
+    return o, (q, k, v, mask, bias, kv_len, drop, o, lse_sunk, sinks)
+
+
+def _attention_sunk_bwd(st: Static, residuals, do):
+    *kernel_residuals, sinks = residuals
+    o, lse_sunk = kernel_residuals[7:9]
+    delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
+    grads = _gradients(st, tuple(kernel_residuals), do, delta)
+    sunk = jnp.where(lse_sunk == -jnp.inf, 0.0, jnp.exp2(sinks * LOG2E - lse_sunk))  # the sink's weight
+    return (*grads, -sunk * delta)
+
+
+_attention_sunk.defvjp(_attention_sunk_fwd, _attention_sunk_bwd)
+
+
+def _sink_rows(sinks, batch, heads, sq):
+    """sinks [heads] or broadcastable to [batch, heads, sq, 1] as float32 [batch, heads, sq]."""
+    shape = tuple(getattr(sinks, "shape", ()))
+    dtype = getattr(sinks, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"attention: sinks must be a floating-point array; got {dtype or type(sinks).__name__}")
+    if shape == (heads,):
+        sinks, shape = jnp.reshape(sinks, (1, heads, 1, 1)), (1, heads, 1, 1)
+    if len(shape) != 4 or any(n not in (1, size) for n, size in zip(shape, (batch, heads, sq, 1))):
+        raise ValueError(f"attention: sinks must be [heads] = [{heads}] or broadcast to [batch, heads, q_seq, 1] = "
+                         f"{[batch, heads, sq, 1]}; got shape {shape}")
+    return jnp.broadcast_to(jnp.asarray(sinks, jnp.float32), (batch, heads, sq, 1))[..., 0]
+
+
 # --------------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------------
@@ -1836,7 +1893,7 @@ def _kernel_window(window, causal: bool, sq: int, sk: int) -> tuple[bool, tuple 
 def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: float | None = None,
               kv_lengths=None, local_window_size=None, masked_rows: str = "zeros", dropout_rate: float = 0.0,
               dropout_rng=None, broadcast_dropout: bool = True, dropout_multiplier=None,
-              logits_soft_cap: float | None = None, out_dtype=None, backend: str | None = None):
+              logits_soft_cap: float | None = None, out_dtype=None, sinks=None, backend: str | None = None):
     """Scaled dot-product attention, softmax(q k^T * scale + bias) v, without the scores in memory.
 
     q [batch, q_seq, heads, head_dim]; k, v [batch, kv_seq, kv_heads, head_dim] with kv_heads
@@ -1875,6 +1932,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         force_fp32_for_softmax). The probabilities weight v in q's dtype either way, as the
         tensor cores take them (on the H200, still nearer float32 math than XLA's program:
         h200-attention-softcap-probe-session27.json).
+    sinks: attention sinks, as gpt-oss has them: one more logit per head ([heads]), or per query row
+        (broadcastable to [batch, heads, q_seq, 1], as a program concatenates it to its scores), for
+        a key of value zero: each row's weights sum to less than one, and a row whose keys are all
+        hidden is zero whatever masked_rows says. They get their gradient. Applied around the
+        kernels (one more pass over o by XLA).
     """
     _check(q, k, v, scale, kv_lengths)
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
@@ -1896,10 +1958,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     scale = 1 / math.sqrt(d) if scale is None else L.static_number(scale)
     drop = _dropout_multiplier(dropout_rate, dropout_rng, broadcast_dropout, dropout_multiplier, q.dtype, b, h, sq, sk)
     drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
+    sink_rows = None if sinks is None else _sink_rows(sinks, b, h, sq)
+    if sinks is not None:  # a row whose keys are all hidden weights only the sink: zero
+        masked_rows = "zeros"
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
                          masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4,
-                         logits_soft_cap=cap, out_dtype=out_dtype)
+                         logits_soft_cap=cap, out_dtype=out_dtype, sinks=sink_rows)
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
@@ -1909,11 +1974,14 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
                 window, drop_bh, masked_rows == "bias", float(cap or 0.0),
-                out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32)
+                sinks is not None or out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32)
+    st = dataclasses.replace(st, float32_out=st.float32_out and q.dtype != jnp.float32)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
-    return _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
-                      None if mask4 is None else mask4.astype(jnp.int8), bias4, kv_len,
-                      None if drop4 is None else jax.lax.stop_gradient(drop4), st)
+    arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None if mask4 is None else mask4.astype(jnp.int8), bias4,
+              kv_len, None if drop4 is None else jax.lax.stop_gradient(drop4))
+    if sinks is None:
+        return _attention(*arrays, st)
+    return _attention_sunk(*arrays, sink_rows, st).astype(out_dtype or q.dtype)
 
 
 def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq, sk):
