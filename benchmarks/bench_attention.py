@@ -12,6 +12,7 @@ import importlib.util
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import xkern
 from benchmarks.harness import Case
@@ -175,6 +176,24 @@ def _gemma(b, s, kv_heads, cap=None):
     return attend
 
 
+def _gpt_oss(b, s, h, window=None):
+    """gpt-oss's attention as its reference writes it (k/v repeated to every q head here, as HF's
+    repeat_kv does): scores scaled, its causal (and sliding-window) mask a constant -inf bias, a
+    learned sink logit per head joined to the scores as a column, softmax, the column dropped."""
+    qp, kp = np.arange(s)[:, None], np.arange(s)[None, :]
+    mask = np.where(kp > qp, -np.inf, 0.0) + (0.0 if window is None else np.where(qp - kp > window, -np.inf, 0.0))
+    sinks = jax.random.normal(jax.random.key(7), (h,), jnp.bfloat16)
+
+    def attend(q, k, v, rng):
+        group = h // k.shape[2]
+        k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5 + jnp.asarray(mask, q.dtype)[None, None]
+        column = jnp.broadcast_to(sinks.reshape(1, h, 1, 1), (b, h, s, 1))
+        weights = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return attend
+
+
 def _vjp_at(f, args, do):
     """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
     out, vjp = jax.vjp(f, *args)
@@ -194,12 +213,16 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2),
               ("Gemma 2: GQA 32/16, soft cap 50, causal + padding mask", (4, 4096, 32, 128),
-               _gemma(4, 4096, 16, 50.0), 2)]
-    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16}
+               _gemma(4, 4096, 16, 50.0), 2),
+              ("gpt-oss: sinks, GQA 64/8, causal", (2, 4096, 64, 64), _gpt_oss(2, 4096, 64), 2),
+              ("gpt-oss: sinks, GQA 64/8, sliding window 128", (2, 4096, 64, 64), _gpt_oss(2, 4096, 64, 128),
+               4096 * 4096 / _window_visible(4096, 128, 0))]
+    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8}
     if not on_gpu:
-        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1}
+        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
-                   if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else f, c)
+                   if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
+                   _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else f, c)
                   for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:
@@ -212,7 +235,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
             return q, k, v, do, keys[4]
         fwd = lambda f: (lambda q, k, v, do, rng: f(q, k, v, rng))
         bwd = lambda f: (lambda q, k, v, do, rng: _vjp_at(lambda *a: f(*a, rng), (q, k, v), do))
-        flops = 4 * b * h * s * s * d // share
+        flops = int(4 * b * h * s * s * d / share)
         name = f"attention, {name}, xkern.optimize vs jax.jit"
         out += [Case(name, (b, s, h, d), "bfloat16", "fwd", fwd(xkern.optimize(attend)), fwd(attend), make, 0, 2e-2,
                      flops),

@@ -63,6 +63,9 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # The soft-capped kernels on each vendor's first target
     capped = {r["target"] for r in results if "/softcap/" in r["case"]}
     assert capped == {"sm_90", "gfx942"}, capped
+    # Attention sinks, counted after the loop: in the warp-specialized forward (Hopper) too
+    sunk = {r["target"]: r["detail"] for r in results if r["case"].endswith("/sinks/fwd")}
+    assert set(sunk) == {"sm_90", "gfx942"} and sunk["sm_90"].endswith(", 12 warps"), sunk
     # The split-key (decoding) forward on every target
     split = {r["target"] for r in results if "/split-kv-" in r["case"]}
     assert split == set(aot.TARGETS), split

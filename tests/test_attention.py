@@ -727,7 +727,7 @@ def test_sinks_values_and_gradients_against_the_reference(case):
         value_and_grads(lambda *a, **kw: attention(*a[:3], sinks=a[3], logits_soft_cap=cap, **kw),
                         (q, k, v, sinks), do, **kw),
         value_and_grads(lambda q, k, v, s, **kw: _sunk(q, k, v, s, **kw) if cap is None else reference(
-            q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.broadcast_to(s[None, :, None], (b, h, sq))),
+            q, k, v, causal=True, logits_soft_cap=cap, sinks=s),
             f32, do.astype(jnp.float32), **ref_kw))
     assert out.dtype == dtype and grads[3].dtype == sinks.dtype and grads[3].shape == sinks.shape
     close(out, want, dtype)
@@ -736,7 +736,7 @@ def test_sinks_values_and_gradients_against_the_reference(case):
     if case.startswith("per row"):  # the hidden row: zero, and its sink gets no gradient
         assert not np.any(np.asarray(out[1, 4, :2])) and grads[3][1, 0, 4, 0] == 0
     if cap is not None:  # the reference's sinks are the definition's: the first one is no sink
-        close(reference(q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.full((b, h, sq), -jnp.inf)),
+        close(reference(q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.full((b, h, sq, 1), -jnp.inf)),
               reference(q, k, v, causal=True, logits_soft_cap=cap), dtype)
         assert np.abs(np.asarray(out[:, :, 1], np.float32)).max() < 1e-6  # a sink of 40 takes every weight
 
@@ -1074,6 +1074,10 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     close(o, reference(q, k, v), jnp.float32)
     o2, lse2 = A._launch_fwd(q, k, v, None, None, None, None, st)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
+    sinks = jnp.asarray(np.random.default_rng(5).standard_normal((b, h, sq)), jnp.float32)  # counted after the loop
+    o, _ = A._launch_fwd(q, k, v, None, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]),
+                         sinks)
+    close(o, reference(q, k, v, sinks=sinks[..., None]), jnp.float32)
 
 
 @pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")
@@ -1211,20 +1215,25 @@ def _bf16_against_the_reference_with_launches(shape, seed, **options) -> dict:
 
 
 @pytest.mark.skipif(not L.tma_supported(), reason="needs a GPU with TMA (Hopper): the tiles the H200 runs")
-@pytest.mark.parametrize("shape,causal,cap", [((1, 256, 256, 4, 2, 128), False, None),
-                                              ((1, 256, 256, 4, 2, 128), True, None),
-                                              ((1, 256, 256, 2, 2, 256), False, None),
-                                              ((1, 256, 256, 2, 1, 256), True, None),
-                                              ((1, 256, 256, 4, 2, 128), False, 2.0),
-                                              ((1, 256, 256, 4, 2, 128), True, 2.0)],
-                         ids=["d128", "d128 causal", "d256", "d256 causal mqa", "d128 soft cap", "d128 causal soft cap"])
-def test_warp_specialized_kernels_on_hopper(shape, causal, cap):
+@pytest.mark.parametrize("shape,causal,cap,sinks", [((1, 256, 256, 4, 2, 128), False, None, False),
+                                                    ((1, 256, 256, 4, 2, 128), True, None, False),
+                                                    ((1, 256, 256, 2, 2, 256), False, None, False),
+                                                    ((1, 256, 256, 2, 1, 256), True, None, False),
+                                                    ((1, 256, 256, 4, 2, 128), False, 2.0, False),
+                                                    ((1, 256, 256, 4, 2, 128), True, 2.0, False),
+                                                    ((1, 256, 256, 4, 2, 128), False, None, True),
+                                                    ((1, 256, 256, 4, 2, 128), True, None, True)],
+                         ids=["d128", "d128 causal", "d256", "d256 causal mqa", "d128 soft cap", "d128 causal soft cap",
+                              "d128 sinks", "d128 causal sinks"])
+def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
     """On a Hopper GPU the public op picks the warp-specialized kernels at the tiles measured there
     (the interpreter tests above run their source at 16-wide tiles): values and every gradient
     against the float32 reference, and the launches' configs say which kernels ran. A soft cap (of
-    2: the scores bend) takes them too, its tanh PTX's."""
+    2: the scores bend) takes them too, its tanh PTX's, and so do sinks (here per row)."""
     d = shape[-1]
-    ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap)
+    sink = jnp.asarray(np.random.default_rng(12).standard_normal((1, shape[3], shape[1], 1)), jnp.float32)
+    ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap,
+                                                    sinks=sink if sinks else None)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
     assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)
@@ -1270,6 +1279,27 @@ def test_split_key_forward_values_and_gradients(case):
     for g, w, a in zip(grads, grads_ref, args):
         assert g.dtype == a.dtype
         close(g, w, dtype)
+
+
+def test_split_key_forward_takes_sinks():
+    """A decode step with sinks (per head, GQA 8/2, an empty cache entry: zero) through the split-key
+    kernel, whose merge counts each row's sink as a chunk of its own: values and gradients, the
+    sinks' too, against the float32 reference."""
+    q, k, v, do = make(2, 1, 100, 8, 2, 32, jnp.bfloat16, seed=9)
+    sinks = jnp.asarray(np.random.default_rng(10).standard_normal(8), jnp.float32)
+    lengths = jnp.array([100, 0])
+    ours = lambda q, k, v, s, kv_lengths: attention(q, k, v, sinks=s, kv_lengths=kv_lengths)
+    ref = lambda q, k, v, s, kv_lengths: reference(q, k, v, kv_lengths=kv_lengths, sinks=s)
+    (forward,) = [e for e in L.launches(jax.make_jaxpr(ours)(q, k, v, sinks, lengths))
+                  if e.params["kernel"].startswith("attention")]
+    assert forward.params["kernel"] == "attention_fwd_split_kv"
+    out, grads = value_and_grads(ours, (q, k, v, sinks), do, kv_lengths=lengths)
+    want, grads_ref = value_and_grads(ref, [a.astype(jnp.float32) for a in (q, k, v, sinks)], do.astype(jnp.float32),
+                                      kv_lengths=lengths)
+    close(out, want, jnp.bfloat16)
+    assert not np.any(np.asarray(out[1]))
+    for g, w in zip(grads, grads_ref):
+        close(g, w, jnp.bfloat16)
 
 
 @settings(max_examples=4, deadline=None)  # ~6 s each through the interpreter

@@ -26,6 +26,9 @@ passed to the kernels, which apply it tile by tile: the same random bits, so jax
 Scores soft-capped as Gemma 2 caps them (tanh(scores / c) * c, before the mask) take the kernels'
 logits_soft_cap. Float32 probabilities that weight v as they are (flax's force_fp32_for_softmax; by
 hand after a float32 scale such as np.sqrt(d)) give a float32 result: the kernels' out_dtype.
+gpt-oss's attention sinks (a column of logits joined to the masked scores, the softmax, the column
+dropped) are the kernels' sinks; its masks, a constant bias of 0 and -inf, are read as causal or a
+sliding window where they are one.
 """
 from __future__ import annotations
 

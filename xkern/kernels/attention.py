@@ -53,8 +53,8 @@ LOG2E = 1.4426950408889634
 def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_lengths=None,
               masked_rows="zeros", local_window_size=None, dropout_multiplier=None, logits_soft_cap=None,
               out_dtype=None, sinks=None):
-    """The definition (and the `xla` backend), float32 math: scores materialized. sinks: float
-    [batch, heads, sq] (a logit per row whose value is zero)."""
+    """The definition (and the `xla` backend), float32 math: scores materialized. sinks: as
+    attention takes them, [heads] or broadcastable to [batch, heads, q_seq, 1]."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
     kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
@@ -68,7 +68,7 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     else:
         s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
-    sink = -jnp.inf if sinks is None else jnp.asarray(sinks, jnp.float32)[..., None]
+    sink = -jnp.inf if sinks is None else _sink_rows(sinks, *s.shape[:3])[..., None]
     m = jnp.maximum(jnp.max(s, -1, keepdims=True, initial=-jnp.inf), sink)  # (no keys at all: o is 0)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     total = jnp.sum(p, -1, keepdims=True) + jnp.exp(sink - jnp.where(jnp.isfinite(m), m, 0.0))
@@ -379,15 +379,15 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
 
 
 @triton.jit
-def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr,  # inputs
+def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, sink_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
          KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
          WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
          HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
-         HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
+         HAS_KV_LEN: tl.constexpr, SK16: tl.constexpr, DOT_F32: tl.constexpr, HAS_SINK: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, WS: tl.constexpr):
     sk = _key_length(sk, SK16)
     pid_m, bh = _query_block(CAUSAL), tl.program_id(1)
     b, h, hk, rows, dims, q_offs = _query_tile(pid_m, bh, sq, HEADS, KV_HEADS, D, BLOCK_M, BLOCK_D)
@@ -461,7 +461,21 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                            kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
                                            KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                            HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+    if HAS_SINK:
+        acc, m_i, l_i = _sink_key(acc, m_i, l_i, sink_ptr, bh, rows, sq)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
+
+
+@triton.jit
+def _sink_key(acc, m_i, l_i, sink_ptr, bh, rows, sq):
+    """The online softmax's state with one more key, the row's sink: its logit (sink_ptr [batch *
+    heads, sq], natural units) and a value of zero. The causal warp-specialized forward's diagonal
+    kernel resumes from the stored state, sink included, as from any other."""
+    sink = tl.load(sink_ptr + bh.to(tl.int64) * sq + rows, mask=rows < sq, other=-float("inf")) * 1.4426950408889634
+    m_new = tl.maximum(m_i, sink)
+    shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # (no key and no sink: the state as it is)
+    alpha = tl.exp2(m_i - shift)
+    return acc * alpha[:, None], m_new, l_i * alpha + tl.exp2(sink - shift)
 
 
 @triton.jit
@@ -1376,20 +1390,22 @@ def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
     return jnp.concatenate(counts + [runs, listed(partly & shown), listed(partly & ~shown)], -1).astype(jnp.int32)
 
 
-def _dummies(mask, kinds, bias, kv_len, drop=None):
+def _dummies(mask, kinds, bias, kv_len, drop=None, *more):
     dummy = jnp.zeros((1,), jnp.int32)  # stands for an absent operand (its flag keeps it unread)
-    return tuple(dummy if a is None else a for a in (mask, kinds, bias, kv_len, drop))
+    return tuple(dummy if a is None else a for a in (mask, kinds, bias, kv_len, drop, *more))
 
 
-def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
+def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static, sinks=None):
+    """o and its lse; sinks (float32 [batch, heads, sq], or None): each row's sink logit, counted in
+    both (a key of value zero)."""
     b, sq, heads, _ = q.shape
     config = st.configs[0]
     if "SPLITS" in dict(config.meta):  # (never with dropout: Static.fit)
-        return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st)
+        return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st, sinks)
     outs = [jax.ShapeDtypeStruct(q.shape, st.out_dtype(q)), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
-    grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), st.constexprs(q, k)
-    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len, drop), sq, k.shape[1],
+    grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), {**st.constexprs(q, k), "HAS_SINK": sinks is not None}
+    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len, drop, sinks), sq, k.shape[1],
                       kernel="attention_fwd", out_shapes=outs, grid=grid, config=config, backend=st.backend,
                       constexprs=consts)
     if not (st.causal and dict(config.meta).get("WS")):
@@ -1402,7 +1418,7 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
                                                        "DOT_F32")})
 
 
-def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
+def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static, sinks=None):
     """The split-key forward, then the merge of its chunks by XLA (their partial results are small:
     batch x key heads x chunks x rows x head dim floats)."""
     b, sq, heads, d = q.shape
@@ -1415,15 +1431,21 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static):
     o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, kv_len_, sq, k.shape[1],
                                 kernel="attention_fwd_split_kv", out_shapes=outs, grid=(splits, b * kv_heads),
                                 config=config, backend=st.backend, constexprs=consts)
-    return _merge_splits(o_part, lse_part, heads, st.out_dtype(q))
+    return _merge_splits(o_part, lse_part, heads, st.out_dtype(q), sinks)
 
 
-def _merge_splits(o_part, lse_part, heads: int, dtype):
+def _merge_splits(o_part, lse_part, heads: int, dtype, sinks=None):
     """o [batch, sq, heads, d] and its lse [batch, heads, sq] from the chunks' own: one softmax over
     every key, each chunk weighted by exp2(its lse - the largest). A row no chunk saw a key for gets
-    o = 0 and lse = -inf, as from _fwd_store; a NaN in any chunk stays NaN."""
+    o = 0 and lse = -inf, as from _fwd_store; a NaN in any chunk stays NaN. sinks: as a chunk of its
+    own whose o is zero."""
     b, kv_heads, _, rows, d = o_part.shape
     group = heads // kv_heads
+    if sinks is not None:  # [b, heads, sq] -> [b, kv_heads, 1, rows], rows = (query, head in group)
+        sq = rows // group
+        sunk = sinks.reshape(b, kv_heads, group, sq).transpose(0, 1, 3, 2).reshape(b, kv_heads, 1, rows) * LOG2E
+        lse_part = jnp.concatenate([lse_part, sunk], axis=2)
+        o_part = jnp.concatenate([o_part, jnp.zeros((b, kv_heads, 1, rows, d), o_part.dtype)], axis=2)
     top = jnp.max(lse_part, axis=2, keepdims=True)
     shift = jnp.where(top == -jnp.inf, 0.0, top)
     weights = jnp.exp2(lse_part - shift)  # [b, kv_heads, splits, rows]
@@ -1523,7 +1545,8 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
 
 # Optional operands: the constexpr saying each is present, and the one saying it varies over the batch
 # (else it is [1, ...], shared by the batch; DROP's bit 2)
-PRESENCE_FLAGS = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN", "drop": "DROP"}
+PRESENCE_FLAGS = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN", "drop": "DROP",
+                  "sink": "HAS_SINK"}
 BATCH_FLAGS = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B", "drop": "DROP"}
 
 
@@ -1537,7 +1560,7 @@ def _varies_over_batch(name: str, consts: dict) -> bool:
 
 # The array arguments of the kernels (the backward's by default)
 BACKWARD_ARGUMENTS = ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop", "do", "lse", "delta")
-ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop"),
+ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop", "sink"),
              "attention_fwd_split_kv": ("q", "k", "v", "mask", "bias", "kv_len"),
              "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
@@ -1765,11 +1788,13 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 # Attention sinks (gpt-oss; StreamingLLM): one more logit per query row, of a key whose value is zero,
-# so the row's weights sum to less than one. The kernels need not know: with the row's logsumexp
-# lse, the sink s adds to it (lse' = log(e^lse + e^s)) and scales the output by e^(lse - lse'),
-# and the backward kernels given lse' compute the keys' gradients of the sunk softmax as they are
-# (delta = rowsum(do * o') is unchanged: the sink's value is zero). The sink's own gradient is
-# -e^(s - lse') * delta. Around the kernels this costs XLA one pass over o.
+# so the row's weights sum to less than one. The forward kernels add that key to each row's online
+# softmax before they store it (_sink_key; the split-key forward's merge, as a chunk of its own), so o
+# and lse count it. The backward kernels need not know: given that lse they compute the keys'
+# gradients of the sunk softmax as they are (delta = rowsum(do * o) is unchanged: the sink's value is
+# zero). The sink's own gradient is -e^(s - lse) * delta, by XLA.
+# (Applied around the kernels instead, scaling o by e^(lse - lse') cost an XLA pass over o: 4-15% of
+# the forward on the H200, h200-attention-sinks-probe-session28.json.)
 
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
@@ -1778,13 +1803,9 @@ def _attention_sunk(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
 
 
 def _attention_sunk_fwd(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
-    """sinks: float32 [batch, heads, sq]. o comes from the kernels in float32 (st.float32_out), so
-    that scaling it rounds once."""
-    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st)
-    lse_sunk = jnp.logaddexp2(lse, sinks * LOG2E)
-    kept = jnp.where(lse == -jnp.inf, 0.0, jnp.exp2(lse - lse_sunk))  # (a row without keys: o = 0)
-    o = o * jnp.transpose(kept, (0, 2, 1))[..., None]
-    return o, (q, k, v, mask, bias, kv_len, drop, o, lse_sunk, sinks)
+    """sinks: float32 [batch, heads, sq]."""
+    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st, sinks)
+    return o, (q, k, v, mask, bias, kv_len, drop, o, lse, sinks)
 
 
 def _attention_sunk_bwd(st: Static, residuals, do):
@@ -1935,8 +1956,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     sinks: attention sinks, as gpt-oss has them: one more logit per head ([heads]), or per query row
         (broadcastable to [batch, heads, q_seq, 1], as a program concatenates it to its scores), for
         a key of value zero: each row's weights sum to less than one, and a row whose keys are all
-        hidden is zero whatever masked_rows says. They get their gradient. Applied around the
-        kernels (one more pass over o by XLA).
+        hidden is zero whatever masked_rows says. They get their gradient. The forward kernels
+        count the sink as a key of their online softmax, at the end of each row.
     """
     _check(q, k, v, scale, kv_lengths)
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
@@ -1964,7 +1985,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if backend == "xla" or q.size == 0 or k.size == 0:
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
                          masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4,
-                         logits_soft_cap=cap, out_dtype=out_dtype, sinks=sink_rows)
+                         logits_soft_cap=cap, out_dtype=out_dtype, sinks=sinks)
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
@@ -1974,14 +1995,13 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
                 window, drop_bh, masked_rows == "bias", float(cap or 0.0),
-                sinks is not None or out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32)
-    st = dataclasses.replace(st, float32_out=st.float32_out and q.dtype != jnp.float32)
+                out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None if mask4 is None else mask4.astype(jnp.int8), bias4,
               kv_len, None if drop4 is None else jax.lax.stop_gradient(drop4))
     if sinks is None:
         return _attention(*arrays, st)
-    return _attention_sunk(*arrays, sink_rows, st).astype(out_dtype or q.dtype)
+    return _attention_sunk(*arrays, sink_rows, st)
 
 
 def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq, sk):
@@ -2026,7 +2046,7 @@ def aot_cases():
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
                   (128, "bf16", {}),  # on sm_90 the warp-specialized forward and dk/dv
-                  (128, "bf16", {"CAUSAL": True, "SOFTCAP": 50.0})]
+                  (128, "bf16", {"CAUSAL": True, "SOFTCAP": 50.0}), (128, "bf16", {"CAUSAL": True, "HAS_SINK": True})]
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
         for target in targets:
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
@@ -2058,21 +2078,26 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
            "unmasked_queries": 0 if options else 4096,
-           "causal_square": 4096 if options in ({"CAUSAL": True}, {"CAUSAL": True, "SOFTCAP": 50.0}) else 0,
+           "causal_square": 4096 if options in ({"CAUSAL": True}, {"CAUSAL": True, "SOFTCAP": 50.0},
+                                                {"CAUSAL": True, "HAS_SINK": True}) else 0,
            "window_keys": 4096 if "WINDOW_L" in options else 0}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
     q = jax.ShapeDtypeStruct((1, 1, 32, d), {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype])
     k = jax.ShapeDtypeStruct((1, 1, 8, d), q.dtype)
-    consts = {**st.constexprs(q, k), **options, "SCALE": st.scale,
-              "FAST_TANH": bool(options.get("SOFTCAP")) and gpu == "cuda" and dtype != "fp32"}
+    sink = options.get("HAS_SINK", False)  # (the forward's alone)
+    consts = {**st.constexprs(q, k), **{n: value for n, value in options.items() if n != "HAS_SINK"},
+              "SCALE": st.scale, "FAST_TANH": bool(options.get("SOFTCAP")) and gpu == "cuda" and dtype != "fp32"}
     kind = ("window" if "WINDOW_L" in options else "softcap" if "SOFTCAP" in options else
+            "sinks" if "HAS_SINK" in options else
             {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options), "causal-mask"))
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
-    fwd_consts = {name: value for name, value in consts.items() if name != "SCALE"}
+    fwd_consts = {**{name: value for name, value in consts.items() if name != "SCALE"}, "HAS_SINK": sink}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
-    yield (f"{tag}/fwd", _fwd, {**arrays, "o_ptr": el, "lse_ptr": "*fp32"}, fwd, (target,))
+    fwd_arrays = {n: t for n, t in arrays.items() if n not in ("sq", "sk")}
+    yield (f"{tag}/fwd", _fwd, {**fwd_arrays, "sink_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el,
+                                "lse_ptr": "*fp32"}, fwd, (target,))
     if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
         diagonal = _fwd_diagonal_config(fwd, gpu).replace(**{n: fwd_consts[n] for n in (
             "QK_SCALE", "SOFTCAP", "FAST_TANH", "HEADS", "KV_HEADS", "D", "DOT_F32")})
