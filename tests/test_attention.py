@@ -800,20 +800,55 @@ def test_gpt_oss_attention_sinks_are_found(form):
         assert not np.any(np.asarray(got[:, 3]))
 
 
+@pytest.mark.parametrize("layout, shape, dtype", [("bshd", (1, 4, 1, 1), jnp.bfloat16),
+                                                  ("bhsd", (4, 1, 1), jnp.float32),
+                                                  ("bshd", (2, 4, 19, 1), jnp.bfloat16)],
+                         ids=["per head", "per head [h,1,1], bhsd, float32", "per row"])
+def test_scores_scaled_per_row_scale_q(layout, shape, dtype):
+    """A learned temperature per head (scores times a [1, h, 1, 1] or [h, 1, 1] array; per row alike):
+    q is scaled by it for the kernels, values and gradients as jax.jit's in float32. The temperature's
+    own gradient sums hundreds of terms per head: in bf16 it must be no farther from float32 than
+    jax.jit's bf16 program (in float32, within float32's tolerance). An array that varies over the
+    keys is declined, and explain says why; in float32 the scalar scale's template (whose cast is then
+    absent) declines a row scale instead of taking it."""
+    def f(q, k, v, t):
+        s = jnp.einsum("bqhd,bkhd->bhqk" if layout == "bshd" else "bhqd,bhkd->bhqk", q, k) * t
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd" if layout == "bshd" else "bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v)
+
+    q, k, v, do = make(2, 19, 19, 4, 4, 16, dtype, seed=37)
+    if layout == "bhsd":
+        q, k, v, do = (a.transpose(0, 2, 1, 3) for a in (q, k, v, do))
+    t = jnp.asarray(np.random.default_rng(38).random(shape) + 0.2, dtype)
+    [match] = [m for m in xkern.explain(f)(q, k, v, t).matches if m.pattern.startswith("attention/")]
+    assert match.pattern == f"attention/einsum[{layout}]*rows+causal"
+    vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(f, *a))
+    (out, grads), (want, grads_ref) = xkern.jit(vjp)(q, k, v, t), jax.jit(vjp)(*(a.astype(jnp.float32) for a in (q, k, v, t)))
+    for g, w in zip((out, *grads[:3]), (want, *grads_ref[:3])):
+        close(g, w, dtype)
+    error = lambda g: np.abs(np.asarray(g, np.float64) - np.asarray(grads_ref[3], np.float64)).max()
+    xla_error = error(jax.jit(vjp)(q, k, v, t)[1][3]) if dtype != jnp.float32 else 0.0
+    assert error(grads[3]) <= max(xla_error, TOL[dtype] * np.abs(np.asarray(grads_ref[3])).max())
+    per_key = jnp.ones((1, 1, 1, 19), dtype)
+    report = xkern.explain(f)(q, k, v, per_key)
+    assert not [m for m in report.matches if m.pattern.startswith("attention/")]
+    assert any("an array of shape (1, 1, 1, 19)" in d.reason for d in report.declined)
+
+
 def test_explain_names_attention_no_spelling_took():
-    """A temperature per head (scores times a [heads] array) is no spelling the kernels take: explain
-    says so at the softmax, which alone is fused; attention that is taken, and a softmax after an
-    unbatched product (an LM head's loss), get no such note."""
+    """Scores scaled per key (times a [keys] array) are no spelling the kernels take: explain says so
+    at the softmax, which alone is fused; attention that is taken, and a softmax after an unbatched
+    product (an LM head's loss), get no such note."""
     import flax.linen as nn
     from xkern.jaxpr_passes.rewrite import UNMATCHED_ATTENTION
 
-    def per_head(q, k, v, temperature):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * temperature[None, :, None, None]
+    def per_head(q, k, v, per_key):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * per_key
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
     q, k, v, _ = make(2, 16, 16, 2, 2, 16, jnp.bfloat16, seed=28)
     notes = lambda f, *args: [d for d in xkern.explain(f)(*args).declined if d.reason == UNMATCHED_ATTENTION]
-    [note] = notes(per_head, q, k, v, jnp.array([0.2, 0.3], jnp.bfloat16))
+    [note] = notes(per_head, q, k, v, jnp.linspace(0.2, 0.3, 16, dtype=jnp.bfloat16))
     assert note.pattern == "attention" and "attention.py" in note.location
     assert notes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v) == []
     w, labels = jnp.ones((16, 50)), jnp.zeros((2, 16), jnp.int32)

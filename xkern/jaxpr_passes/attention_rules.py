@@ -28,7 +28,8 @@ logits_soft_cap. Float32 probabilities that weight v as they are (flax's force_f
 hand after a float32 scale such as np.sqrt(d)) give a float32 result: the kernels' out_dtype.
 gpt-oss's attention sinks (a column of logits joined to the masked scores, the softmax, the column
 dropped) are the kernels' sinks; its masks, a constant bias of 0 and -inf, are read as causal or a
-sliding window where they are one.
+sliding window where they are one. Scores times an array with one value for every key (a learned
+temperature per head) scale q instead.
 """
 from __future__ import annotations
 
@@ -167,7 +168,9 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
-    cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`).
+    cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`),
+    ROW_SCALING (times an array in the scores' dtype that broadcasts to them with one value for every
+    key, the last input: a temperature per head, [1, h, 1, 1] here).
     mask / bias: a key of SCORE_SHAPES, their inputs in that order after v. dropout, on the
     probabilities before the einsum: "multiplier" (times the last input) or "select" (flax's
     nn.Dropout: select(keep, probs / keep_prob, 0), keep the last input).
@@ -201,6 +204,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scores / scale
         if scaling in ARRAY_SCALINGS:  # a scalar the program computes or is given, cast to the scores'
             return scores * scale.astype(scores.dtype) if scaling == "*array" else scores / scale.astype(scores.dtype)
+        if scaling == ROW_SCALING:  # an array per head (or query, batch entry), one value for every key
+            return scores * scale
         return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
     def product(q, k, scale):
@@ -215,7 +220,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     def fn(q, k, v, *extras, **params):
         if sinks:
             extras, sink = extras[:-1], extras[-1]
-        if scaling in ARRAY_SCALINGS:  # the scale array: the last input
+        if scaling in (*ARRAY_SCALINGS, ROW_SCALING):  # the scale array: the last input
             extras, scale = extras[:-1], extras[-1]
         else:
             scale = params.get("scale")
@@ -285,10 +290,16 @@ def _differentiable_multiplier(match) -> bool:
     return False
 
 
-def _check(layout, dropout=None, sinks=False):
+def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False):
     def check(match, params) -> str | None:
         if sinks and match.input_avals[-1].shape[-1] != 1:
             return "more than one column joined to the scores: not one sink logit per row"
+        scale_shape = match.input_avals[-1 - sinks].shape if row_scale or array_scale else ()
+        if array_scale and scale_shape:  # (in float32 the scalar's template has no cast: a row scale's look-alike)
+            return f"the scores times an array of shape {scale_shape}: not the scalar this spelling takes"
+        if row_scale and (len(scale_shape) > 4 or scale_shape and scale_shape[-1] != 1):
+            return (f"the scores times an array of shape {scale_shape}, which varies over the keys: no scale of q "
+                    "the kernels could take")
         if dropout and _differentiable_multiplier(match):
             return ("the dropout multiplier is computed from a floating-point input, whose gradient the "
                     "attention kernels do not give: left to XLA")
@@ -434,6 +445,7 @@ def _bias_facts(match, index: int = 3) -> dict:
 
 
 ARRAY_SCALINGS = ("*array", "/array")
+ROW_SCALING = "*rows"
 
 
 def _scale_facts(match, scaling: str) -> dict:
@@ -472,7 +484,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
                 "select": (jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_),)}[dropout]
-        scale = (jax.ShapeDtypeStruct((), jnp.float32),) if scaling in ARRAY_SCALINGS else ()
+        scale = ((jax.ShapeDtypeStruct((), jnp.float32),) if scaling in ARRAY_SCALINGS else
+                 (jax.ShapeDtypeStruct((1, h, 1, 1), dtype),) if scaling == ROW_SCALING else ())
         sink = (jax.ShapeDtypeStruct((b, h, s, 1), jnp.float32 if fn.upcast else dtype),) if sinks else ()
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
@@ -488,13 +501,18 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             else:  # (in float32: the scale's gradient sums over every element of q)
                 s, qf = scale_array.astype(q.dtype).astype(jnp.float32), q.astype(jnp.float32)
                 q, scale = (qf * s if scaling == "*array" else qf / s).astype(q.dtype), 1.0
+        if scaling == ROW_SCALING:  # scores [b, h, q, k] times t, one value for every key: q times t
+            extras, t = extras[:-1], extras[-1]
+            t = t.reshape((1,) * (4 - t.ndim) + t.shape)
+            t = t.transpose(0, 2, 1, 3) if layout == "bshd" else t  # as q: [b, q, h, d] / [b, h, q, d]
+            q, scale = (q.astype(jnp.float32) * t.astype(jnp.float32)).astype(q.dtype), 1.0
         if dropout:  # select(keep, probs / keep, 0) as a multiplier in the probabilities' dtype
             extras, multiplier = extras[:-1], extras[-1]
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
         hidden_by_bias = extras[0] == 0 if bias_kind == "mask" and mask_kind is None else None
-        if scaling in ARRAY_SCALINGS:
+        if scaling in (*ARRAY_SCALINGS, ROW_SCALING):
             pass
         elif scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
@@ -529,7 +547,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                       **({"keep": EXAMPLE_KEEP} if dropout == "select" else {}),
                       **({"cap": EXAMPLE_CAP} if softcap else {})}
     arrays = scaling in ARRAY_SCALINGS
-    mask_index = -1 - bool(dropout) - arrays - sinks
+    mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks
 
     def facts_of(match) -> dict:
         facts = _mask_facts(match, mask_index) if with_mask else _bias_facts(match) if with_bias else {}
@@ -538,7 +556,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    dtypes=dtypes, example=example,
                    example_params=example_params,
                    params_of=_params_of(params, fill, window, dropout == "select", softcap),
-                   check=_check(layout, dropout, sinks), replace=replace,
+                   check=_check(layout, dropout, sinks, scaling == ROW_SCALING, arrays), replace=replace,
                    facts_of=facts_of,
                    ignores=lambda params: ({3 + bool(with_bias and with_mask)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
@@ -656,3 +674,9 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, bias=bias, sinks=True), HA
                       causal=causal, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=False, sinks=True)
              for layout in ("bshd", "bhsd") for causal, bias in ((False, None), (True, None), (False, "(broadcast)"))
              for upcast in (False, True)]
+
+# Scores times an array with one value for every key (a learned temperature per head, [1, h, 1, 1]
+# or [h, 1, 1]; per query or batch entry alike): q is scaled by it instead, and the kernels' scale is 1.
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, ROW_SCALING), HALF if upcast else ALL, layout=layout,
+                      causal=causal, scaling=ROW_SCALING, params=False)
+             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)]

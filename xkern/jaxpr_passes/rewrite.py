@@ -216,8 +216,8 @@ def _by_signature(entries: list) -> dict:
 
 
 UNMATCHED_ATTENTION = ("a softmax between two matrix products, as in attention, written in no spelling the attention "
-                       "patterns take (float32 probabilities into the product with v, a float32 scale, a cap on "
-                       "the scores, ...): the scores exist in memory")
+                       "patterns take (the scores scaled per key, a mask applied after the softmax, ...): the scores "
+                       "exist in memory")
 
 
 def _attention_left_as_softmax(plan: Plan, graph: Graph) -> list[Declined]:
