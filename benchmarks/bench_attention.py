@@ -150,6 +150,14 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
+def _temperature_per_head(q, k, v, rng):
+    """By hand, causal, the scores times a learned temperature per head ([h, 1, 1], in q's dtype)."""
+    t = (1 + jnp.arange(q.shape[2], dtype=jnp.float32) / q.shape[2]).astype(q.dtype).reshape(-1, 1, 1) / 16
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * t
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
 def _flax_fp32_softmax(q, k, v, rng):
     """flax.linen.dot_product_attention(force_fp32_for_softmax=True): float32 probabilities into the
     product with v, a float32 result."""
@@ -211,6 +219,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("HF Flax Llama: causal + padding bias", (4, 4096, 32, 128), _hf_flax(4, 4096, True, 0.0), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
+              ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
               ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2),
               ("Gemma 2: GQA 32/16, soft cap 50, causal + padding mask", (4, 4096, 32, 128),
                _gemma(4, 4096, 16, 50.0), 2),
