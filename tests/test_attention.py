@@ -735,7 +735,9 @@ def test_sinks_values_and_gradients_against_the_reference(case):
         close(g, w, dtype)
     if case.startswith("per row"):  # the hidden row: zero, and its sink gets no gradient
         assert not np.any(np.asarray(out[1, 4, :2])) and grads[3][1, 0, 4, 0] == 0
-    if cap is not None:  # the reference's sinks are the definition's: the first one is no sink
+    if cap is not None:  # the reference's sinks are the definition's (finite ones too): the first one is no sink
+        f32_no_cap = lambda causal: reference(*f32[:3], causal=causal, sinks=f32[3].at[0].set(-2.0))
+        close(f32_no_cap(True), _sunk(*f32[:3], f32[3].at[0].set(-2.0), causal=True), jnp.float32)
         close(reference(q, k, v, causal=True, logits_soft_cap=cap, sinks=jnp.full((b, h, sq, 1), -jnp.inf)),
               reference(q, k, v, causal=True, logits_soft_cap=cap), dtype)
         assert np.abs(np.asarray(out[:, :, 1], np.float32)).max() < 1e-6  # a sink of 40 takes every weight
