@@ -30,7 +30,8 @@ def _ours(q, k, v, causal):
 
 def cases(on_gpu: bool) -> list[Case]:
     shapes = [((4, 4096, 32, 128), False), ((4, 4096, 32, 128), True), ((1, 16384, 32, 128), True),
-              ((1, 8192, 32, 128), True), ((2, 4096, 16, 256), False), ((2, 4096, 16, 256), True)
+              ((1, 8192, 32, 128), True), ((2, 4096, 16, 256), False), ((2, 4096, 16, 256), True),
+              ((4, 4096, 32, 64), False), ((4, 4096, 32, 64), True)  # small models' head dim (Llama 3.2 1B)
               ] if on_gpu else [((1, 40, 2, 64), False), ((1, 40, 2, 64), True)]
     cudnn = on_gpu and jax.devices()[0].platform == "gpu" and "NVIDIA" in jax.devices()[0].device_kind.upper()
     out = []
@@ -38,7 +39,7 @@ def cases(on_gpu: bool) -> list[Case]:
         def make(key, shape=(b, s, h, d)):
             return tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key, 4))
         fwd_flops = 4 * b * h * s * s * d // (2 if causal else 1)
-        name = f"attention{' causal' if causal else ''}"
+        name = f"attention{' causal' if causal else ''}{', head dim 64' if on_gpu and d == 64 else ''}"
         refs = ([("jax.jit (xla)", _nn("xla"))] if s <= 8192 else []) + ([("cuDNN", _nn("cudnn"))] if cudnn else [])
         for ref_name, ref in refs:
             fwd = lambda f, causal=causal: (lambda q, k, v, do: f(q, k, v, causal))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import xkern
 from xkern.kernels.attention import attention, reference
+from xkern.kernels import attention as A
 from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
 
@@ -196,7 +197,8 @@ def test_configs_fit_in_the_devices_shared_memory():
                 plain = A.candidates(kernel, d, "triton", gpu, limit=limit)
                 assert plain, (gpu, kernel, d)
                 if limit == 232448:  # the H200's measured winners stay first for plain bf16
-                    first = A.TILES[(gpu, kernel, "wide" if d > 128 else "narrow")][0]
+                    own = A.TILES.get((gpu, kernel, "d64"), []) if d <= 64 else []  # d64's heuristic, then the rest
+                    first = (own + A.TILES[(gpu, kernel, "wide" if d > 128 else "narrow")])[0]
                     c = plain[0]
                     assert (c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) == first
                 for fit in ({"itemsize": 4, "mask": True, "bias": True}, {"itemsize": 2, "mask": True, "bias": False}):
@@ -206,6 +208,23 @@ def test_configs_fit_in_the_devices_shared_memory():
     big = A.candidates("dq", 128, "triton", "cuda", itemsize=4, mask=True, bias=True)[0]
     assert A.shared_bytes("dq", big, 4, True, True) < A.shared_bytes("dq", A.candidates("dq", 128, "triton", "cuda")[0], 4,
                                                                        True, True)
+
+
+def test_candidates_leave_out_miscompiled_tiles():
+    """Tiles whose kernels came out wrong on the H200 (Triton 3.6 on sm_90) are offered for no problem:
+    dk/dv stepping 32 queries with 8 warps (dk off at head dims 64, 128 and 256). Head dim 64 has a
+    dq heuristic of its own, first, and then the narrow list."""
+    fits = ({}, {"itemsize": 4, "mask": True, "bias": True}, {"unmasked_keys": 4096, "unmasked_queries": 4096},
+            {"causal_square": 4096})
+    for d in (32, 64, 128, 256):
+        for fit in fits:
+            for c in A.candidates("dkdv", d, "triton", "cuda", tma=True, **fit):
+                assert not (c["BLOCK_M"] == 32 and c.num_warps == 8), (d, fit, c)
+    first = A.candidates("dq", 64, "triton", "cuda", tma=True)
+    assert (first[0]["BLOCK_M"], first[0]["BLOCK_N"], first[0].num_warps, first[0].num_stages) == (128, 64, 4, 3)
+    assert [c for c in A.candidates("dq", 128, "triton", "cuda", tma=True)
+            if (c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) == (128, 64, 4, 3)] == []
+    assert len(first) == len(A.candidates("dq", 128, "triton", "cuda", tma=True)) + 1
 
 
 def test_float16_and_the_kernels_launched():
@@ -1275,6 +1294,50 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
     assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)
     assert ("attention_fwd_diagonal" in ran) == causal
+
+
+# Problems whose every tuner candidate is checked on a GPU: (b, sq, sk, h, hk, d), options. The
+# masked one takes the two-loop kernels (tile lists), the others the warp-specialized ones where a
+# head dim has them, so each kernel's candidates of both kinds run.
+CANDIDATE_CASES = {"d64": ((1, 512, 512, 4, 2, 64), {}), "d64 causal": ((1, 512, 512, 4, 2, 64), {"causal": True}),
+                   "d128 causal": ((1, 512, 512, 4, 2, 128), {"causal": True}),
+                   "d128 key padding": ((2, 300, 300, 4, 2, 128), {"mask": "keys"}),
+                   "d256 causal": ((1, 256, 256, 2, 1, 256), {"causal": True})}
+
+
+@pytest.mark.skipif(L.INTERPRET, reason="the interpreter has one tile; on a GPU the tuner chooses among many")
+@pytest.mark.parametrize("kernel", ["fwd", "dkdv", "dq"])
+@pytest.mark.parametrize("case", list(CANDIDATE_CASES))
+def test_every_tuner_candidate_gives_the_reference(case, kernel, monkeypatch):
+    """The tuner keeps whichever candidate is fastest without looking at its result, so each config
+    it may be offered must give the reference's values and gradients: each kernel's candidates for
+    the problem, one after another, the other two kernels at their heuristic configs. (A dk/dv tile
+    that did not, at head dim 64 on the H200, was taken out of the lists this way.)"""
+    (b, sq, sk, h, hk, d), options = CANDIDATE_CASES[case]
+    q, k, v, do = make(b, sq, sk, h, hk, d, jnp.bfloat16, seed=7)
+    if options.get("mask") == "keys":
+        options = {"mask": (jnp.arange(sk) < jnp.array([sk - 45, sk - 100])[:, None])[:, None, None]}
+    index = ("fwd", "dkdv", "dq").index(kernel)
+    offered = []
+
+    def one_candidate(q, k, st):
+        fit = st.fit(q, k)
+        offered[:] = A.candidates(kernel, q.shape[-1], st.backend, **fit)
+        configs = list(A.default_configs(q.shape[-1], st.backend, **fit))
+        configs[index] = offered[tried]
+        return tuple(configs)
+    monkeypatch.setattr(A, "tuned_configs", one_candidate)
+    want_o, want_vjp = jax.vjp(lambda *a: reference(*(x.astype(jnp.float32) for x in a), **options), q, k, v)
+    want = (want_o, *want_vjp(do.astype(jnp.float32)))
+    tried = 0
+    while tried == 0 or tried < len(offered):
+        got_o, got_vjp = jax.vjp(lambda *a: attention(*a, **options), q, k, v)
+        for name, got_x, want_x in zip(("o", "dq", "dk", "dv"), (got_o, *got_vjp(do)), want):
+            err = float(jnp.max(jnp.abs(got_x.astype(jnp.float32) - want_x)))
+            bound = TOL[jnp.bfloat16] * max(float(jnp.max(jnp.abs(want_x))), 1.0)
+            assert err <= bound, f"{kernel} candidate {offered[tried]}: {name} off by {err:.3g} (bound {bound:.3g})"
+        tried += 1
+    assert tried > 1  # (a GPU offers several)
 
 
 # Decoding against a cache: few queries, many keys, one program per chunk of the keys and key head.

@@ -1081,17 +1081,26 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
 # same kernel is right (6e-3): a miscompile in Triton 3.6. Its replacement (32, 32, 4, 2) took 6.33 ms
 # at b2 s4096 h16; measured on the H200 against it (h200-session11-probes.json): (128, 64, 8, 1) 2.74,
 # (64, 32, 4, 2) 3.19, (64, 64, 8, 2) 4.05 ms, the same values; the warp-specialized kernel 7.9-18 ms.
+# Likewise (32, 128, 8 warps, 2 stages) for dk/dv at head dims 64 and 128: dk off by 0.35 (bound
+# 0.02) on the H200, found by test_every_tuner_candidate_gives_the_reference; no dk/dv tile steps 32
+# queries with 8 warps any more (test_candidates_leave_out_miscompiled_tiles).
+# dq at head dims up to 64 (key "d64", then the narrow list): (128, 64, 4 warps, 3 stages) took 3-7%
+# off the backward against the narrow heuristic, in alternation on the H200 (b4 s4096 h32: 4.13 to
+# 3.83 ms, causal 2.22 to 2.15; GQA 64/8 causal 2.41 to 2.31; b1 s16384 causal 7.95 to 7.66; b8 s2048
+# h16 1.09 to 1.01). The forward's and dk/dv's heuristics stayed the best there (tools' sweep of every
+# candidate and ten more tiles).
 TILES = {
     ("cuda", "fwd", "narrow"): [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
                                 (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4), (64, 32, 4, 2)],
     ("cuda", "fwd", "wide"): [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2),
                               (32, 32, 4, 2), (32, 32, 4, 1)],
     ("cuda", "dkdv", "narrow"): [(64, 64, 4, 3), (64, 128, 8, 2), (32, 128, 4, 3), (32, 64, 4, 3),
-                                 (64, 128, 8, 3), (128, 128, 8, 2), (32, 128, 8, 2), (32, 32, 4, 2)],
+                                 (64, 128, 8, 3), (128, 128, 8, 2), (32, 32, 4, 2)],
     ("cuda", "dkdv", "wide"): [(128, 64, 8, 1), (64, 32, 4, 2), (64, 64, 8, 2), (32, 32, 4, 2), (16, 64, 4, 2),
                                (32, 32, 4, 1)],
     ("cuda", "dq", "narrow"): [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
                                (128, 128, 8, 2), (64, 128, 4, 2), (64, 32, 4, 2)],
+    ("cuda", "dq", "d64"): [(128, 64, 4, 3)],  # first at head dims up to 64, then the narrow ones
     ("cuda", "dq", "wide"): [(64, 32, 8, 2), (32, 32, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (32, 32, 4, 1)],
     ("rocm", "fwd", "narrow"): [(128, 64, 4, 1), (128, 128, 8, 1), (64, 64, 4, 1), (128, 32, 4, 1), (128, 64, 8, 2)],
     ("rocm", "fwd", "wide"): [(64, 32, 4, 1), (64, 64, 4, 1), (32, 64, 4, 1)],
@@ -1108,6 +1117,9 @@ TILES = {
 # freed as a 2-stage one came out NaN: d256 128 x 32 on the H200).
 # dq at d128: 2.52 against 2.72 ms (b4 s4096 h32, this session; 2.48 vs 2.53 in an earlier one); at
 # d256 (b2 s4096 h16) 1.36 against 4.69 ms, once the dead barriers were freed (NaN first query rows).
+# At head dim 64 none of them won (H200, b4 s4096 h32, this session's probe): forward 390 against
+# the two-loop kernel's 451 TFLOP/s, forward+backward 335 against 358, causal 264 against 332, with
+# any of the tiles above, 128 x 64 or 64 x 64, 2 or 3 stages.
 WS_TILES = {("fwd", 128): [(128, 128, 4, 2)], ("fwd", 256): [(128, 64, 4, 2)], ("dkdv", 128): [(64, 128, 4, 2)],
             ("dq", 128): [(128, 64, 4, 2)], ("dq", 256): [(128, 32, 4, 2)]}
 # Those that win only without the causal diagonal kernel's extra pass (~0.2-0.3 ms at b4 s4096):
@@ -1214,6 +1226,8 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     tma = (L.tma_supported() if on_device else gpu == "cuda") if tma is None else tma
     gpu = gpu or vendor()
     tiles = TILES[(gpu, kernel, width)]
+    if block_d <= 64:  # a heuristic of its own where the H200 measured one (see TILES)
+        tiles = TILES.get((gpu, kernel, "d64"), []) + tiles
     if gpu == "cuda" and tma and itemsize == 2 and (unmasked_keys or causal_square or window_keys):
         def fits(bm, bn):
             if window_keys:  # dk/dv only: the forward tied the two-loop kernel (H200, windows 256-4096)
