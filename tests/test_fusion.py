@@ -392,6 +392,34 @@ def test_matmul_template_variants(dtype, tma, programs):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f(x, w, b), np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("m,k,n", [(1000, 392, 264), (1031, 520, 260), (77, 40, 64)])
+def test_every_matmul_candidate_gives_xla_values(m, k, n):
+    """The tuner keeps whichever candidate is fastest without looking at its result, so each tile it
+    may be offered for a problem (TMA, persistent and pointer loads, where they apply: n = 260 rows
+    are no multiple of 16 bytes) must give XLA's values, at sizes no tile divides. On CPU the
+    interpreter's one tile."""
+    from xkern.kernels import generated
+    from xkern.kernels import launch as L
+    backend = "interpret" if L.INTERPRET else "triton"
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.1, jnp.bfloat16)
+    b = jnp.asarray(np.linspace(-1, 1, n), jnp.bfloat16)
+    f = lambda x, w, b: jax.nn.gelu(x @ w + b)
+    plan = pipeline.plan(jax.make_jaxpr(f)(x, w, b), "interpret")  # every group, no costing
+    (fused,) = [match.fused for match in plan.fusions.values()]
+    views, n_rows = generated._views(fused, (x, w, b))
+    tma = backend == "triton" and L.tma_supported() and generated.tma_fits(k, n, 2)
+    candidates = generated.matmul_configs(m, n, k, backend, L.vendor() if backend == "triton" else "cuda", tma,
+                                          getattr(jax.devices()[0], "core_count", 0) if tma else 0)
+    want = np.asarray(f(*(a.astype(jnp.float32) for a in (x, w, b))))
+    for config in candidates:
+        (got,) = generated._launch_views(views, n_rows, fused, backend, config)
+        err = float(np.max(np.abs(np.asarray(got, np.float32) - want)))
+        assert err <= 2e-2 * max(np.abs(want).max(), 1.0), (config, err)
+    assert backend == "interpret" or len(candidates) > 4
+
+
 def test_matmul_tiles_offer_tma_only_where_descriptors_fit():
     from xkern.kernels import generated
     assert generated.tma_fits(4096, 4096, 2) and not generated.tma_fits(4095, 4096, 2)
