@@ -679,6 +679,80 @@ def test_gemma_attention_is_found(kv_heads, cap):
         close(g, w, jnp.bfloat16)
 
 
+MAXTEXT_FILL = -0.7 * float(jnp.finfo(jnp.float32).max)  # MaxText's DEFAULT_MASK_VALUE
+
+
+def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide_by=None):
+    """MaxText's dot-product attention as its attention op writes it (apply_attention_dot, qk_product,
+    compute_local_attention, wv_product, then the output divided by the sums): q grouped by k/v head,
+    unscaled 5-D scores, an optional soft cap, float32 logits or not, the additive mask [b, 1, 1, q, k]
+    (0 or the fill) applied with where(mask >= fill / 2, ...), exps and sums kept apart (the max's
+    reshape is dead code there too). divide_by: a near miss, another divisor."""
+    b, t, n, d = q.shape
+    kv = k.shape[-2]
+    weights = jnp.einsum("btkgd,bskd->bkgts", jnp.reshape(q, (b, t, kv, n // kv, d)), k)
+    if cap is not None:
+        weights = jnp.tanh(weights / cap)
+        weights = weights * cap
+    if float32_logits:
+        weights = weights.astype(jnp.float32)
+    if mask is not None:
+        weights = jnp.where(mask >= MAXTEXT_FILL * 0.5, weights, MAXTEXT_FILL)
+    local_max = jnp.max(weights, axis=-1, keepdims=True)
+    local_exps = jnp.exp(weights - local_max)
+    local_sum = jnp.moveaxis(jnp.sum(local_exps, axis=-1, keepdims=True), -2, 1)
+    local_max = jnp.moveaxis(local_max, -2, 1)
+    local_max = jnp.reshape(local_max, (*local_max.shape[:2], local_max.shape[2] * local_max.shape[3], 1))
+    local_sum = jnp.reshape(local_sum, (*local_sum.shape[:2], local_sum.shape[2] * local_sum.shape[3], 1))
+    out = jnp.einsum("bkgts,bskd->btkgd", local_exps, v)
+    out = jnp.reshape(out, (b, t, n, d))
+    return out / (local_sum if divide_by is None else divide_by(local_sum))
+
+
+def _maxtext_mask(segments, causal=True):
+    """MaxText's mask from segment ids (documents packed in a row; 0: padding) and causality, as
+    generate_attention_mask makes it: 0 where visible, the fill elsewhere, [b, 1, 1, q, k]."""
+    t = segments.shape[1]
+    row, col = (jax.lax.broadcasted_iota(jnp.int32, (t, t), axis) for axis in (0, 1))
+    visible = (segments[:, :, None] == segments[:, None, :])[:, None, None]
+    visible = visible & (row >= col)[None, None, None] if causal else visible
+    return jnp.where(visible, 0.0, MAXTEXT_FILL)
+
+
+@pytest.mark.parametrize("case", ["gqa causal, soft cap", "mha causal, float32 logits", "packed documents, gqa",
+                                  "packed documents, float32 logits, soft cap"])
+def test_maxtext_dot_product_attention_is_found(case):
+    """MaxText's attention="dot_product" path (also its decode path): one kernel call, with its
+    constant causal mask read as causal and a packed-documents mask (segment ids, padding last)
+    passed as a mask; values and
+    gradients as jax.jit's in float32 (float32 logits: a float32 result, as MaxText's). Dividing by
+    anything but the row sums is a near miss."""
+    b, t, n, d = 2, 24, 4, 16
+    kv = 4 if case.startswith("mha") else 2
+    q, k, v, do = make(b, t, t, n, kv, d, jnp.bfloat16, seed=41)
+    q = q * (3 * d ** -0.5)  # MaxText folds the scale into q's projection; scores of a few units
+    cap = 20.0 if "soft cap" in case else None
+    f32 = "float32 logits" in case
+    segments = jnp.array([[1] * 10 + [2] * 10 + [0] * 4, [1] * 24])
+    packed = case.startswith("packed")
+
+    def f(q, k, v, segments):
+        mask = _maxtext_mask(segments) if packed else _maxtext_mask(jnp.ones((b, t), jnp.int32))
+        return maxtext_attention(q, k, v, mask, cap, f32)
+    [match] = [m for m in xkern.explain(f)(q, k, v, segments).matches if m.pattern.startswith("attention/")]
+    assert match.pattern.startswith("attention/maxtext dot_product") and match.pattern.endswith("+mask")
+    assert match.params.get("mask_kind") == (None if packed else "causal") and match.params.get("cap") == cap
+    vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(lambda *x: f(*x, segments), *a))
+    got = xkern.jit(vjp)(q, k, v)
+    want = jax.jit(vjp)(*(a.astype(jnp.float32) for a in (q, k, v)))
+    assert got[0].dtype == (jnp.float32 if f32 else jnp.bfloat16)
+    assert kernel_names(jax.make_jaxpr(xkern.optimize(vjp))(q, k, v)).count("attention_fwd") == 1
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
+    near = lambda q, k, v: maxtext_attention(q, k, v, _maxtext_mask(segments), cap, f32, divide_by=lambda s: s + 1)
+    assert not [m for m in xkern.explain(near)(q, k, v).matches if m.pattern.startswith("attention/")]
+
+
 def test_soft_capped_scores_by_hand_are_found():
     """Scores scaled, capped (tanh(s / c) * c), causal, softmax in float32: the kernels cap them,
     values and gradients as jax.jit's; tanh(s / a) * b with a != b is no soft cap and stays XLA's."""

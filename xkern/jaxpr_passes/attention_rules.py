@@ -29,7 +29,9 @@ hand after a float32 scale such as np.sqrt(d)) give a float32 result: the kernel
 gpt-oss's attention sinks (a column of logits joined to the masked scores, the softmax, the column
 dropped) are the kernels' sinks; its masks, a constant bias of 0 and -inf, are read as causal or a
 sliding window where they are one. Scores times an array with one value for every key (a learned
-temperature per head) scale q instead.
+temperature per head) scale q instead. MaxText's dot-product attention (unscaled 5-D GQA scores, its
+additive mask compared with half its fill, exps and sums kept apart, the output divided by the sums)
+is attention with a scale of 1.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ EXAMPLE_FILL = -98765.0  # likewise for a mask's fill value
 EXAMPLE_WINDOW = (777, 555)  # and for a sliding window's (left, right)
 EXAMPLE_KEEP = 0.777  # and for a dropout's keep probability
 EXAMPLE_CAP = 47.7  # and for a soft cap
+EXAMPLE_THRESHOLD = -54321.0  # and for the value a mask is compared with (MaxText's)
 # A fill that hides a key exactly: exp(fill - max) is 0 in float32 for any score the kernels see,
 # and a query whose keys are all hidden averages every value (masked_rows="average").
 MAX_FILL = -1e4
@@ -680,3 +683,78 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, bias=bias, sinks=True), HA
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, ROW_SCALING), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=ROW_SCALING, params=False)
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)]
+
+# MaxText's dot-product attention (attention="dot_product", and its decode path): q grouped by k/v
+# head, scores [b, kv heads, group, q, k] unscaled (MaxText folds 1/sqrt(d) into q's projection), an
+# optional soft cap, float32 logits or not, its additive mask (0 or a fill of -0.7 times float32's
+# max, [b, 1, 1, q, k]) applied as where(mask >= fill / 2, scores, fill) (the threshold read as its own
+# literal: the fill is rounded to the scores' dtype); then exp(scores - max), the
+# unnormalized output (the exps times v) divided by the row sums, moved to [b, q, heads, 1].
+def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool):
+    def fn(q, k, v, *extras, **params):
+        b, t, n, d = q.shape
+        kv = k.shape[2]
+        scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv, n // kv, d), k)
+        if softcap:
+            scores = jnp.tanh(scores / params["cap"]) * params["cap"]
+        if float32_logits:
+            scores = scores.astype(jnp.float32)
+        if mask:
+            scores = jnp.where(extras[0] >= params["threshold"], scores, params["fill"])
+        exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        sums = jnp.moveaxis(jnp.sum(exps, axis=-1, keepdims=True), -2, 1)
+        out = jnp.einsum("bkgts,bskd->btkgd", exps, v)
+        return out.reshape(b, t, n, d) / sums.reshape(b, t, n, 1)
+    fn.__name__ = (f"maxtext dot_product{'+soft cap' if softcap else ''}{'+float32 logits' if float32_logits else ''}"
+                   f"{'+mask' if mask else ''}")
+    return fn
+
+
+def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool) -> Pattern:
+    fn = maxtext_attention(mask, softcap, float32_logits)
+    check_common = _check("bshd")
+
+    def example(dtype):
+        q, kv = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype), jax.ShapeDtypeStruct((2, 8, 2, 16), dtype)
+        return (q, kv, kv) + ((jax.ShapeDtypeStruct((2, 1, 1, 8, 8), jnp.float32),) if mask else ())
+
+    def check(match, params):
+        shape = match.input_avals[3].shape if mask else ()
+        if mask and (len(shape) != 5 or shape[-1] != match.input_avals[1].shape[1]):
+            return f"a mask of shape {shape}: not [batch, kv heads, group, queries, keys] broadcast"
+        return check_common(match, params)
+
+    def facts_of(match) -> dict:
+        if not mask:
+            return {}
+        value = constant_value(match.graph, match.inputs[3], CONSTANT_MASK_ELEMENTS)
+        if value is None:
+            return {}
+        with jax.ensure_compile_time_eval():
+            return _mask_kind(jnp.asarray(value) >= literal_at(match, EXAMPLE_THRESHOLD))
+
+    def params_of(match) -> dict:
+        params = _params_of(False, mask, cap=softcap)(match)
+        return {**params, "threshold": literal_at(match, EXAMPLE_THRESHOLD)} if mask else params
+
+    def replace(q, k, v, *extras, backend, fill=None, threshold=None, cap=None, mask_kind=None):
+        visible = None
+        if mask and mask_kind is None:  # [b, kv heads, group, q, k] (each 1 or full) as [b, heads, q, k]
+            m = extras[0] >= threshold
+            b, kv, g = m.shape[0], k.shape[2], q.shape[2] // k.shape[2]
+            visible = (m.reshape(b, 1, *m.shape[3:]) if m.shape[1] == m.shape[2] == 1 else
+                       jnp.broadcast_to(m, (b, kv, g, *m.shape[3:])).reshape(b, kv * g, *m.shape[3:]))
+        return kernels.attention(q, k, v, causal=mask_kind == "causal", mask=visible, scale=1.0, backend=backend,
+                                 masked_rows="average" if visible is not None else "zeros", logits_soft_cap=cap,
+                                 out_dtype=jnp.float32 if float32_logits else None)
+    return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=HALF if float32_logits else ALL,
+                   example=example, example_params={**({"fill": EXAMPLE_FILL, "threshold": EXAMPLE_THRESHOLD}
+                                                       if mask else {}),
+                                                    **({"cap": EXAMPLE_CAP} if softcap else {})},
+                   params_of=params_of, check=check, replace=replace, facts_of=facts_of,
+                   ignores=lambda params: {3} if params.get("mask_kind") else set(),
+                   requires=SOFTMAX_AND_PRODUCTS)
+
+
+PATTERNS += [_maxtext_pattern(mask, softcap, f32) for mask in (False, True) for softcap in (False, True)
+             for f32 in (False, True)]

@@ -115,7 +115,10 @@ def literal_value(atom):
 
 
 def same_literal(a, b) -> bool:
-    va, vb = np.asarray(literal_value(a)), np.asarray(literal_value(b))
+    """Equal values, as the literals' dtypes hold them: a weak-typed float32 literal keeps the Python
+    float it was written as (MaxText's -0.7 * float32 max / 2 against a weak-typed mask), the same
+    number given a float32 array is rounded first."""
+    va, vb = (np.asarray(literal_value(x), dtype=getattr(getattr(x, "aval", None), "dtype", None)) for x in (a, b))
     return va.shape == vb.shape and bool(np.array_equal(va, vb, equal_nan=True))
 
 
