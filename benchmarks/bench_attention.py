@@ -203,6 +203,25 @@ def _gpt_oss(b, s, h, window=None):
     return attend
 
 
+def _maxtext(b, s, kv_heads, float32_logits=False):
+    """MaxText's attention="dot_product" (its attention op's spelling): q scaled first (MaxText folds
+    1/sqrt(d) into q's projection), 5-D GQA scores, its causal mask an additive 0 / -0.7 * float32
+    max compared with half the fill, exps and sums kept apart, the output divided by the sums."""
+    fill = -0.7 * float(jnp.finfo(jnp.float32).max)
+    row, col = (jax.lax.broadcasted_iota(jnp.int32, (s, s), axis) for axis in (0, 1))
+
+    def attend(q, k, v, rng):
+        _, t, n, d = q.shape
+        mask = jnp.where((row >= col)[None, None, None], 0.0, fill)
+        w = jnp.einsum("btkgd,bskd->bkgts", (q * d ** -0.5).reshape(b, t, kv_heads, n // kv_heads, d), k)
+        w = w.astype(jnp.float32) if float32_logits else w
+        w = jnp.where(mask >= fill * 0.5, w, fill)
+        exps = jnp.exp(w - jnp.max(w, axis=-1, keepdims=True))
+        sums = jnp.moveaxis(jnp.sum(exps, axis=-1, keepdims=True), -2, 1).reshape(b, t, n, 1)
+        return jnp.einsum("bkgts,bskd->btkgd", exps, v).reshape(b, t, n, d) / sums
+    return attend
+
+
 def _vjp_at(f, args, do):
     """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
     out, vjp = jax.vjp(f, *args)
@@ -213,7 +232,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
     by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
-    of 50 as well). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    of 50 as well), gpt-oss, MaxText's dot_product. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -226,13 +245,17 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                _gemma(4, 4096, 16, 50.0), 2),
               ("gpt-oss: sinks, GQA 64/8, causal", (2, 4096, 64, 64), _gpt_oss(2, 4096, 64), 2),
               ("gpt-oss: sinks, GQA 64/8, sliding window 128", (2, 4096, 64, 64), _gpt_oss(2, 4096, 64, 128),
-               4096 * 4096 / _window_visible(4096, 128, 0))]
-    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8}
+               4096 * 4096 / _window_visible(4096, 128, 0)),
+              ("MaxText dot_product: GQA 32/8, causal", (4, 4096, 32, 128), _maxtext(4, 4096, 8), 2),
+              ("MaxText dot_product: GQA 32/8, causal, float32 logits", (4, 4096, 32, 128),
+               _maxtext(4, 4096, 8, True), 2)]
+    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8}
     if not on_gpu:
-        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1}
+        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
-                   _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else f, c)
+                   _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
+                   _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else f, c)
                   for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:
