@@ -753,6 +753,22 @@ def test_maxtext_dot_product_attention_is_found(case):
     assert not [m for m in xkern.explain(near)(q, k, v).matches if m.pattern.startswith("attention/")]
 
 
+def test_maxtext_decode_step_is_found():
+    """A MaxText decode step: one query against a cache padded past each entry's length (its mask
+    [b, 1, 1, 1, keys] from the lengths): the split-key kernel, jax.jit's values in float32."""
+    q, _, _, _ = make(2, 1, 1, 8, 2, 32, jnp.bfloat16, seed=3)
+    _, k, v, _ = make(2, 200, 200, 8, 2, 32, jnp.bfloat16, seed=4)
+    lengths = jnp.array([200, 57])
+
+    def step(q, k, v, lengths):
+        visible = (jnp.arange(200)[None, :] < lengths[:, None])[:, None, None, None, :]
+        return maxtext_attention(q, k, v, jnp.where(visible, 0.0, MAXTEXT_FILL))
+    [match] = xkern.explain(step)(q, k, v, lengths).matches
+    assert match.pattern == "attention/maxtext dot_product+mask" and match.kernels == ["attention_fwd_split_kv"]
+    close(xkern.jit(step)(q, k, v, lengths), jax.jit(step)(*(a.astype(jnp.float32) for a in (q, k, v)), lengths),
+          jnp.bfloat16)
+
+
 def test_soft_capped_scores_by_hand_are_found():
     """Scores scaled, capped (tanh(s / c) * c), causal, softmax in float32: the kernels cap them,
     values and gradients as jax.jit's; tanh(s / a) * b with a != b is no soft cap and stays XLA's."""
