@@ -682,12 +682,15 @@ def test_gemma_attention_is_found(kv_heads, cap):
 MAXTEXT_FILL = -0.7 * float(jnp.finfo(jnp.float32).max)  # MaxText's DEFAULT_MASK_VALUE
 
 
-def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide_by=None):
+def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide_by=None, float32_product=False):
     """MaxText's dot-product attention as its attention op writes it (apply_attention_dot, qk_product,
     compute_local_attention, wv_product, then the output divided by the sums): q grouped by k/v head,
     unscaled 5-D scores, an optional soft cap, float32 logits or not, the additive mask [b, 1, 1, q, k]
     (0 or the fill) applied with where(mask >= fill / 2, ...), exps and sums kept apart (the max's
-    reshape is dead code there too). divide_by: a near miss, another divisor."""
+    reshape is dead code there too). divide_by: a near miss, another divisor. float32_product:
+    MaxText's float32_qk_product, q and k cast first."""
+    if float32_product:
+        q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     b, t, n, d = q.shape
     kv = k.shape[-2]
     weights = jnp.einsum("btkgd,bskd->bkgts", jnp.reshape(q, (b, t, kv, n // kv, d)), k)
@@ -709,22 +712,24 @@ def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide
     return out / (local_sum if divide_by is None else divide_by(local_sum))
 
 
-def _maxtext_mask(segments, causal=True):
+def _maxtext_mask(segments, causal=True, window=None):
     """MaxText's mask from segment ids (documents packed in a row; 0: padding) and causality, as
     generate_attention_mask makes it: 0 where visible, the fill elsewhere, [b, 1, 1, q, k]."""
     t = segments.shape[1]
     row, col = (jax.lax.broadcasted_iota(jnp.int32, (t, t), axis) for axis in (0, 1))
     visible = (segments[:, :, None] == segments[:, None, :])[:, None, None]
     visible = visible & (row >= col)[None, None, None] if causal else visible
+    visible = visible & (row - col < window)[None, None, None] if window else visible
     return jnp.where(visible, 0.0, MAXTEXT_FILL)
 
 
-@pytest.mark.parametrize("case", ["gqa causal, soft cap", "mha causal, float32 logits", "packed documents, gqa",
-                                  "packed documents, float32 logits, soft cap"])
+@pytest.mark.parametrize("case", ["gqa causal, soft cap", "mha causal, float32 logits", "gqa sliding window 5",
+                                  "packed documents, gqa",
+                                  "packed documents, float32 logits, soft cap", "float32 product and logits"])
 def test_maxtext_dot_product_attention_is_found(case):
     """MaxText's attention="dot_product" path (also its decode path): one kernel call, with its
-    constant causal mask read as causal and a packed-documents mask (segment ids, padding last)
-    passed as a mask; values and
+    constant causal mask read as causal (a sliding window's as a window) and a packed-documents mask
+    (segment ids, padding last) passed as a mask; values and
     gradients as jax.jit's in float32 (float32 logits: a float32 result, as MaxText's). Dividing by
     anything but the row sums is a near miss."""
     b, t, n, d = 2, 24, 4, 16
@@ -732,16 +737,18 @@ def test_maxtext_dot_product_attention_is_found(case):
     q, k, v, do = make(b, t, t, n, kv, d, jnp.bfloat16, seed=41)
     q = q * (3 * d ** -0.5)  # MaxText folds the scale into q's projection; scores of a few units
     cap = 20.0 if "soft cap" in case else None
-    f32 = "float32 logits" in case
+    f32, product = "float32 logits" in case or "float32 product" in case, "float32 product" in case
     segments = jnp.array([[1] * 10 + [2] * 10 + [0] * 4, [1] * 24])
     packed = case.startswith("packed")
+    window = 5 if "window" in case else None
 
     def f(q, k, v, segments):
-        mask = _maxtext_mask(segments) if packed else _maxtext_mask(jnp.ones((b, t), jnp.int32))
-        return maxtext_attention(q, k, v, mask, cap, f32)
+        mask = _maxtext_mask(segments) if packed else _maxtext_mask(jnp.ones((b, t), jnp.int32), window=window)
+        return maxtext_attention(q, k, v, mask, cap, f32, float32_product=product)
     [match] = [m for m in xkern.explain(f)(q, k, v, segments).matches if m.pattern.startswith("attention/")]
     assert match.pattern.startswith("attention/maxtext dot_product") and match.pattern.endswith("+mask")
-    assert match.params.get("mask_kind") == (None if packed else "causal") and match.params.get("cap") == cap
+    assert match.params.get("mask_kind") == (None if packed else "window" if window else "causal")
+    assert match.params.get("cap") == cap and (not window or (match.params["left"], match.params["right"]) == (4, 0))
     vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(lambda *x: f(*x, segments), *a))
     got = xkern.jit(vjp)(q, k, v)
     want = jax.jit(vjp)(*(a.astype(jnp.float32) for a in (q, k, v)))

@@ -401,6 +401,8 @@ def test_every_matmul_candidate_gives_xla_values(m, k, n):
     from xkern.kernels import generated
     from xkern.kernels import launch as L
     backend = "interpret" if L.INTERPRET else "triton"
+    if backend == "interpret":  # one tile there, run program by program: odd sizes, smaller
+        m, k, n = min(m, 77), min(k, 40), min(n, 64) - (n % 16 != 0)
     rng = np.random.default_rng(9)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.1, jnp.bfloat16)

@@ -686,14 +686,17 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, ROW_SCALING), HALF if upca
 
 # MaxText's dot-product attention (attention="dot_product", and its decode path): q grouped by k/v
 # head, scores [b, kv heads, group, q, k] unscaled (MaxText folds 1/sqrt(d) into q's projection), an
-# optional soft cap, float32 logits or not, its additive mask (0 or a fill of -0.7 times float32's
-# max, [b, 1, 1, q, k]) applied as where(mask >= fill / 2, scores, fill) (the threshold read as its own
-# literal: the fill is rounded to the scores' dtype); then exp(scores - max), the
-# unnormalized output (the exps times v) divided by the row sums, moved to [b, q, heads, 1].
-def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool):
+# optional soft cap, float32 logits (float32_logits; float32_qk_product casts q and k too) or not, its
+# additive mask (0 or a fill of -0.7 times float32's max, [b, 1, 1, q, k]) applied as
+# where(mask >= fill / 2, scores, fill) (the threshold read as its own literal: the fill is rounded to
+# the scores' dtype); then exp(scores - max), the unnormalized output (the exps times v) divided by
+# the row sums, moved to [b, q, heads, 1].
+def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False):
     def fn(q, k, v, *extras, **params):
         b, t, n, d = q.shape
         kv = k.shape[2]
+        if float32_product:  # (its float32_qk_product)
+            q, k = q.astype(jnp.float32), k.astype(jnp.float32)
         scores = jnp.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv, n // kv, d), k)
         if softcap:
             scores = jnp.tanh(scores / params["cap"]) * params["cap"]
@@ -705,13 +708,13 @@ def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool):
         sums = jnp.moveaxis(jnp.sum(exps, axis=-1, keepdims=True), -2, 1)
         out = jnp.einsum("bkgts,bskd->btkgd", exps, v)
         return out.reshape(b, t, n, d) / sums.reshape(b, t, n, 1)
-    fn.__name__ = (f"maxtext dot_product{'+soft cap' if softcap else ''}{'+float32 logits' if float32_logits else ''}"
-                   f"{'+mask' if mask else ''}")
+    fn.__name__ = (f"maxtext dot_product{'+float32 product' if float32_product else ''}{'+soft cap' if softcap else ''}"
+                   f"{'+float32 logits' if float32_logits else ''}{'+mask' if mask else ''}")
     return fn
 
 
-def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool) -> Pattern:
-    fn = maxtext_attention(mask, softcap, float32_logits)
+def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False) -> Pattern:
+    fn = maxtext_attention(mask, softcap, float32_logits, float32_product)
     check_common = _check("bshd")
 
     def example(dtype):
@@ -737,15 +740,18 @@ def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool) -> Pattern
         params = _params_of(False, mask, cap=softcap)(match)
         return {**params, "threshold": literal_at(match, EXAMPLE_THRESHOLD)} if mask else params
 
-    def replace(q, k, v, *extras, backend, fill=None, threshold=None, cap=None, mask_kind=None):
+    def replace(q, k, v, *extras, backend, fill=None, threshold=None, cap=None, mask_kind=None, left=None,
+                right=None):
         visible = None
         if mask and mask_kind is None:  # [b, kv heads, group, q, k] (each 1 or full) as [b, heads, q, k]
             m = extras[0] >= threshold
             b, kv, g = m.shape[0], k.shape[2], q.shape[2] // k.shape[2]
             visible = (m.reshape(b, 1, *m.shape[3:]) if m.shape[1] == m.shape[2] == 1 else
                        jnp.broadcast_to(m, (b, kv, g, *m.shape[3:])).reshape(b, kv * g, *m.shape[3:]))
+        banded = mask_kind == "window"  # a constant band (a sliding window): only its key blocks visited
         return kernels.attention(q, k, v, causal=mask_kind == "causal", mask=visible, scale=1.0, backend=backend,
-                                 masked_rows="average" if visible is not None else "zeros", logits_soft_cap=cap,
+                                 masked_rows="average" if visible is not None or banded else "zeros",
+                                 local_window_size=(left, right) if banded else None, logits_soft_cap=cap,
                                  out_dtype=jnp.float32 if float32_logits else None)
     return Pattern(name=f"attention/{fn.__name__}", op="attention", fn=fn, dtypes=HALF if float32_logits else ALL,
                    example=example, example_params={**({"fill": EXAMPLE_FILL, "threshold": EXAMPLE_THRESHOLD}
@@ -756,5 +762,5 @@ def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool) -> Pattern
                    requires=SOFTMAX_AND_PRODUCTS)
 
 
-PATTERNS += [_maxtext_pattern(mask, softcap, f32) for mask in (False, True) for softcap in (False, True)
-             for f32 in (False, True)]
+PATTERNS += [_maxtext_pattern(mask, softcap, logits, product) for mask in (False, True) for softcap in (False, True)
+             for logits, product in ((False, False), (True, False), (True, True))]
