@@ -222,6 +222,20 @@ def _maxtext(b, s, kv_heads, float32_logits=False):
     return attend
 
 
+def _equinox(s):
+    """Equinox's MultiheadAttention core (equinox.nn.dot_product_attention) with a causal mask, written
+    for one example and one head as Equinox writes it, the heads and the batch mapped by jax.vmap."""
+    def per_head(q, k, v):
+        logits = jnp.einsum("sd,Sd->sS", q / np.sqrt(q.shape[-1]).item(), k)
+        logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, jnp.finfo(logits.dtype).min)
+        weights = jax.nn.softmax(logits.astype(jnp.float32)).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+
+    def attend(q, k, v, rng):
+        return jax.vmap(jax.vmap(per_head, in_axes=1, out_axes=1))(q, k, v)
+    return attend
+
+
 def _vjp_at(f, args, do):
     """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
     out, vjp = jax.vjp(f, *args)
@@ -232,7 +246,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
     by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
-    of 50 as well), gpt-oss, MaxText's dot_product. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    of 50 as well), gpt-oss, MaxText's dot_product, Equinox. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -248,14 +262,16 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                4096 * 4096 / _window_visible(4096, 128, 0)),
               ("MaxText dot_product: GQA 32/8, causal", (4, 4096, 32, 128), _maxtext(4, 4096, 8), 2),
               ("MaxText dot_product: GQA 32/8, causal, float32 logits", (4, 4096, 32, 128),
-               _maxtext(4, 4096, 8, True), 2)]
+               _maxtext(4, 4096, 8, True), 2),
+              ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2)]
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8}
     if not on_gpu:
         kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
                    _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
-                   _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else f, c)
+                   _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else
+                   _equinox(40) if "Equinox" in n else f, c)
                   for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:

@@ -1,6 +1,8 @@
 """xkern.ops.attention against a float32 jax.numpy reference (scores materialized): outputs and the
 q / k / v (and bias) gradients, causal and not, masks, bias, GQA / MQA, padding by kv_lengths, odd
 lengths, head dims 64 and 128, edge values, vmap, and errors; through the interpreter."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -774,6 +776,54 @@ def test_maxtext_decode_step_is_found():
     assert match.pattern == "attention/maxtext dot_product+mask" and match.kernels == ["attention_fwd_split_kv"]
     close(xkern.jit(step)(q, k, v, lengths), jax.jit(step)(*(a.astype(jnp.float32) for a in (q, k, v)), lengths),
           jnp.bfloat16)
+
+
+def _equinox_attention(q, k, v, mask=None, softmax_axis=-1):
+    """Equinox's MultiheadAttention core as it is written: for one example and one head, q divided by
+    sqrt(d), the mask applied with finfo.min, softmax in float32 and cast back; the heads mapped by
+    jax.vmap over axis 1 (a mask of one example, [q, k], closed over). softmax_axis: a near miss."""
+    def per_head(q, k, v):
+        logits = jnp.einsum("sd,Sd->sS", q / math.sqrt(q.shape[-1]), k)
+        if mask is not None:
+            logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(logits.dtype, jnp.float32)
+        weights = jax.nn.softmax(logits.astype(dtype), axis=softmax_axis).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+    return jax.vmap(per_head, in_axes=1, out_axes=1)(q, k, v)
+
+
+@pytest.mark.parametrize("case", ["no mask", "causal", "padding per example", "one mask for every example"])
+def test_equinox_attention_is_found(case):
+    """Equinox's attention under the user's jax.vmap over the batch: one kernel call (a constant
+    causal mask read as causal, a padding mask per example passed on, its row that sees no key the
+    mean of the values as XLA's finfo.min fill gives); values and gradients as jax.jit's in float32.
+    A softmax over the queries is no attention."""
+    b, s, h, d = 2, 20, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=43)
+    lengths = jnp.array([s, 0])
+    padding = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (b, s, s))
+    shared = jnp.asarray(np.random.default_rng(44).random((s, s)) < 0.6).at[:, 0].set(True)
+
+    def f(q, k, v, axis=-1):
+        if case == "causal":
+            return jax.vmap(lambda *a: _equinox_attention(*a, jnp.tril(jnp.ones((s, s), bool)), axis))(q, k, v)
+        if case == "padding per example":
+            return jax.vmap(lambda *a: _equinox_attention(*a[:3], a[3], axis))(q, k, v, padding)
+        if case == "one mask for every example":
+            return jax.vmap(lambda *a: _equinox_attention(*a, shared, axis))(q, k, v)
+        return jax.vmap(lambda *a: _equinox_attention(*a, None, axis))(q, k, v)
+    [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.pattern.startswith("attention/")]
+    assert match.pattern.startswith("attention/equinox MultiheadAttention")
+    assert match.params.get("mask_kind") == ("causal" if case == "causal" else None)
+    vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(f, *a))
+    got = xkern.jit(vjp)(q, k, v)
+    want = jax.jit(vjp)(*(a.astype(jnp.float32) for a in (q, k, v)))
+    assert kernel_names(jax.make_jaxpr(xkern.optimize(vjp))(q, k, v)).count("attention_fwd") == 1
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        close(g, w, jnp.bfloat16)
+    assert not [m for m in xkern.explain(lambda *a: f(*a, axis=0))(q, k, v).matches
+                if m.pattern.startswith("attention/")]
 
 
 def test_soft_capped_scores_by_hand_are_found():

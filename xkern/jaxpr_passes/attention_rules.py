@@ -31,7 +31,8 @@ dropped) are the kernels' sinks; its masks, a constant bias of 0 and -inf, are r
 sliding window where they are one. Scores times an array with one value for every key (a learned
 temperature per head) scale q instead. MaxText's dot-product attention (unscaled 5-D GQA scores, its
 additive mask compared with half its fill, exps and sums kept apart, the output divided by the sums)
-is attention with a scale of 1.
+is attention with a scale of 1. Equinox's MultiheadAttention (written for one example and one head,
+mapped over heads and batch by jax.vmap) is found as the vmaps trace it.
 """
 from __future__ import annotations
 
@@ -528,6 +529,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
         if mask is not None and with_mask == "[b,q,k]":
             mask = mask[:, None]
+        elif mask is not None and with_mask == "[q,k]":
+            mask = mask[None, None]
         lengths = extras[-1] if with_lengths else None
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
@@ -764,3 +767,33 @@ def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool, float32_pr
 
 PATTERNS += [_maxtext_pattern(mask, softcap, logits, product) for mask in (False, True) for softcap in (False, True)
              for logits, product in ((False, False), (True, False), (True, True))]
+
+
+# Equinox's (equinox.nn.MultiheadAttention, dot_product_attention): written for one example and one
+# head, q [s, d] divided by sqrt(d), softmax in float32 (the result type of the logits' and float32's),
+# its mask (one for every head: [q, k], or per example [b, q, k]) applied with finfo(dtype).min; the
+# heads mapped by jax.vmap over axis 1, the batch by the user's jax.vmap. Traced as the vmaps trace it
+# (they order the product with v's operands unlike jnp.einsum does).
+def equinox_attention(mask: str | None):
+    def per_head(q, k, v, visible, divisor):
+        logits = jnp.einsum("sd,Sd->sS", q / divisor, k)
+        if visible is not None:
+            logits = jnp.where(visible, logits, jnp.finfo(logits.dtype).min)
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.result_type(logits.dtype, jnp.float32)
+        weights = jax.nn.softmax(logits.astype(dtype)).astype(logits.dtype)
+        return jnp.einsum("sS,Sd->sd", weights, v)
+
+    def fn(q, k, v, *extras, scale):
+        def one_example(q, k, v, visible):
+            return jax.vmap(lambda q, k, v: per_head(q, k, v, visible, scale), in_axes=1, out_axes=1)(q, k, v)
+        if mask == "[b,q,k]":
+            return jax.vmap(one_example)(q, k, v, extras[0])
+        return jax.vmap(lambda q, k, v: one_example(q, k, v, extras[0] if mask else None))(q, k, v)
+    fn.__name__ = f"equinox MultiheadAttention{'+mask' + mask if mask else ''}"
+    return fn
+
+
+PATTERNS += [_pattern(equinox_attention(mask), ALL, scaling="/divisor", with_mask=mask,
+                      shapes={"[q,k]": lambda b, h, q, k: (q, k), "[b,q,k]": lambda b, h, q, k: (b, q, k)})
+             for mask in (None, "[q,k]", "[b,q,k]")]
