@@ -212,6 +212,32 @@ def test_configs_fit_in_the_devices_shared_memory():
                                                                        True, True)
 
 
+def test_the_tuners_measure_checks_each_candidate_against_the_first(monkeypatch):
+    """tuned_configs' measure (run here through the interpreter, every candidate measured as the GPU's
+    tuner would, the timer faked) runs each kernel's launch on the problem's random inputs and hands
+    its results to autotune.agrees: a candidate whose results differ from the first's is skipped."""
+    from xkern.tuning import autotune
+    q, k, _, _ = make(1, 32, 32, 2, 1, 16, jnp.bfloat16)
+    st = A.Static(True, 0.25, None, None, False, "interpret", ())
+    seen = []
+
+    def tuned(family, key, candidates, measure, backend, version=""):
+        wrong = candidates[0].replace(BLOCK_N=candidates[0]["BLOCK_N"])  # (the same tile: the same results)
+        best, seconds = autotune.best([candidates[0], wrong], measure)
+        seen.append((family, seconds))
+        return best
+    monkeypatch.setattr(autotune, "tuned", tuned)
+    monkeypatch.setattr(A, "time_pipelined", lambda step, *args, **kw: 1.0)
+    checked = []
+    real_agrees = autotune.agrees
+    monkeypatch.setattr(autotune, "agrees", lambda first, out: (checked.append(len(first)), real_agrees(first, out)))
+    configs = A.tuned_configs(q, k, st)
+    assert [f for f, _ in seen] == ["attention_fwd", "attention_dkdv", "attention_dq"]
+    assert all(seconds == 1.0 for _, seconds in seen) and len(configs) == 3
+    # each kernel: the first candidate's results recorded (o and lse; dq, dk and dv), then compared
+    assert checked.count(0) == 3 and sorted(set(checked)) == [0, 2, 3] and len(checked) > 6
+
+
 def test_candidates_leave_out_miscompiled_tiles():
     """Tiles whose kernels came out wrong on the H200 (Triton 3.6 on sm_90) are offered for no problem:
     dk/dv stepping 32 queries with 8 warps (dk off at head dims 64, 128 and 256). Head dim 64 has a

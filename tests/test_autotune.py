@@ -32,6 +32,33 @@ def test_best_picks_the_fastest_and_skips_failures():
     assert autotune.best([C], measure) == (C, math.inf)  # nothing ran: the heuristic, unstored
 
 
+def test_a_candidate_whose_result_differs_is_never_the_winner():
+    """Each family's measure checks a candidate's results against the first candidate's
+    (autotune.agrees) before timing it: the fastest tile, miscompiled, loses to the slower right ones.
+    Rounding-level differences pass; NaN only where the first has it; shapes must agree."""
+    import numpy as np
+    right = np.linspace(-3, 3, 64, dtype=np.float32).reshape(8, 8)
+    results = {A: right, B: right * 1.3, C: right + 1e-4}
+    times = {A: 3.0, B: 1.0, C: 2.0}
+    first = []
+
+    def measure(config):
+        autotune.agrees(first, {"out": results[config]})
+        return times[config]
+    assert autotune.best([A, B, C], measure) == (C, 2.0)
+    import jax.numpy as jnp
+    right16 = jnp.asarray(right, jnp.bfloat16)
+    with pytest.raises(autotune.Disagrees, match="off by"):
+        autotune.agrees([right16], np.where(np.eye(8, dtype=bool), np.nan, right))  # NaN where it has none
+    autotune.agrees([right16], right + 0.05)  # within 2e-2 of the largest magnitude (3)
+    nan_on_diagonal = np.where(np.eye(8, dtype=bool), np.nan, right)
+    autotune.agrees([jnp.asarray(nan_on_diagonal, jnp.bfloat16)], nan_on_diagonal)  # NaN where the first has it
+    with pytest.raises(autotune.Disagrees):
+        autotune.agrees([right], right + 0.05)  # float32: 1e-3 of it
+    with pytest.raises(autotune.Disagrees, match="shape"):
+        autotune.agrees([right], right[:4])
+
+
 def test_best_keeps_each_finalists_faster_time():
     """A clock drift during the first pass (A measured slow once) is undone by the second."""
     seen = {A: [3.0, 1.0], B: [2.0, 2.0], C: [5.0, 5.0]}

@@ -422,6 +422,30 @@ def test_every_matmul_candidate_gives_xla_values(m, k, n):
     assert backend == "interpret" or len(candidates) > 4
 
 
+def test_the_matmul_tuners_measure_checks_results(monkeypatch):
+    """The matmul epilogue's measure (run through the interpreter with the timer faked) hands each
+    candidate's results to autotune.agrees before timing it: a candidate that disagrees is skipped."""
+    from xkern.kernels import generated
+    from xkern.tuning import autotune
+    x, w, b = jnp.ones((37, 40), jnp.float32), jnp.ones((40, 24), jnp.float32), jnp.ones((24,), jnp.float32)
+    plan = pipeline.plan(jax.make_jaxpr(lambda x, w, b: jnp.tanh(x @ w + b))(x, w, b), "interpret")
+    (fused,) = [match.fused for match in plan.fusions.values()]
+    views, n_rows = generated._views(fused, (x, w, b))
+    calls = []
+
+    def tuned(family, key, candidates, measure, backend, version=""):
+        wrong = candidates[0].replace(BLOCK_M=candidates[0]["BLOCK_M"])
+        calls.append(autotune.best([candidates[0], wrong], measure))
+        return candidates[0]
+    monkeypatch.setattr(autotune, "tuned", tuned)
+    monkeypatch.setattr(generated, "time_pipelined", lambda step, *args, **kw: 2.0)
+    firsts = []
+    real = autotune.agrees
+    monkeypatch.setattr(autotune, "agrees", lambda first, out: (firsts.append(len(first)), real(first, out)))
+    generated._config(fused, views, n_rows, "interpret")
+    assert calls[0][1] == 2.0 and firsts[0] == 0 and firsts[1:] and all(n == 1 for n in firsts[1:])
+
+
 def test_matmul_tiles_offer_tma_only_where_descriptors_fit():
     from xkern.kernels import generated
     assert generated.tma_fits(4096, 4096, 2) and not generated.tma_fits(4095, 4096, 2)

@@ -1281,11 +1281,15 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
-        def measure(config, i=i):
+        first = []  # the first candidate's results (autotune.agrees)
+
+        def measure(config, i=i, first=first):
             trial = dataclasses.replace(st, configs=tuple(configs[:i] + [config] + configs[i + 1:]))
             args = _random_problem(q, k, trial)
+            args = args[:7] if i == 0 else args
             step = jax.jit(lambda *a: (_launch_fwd(*a[:7], trial) if i == 0 else _launch_bwd(*a, trial)))
-            return time_pipelined(step, *(args[:7] if i == 0 else args), min_seconds=0.02)
+            autotune.agrees(first, step(*args))
+            return time_pipelined(step, *args, min_seconds=0.02)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
                                     st.backend, version=autotune.version_of(_fwd, _fwd_split_kv, _bwd_dkdv, _bwd_dq))
     return tuple(configs)

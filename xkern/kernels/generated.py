@@ -177,9 +177,12 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
     # Keyed by the problem, not the epilogue: the tiles that win are the matmul's.
     key = f"{n_rows}x{fused.n_cols}x{fused.k}|{a}|{b}"
 
+    first = []  # the first candidate's results (autotune.agrees)
+
     def measure(config):
         samples = _random_like(views)
         step = jax.jit(lambda *v: _launch_views(v, n_rows, fused, backend, config))
+        autotune.agrees(first, step(*samples))
         return time_pipelined(step, *samples, min_seconds=0.02)
 
     return autotune.tuned("matmul_epilogue", key, candidates, measure, backend,

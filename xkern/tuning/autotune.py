@@ -3,7 +3,8 @@
 A kernel family with a config space (the matmul template's tiles, for one) asks `tuned` for the
 config of one problem key. The answer comes from, in order: this process's memory, the cache file
 of this device, or a measurement of every candidate with the pipelined timer (tuning/timing.py) on
-random inputs of the problem's shapes, whose winner is written back to the file. So a process pays
+random inputs of the problem's shapes (each candidate's results first checked against the first
+candidate's: `agrees`), whose winner is written back to the file. So a process pays
 for tuning once per key and device, and every later process starts with the tuned config. Keys
 carry a hash of the kernel code measured (version_of), so changed kernels are tuned afresh.
 
@@ -95,6 +96,41 @@ def store(key: str, config: L.Config, seconds: float, path: str) -> None:
             json.dump(merged, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
         _MEMORY[path] = merged
+
+
+class Disagrees(ValueError):
+    """A candidate whose result differs from the first candidate's: never a winner."""
+
+
+# How far a candidate's outputs may be from the first candidate's, relative to their largest
+# magnitude (at least 1), by the outputs' dtype: tiles sum in other orders, and 16-bit outputs round
+# that to an ulp or two. A miscompiled tile was off by 30% of it (attention's dk, H200).
+AGREEMENT = {"bfloat16": 2e-2, "float16": 5e-3}
+
+
+def agrees(first: list, outputs) -> None:
+    """Raise Disagrees unless `outputs` (a pytree of arrays: a candidate's results on the problem's
+    random inputs) equal those of the first candidate measured, which `first` (empty before it)
+    records; NaN only where the first has NaN. A family's measure calls it before timing: the tuner
+    keeps the fastest candidate and would never look at its result, and Triton has compiled wrong
+    code for one tile of a kernel whose other tiles are right (attention's dk/dv at 32 queries and
+    8 warps on sm_90). Compared on the device: only two numbers per output travel."""
+    import jax
+    import jax.numpy as jnp
+    leaves = jax.tree.leaves(outputs)
+    if not first:
+        first.extend(leaves)
+        return
+    for a, b in zip(leaves, first):
+        if a.shape != b.shape:
+            raise Disagrees(f"results of shape {a.shape} where the first candidate's are {b.shape}")
+        allowed = AGREEMENT.get(jnp.dtype(b.dtype).name, 1e-3)
+        a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+        off = jnp.where(jnp.isnan(a) & jnp.isnan(b), 0.0, jnp.nan_to_num(jnp.abs(a - b), nan=jnp.inf))
+        off = float(jnp.max(off, initial=0.0))
+        tolerance = allowed * max(float(jnp.max(jnp.where(jnp.isnan(b), 0.0, jnp.abs(b)), initial=0.0)), 1.0)
+        if not off <= tolerance:
+            raise Disagrees(f"off by {off:.3g} from the first candidate's result (allowed {tolerance:.3g})")
 
 
 # The fastest candidates of the first pass are timed once more, in reverse order, each keeping its
