@@ -55,6 +55,10 @@ def test_a_candidate_whose_result_differs_is_never_the_winner():
     autotune.agrees([jnp.asarray(nan_on_diagonal, jnp.bfloat16)], nan_on_diagonal)  # NaN where the first has it
     with pytest.raises(autotune.Disagrees):
         autotune.agrees([right], right + 0.05)  # float32: 1e-3 of it
+    lse = np.array([1.0, -np.inf, 2.0], np.float32)  # -inf: a row that sees no key, in both
+    autotune.agrees([lse], lse)
+    with pytest.raises(autotune.Disagrees):
+        autotune.agrees([lse], np.array([1.0, 0.0, 2.0], np.float32))
     with pytest.raises(autotune.Disagrees, match="shape"):
         autotune.agrees([right], right[:4])
 
