@@ -240,14 +240,22 @@ def test_the_tuners_measure_checks_each_candidate_against_the_first(monkeypatch)
 
 def test_candidates_leave_out_miscompiled_tiles():
     """Tiles whose kernels came out wrong on the H200 (Triton 3.6 on sm_90) are offered for no problem:
-    dk/dv stepping 32 queries with 8 warps (dk off at head dims 64, 128 and 256). Head dim 64 has a
-    dq heuristic of its own, first, and then the narrow list."""
+    dk/dv stepping 32 queries with 8 warps (dk off at head dims 64, 128 and 256), and at head dims up
+    to 128 any dk/dv tile of 32 queries (4 warps, 3 stages: dk off at 2048 queries), but where nothing
+    larger fits in shared memory. Head dim 64 has a dq heuristic of its own, first, and then the
+    narrow list."""
     fits = ({}, {"itemsize": 4, "mask": True, "bias": True}, {"unmasked_keys": 4096, "unmasked_queries": 4096},
-            {"causal_square": 4096})
+            {"causal_square": 4096}, {"mask": True}, {"itemsize": 4})
     for d in (32, 64, 128, 256):
         for fit in fits:
-            for c in A.candidates("dkdv", d, "triton", "cuda", tma=True, **fit):
+            offered = A.candidates("dkdv", d, "triton", "cuda", tma=True, **fit)
+            for c in offered:
                 assert not (c["BLOCK_M"] == 32 and c.num_warps == 8), (d, fit, c)
+            small = [c for c in offered if c["BLOCK_M"] == 32]
+            if d <= 128 and small:
+                assert small == offered, (d, fit, offered)  # (float32: nothing larger fits)
+    fallback = A.candidates("dkdv", 128, "triton", "cuda", tma=True, itemsize=4, mask=True, bias=True)
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c.num_warps, c.num_stages) for c in fallback] == [(32, 32, 4, 2)]
     first = A.candidates("dq", 64, "triton", "cuda", tma=True)
     assert (first[0]["BLOCK_M"], first[0]["BLOCK_N"], first[0].num_warps, first[0].num_stages) == (128, 64, 4, 3)
     assert [c for c in A.candidates("dq", 128, "triton", "cuda", tma=True)
@@ -1475,7 +1483,10 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
 CANDIDATE_CASES = {"d64": ((1, 512, 512, 4, 2, 64), {}), "d64 causal": ((1, 512, 512, 4, 2, 64), {"causal": True}),
                    "d128 causal": ((1, 512, 512, 4, 2, 128), {"causal": True}),
                    "d128 key padding": ((2, 300, 300, 4, 2, 128), {"mask": "keys"}),
-                   "d256 causal": ((1, 256, 256, 2, 1, 256), {"causal": True})}
+                   "d256 causal": ((1, 256, 256, 2, 1, 256), {"causal": True}),
+                   # where the tuner's check caught a dk/dv tile that 512 queries had passed
+                   "d128 s2048": ((2, 2048, 2048, 16, 16, 128), {}),
+                   "d128 s2048 causal": ((2, 2048, 2048, 16, 16, 128), {"causal": True})}
 
 
 @pytest.mark.skipif(L.INTERPRET, reason="the interpreter has one tile; on a GPU the tuner chooses among many")
