@@ -63,6 +63,40 @@ def test_a_candidate_whose_result_differs_is_never_the_winner():
         autotune.agrees([right], right[:4])
 
 
+def test_a_candidate_skipped_for_its_results_is_reported_and_recorded(tmp_path):
+    """A candidate whose results differ (a miscompile, most likely) is named in a warning when the key
+    is tuned, with the reason, and kept in the cache entry; a later process reads the winner quietly."""
+    import warnings
+    import numpy as np
+    path = str(tmp_path / "dev.json")
+    right = np.arange(6, dtype=np.float32)
+    results, times, first = {A: right, B: right * 2, C: right}, {A: 2e-3, B: 1e-3, C: 3e-3}, []
+
+    def measure(config):
+        autotune.agrees(first, results[config])
+        return times[config]
+    with pytest.warns(RuntimeWarning, match=r"attention_dkdv candidate \(BLOCK_M=128, num_warps=8, num_stages=3\)"
+                                            r".* at 1x64 \(off by 5 .*\); skipped"):
+        assert autotune.tuned("attention_dkdv", "1x64", [A, B, C], measure, "triton", path) == A
+    (entry,) = json.load(open(path)).values()
+    assert entry["disagreed"] == ["(BLOCK_M=128, num_warps=8, num_stages=3): off by 5 from the first candidate's "
+                                  "result (allowed 0.005)"] and entry["meta"] == {"BLOCK_M": 64}
+    autotune._MEMORY.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned("attention_dkdv", "1x64", [A, B, C], measure, "triton", path) == A
+    # several differing from the first: the first itself is suspect, and the warning says so
+    results, first[:] = {A: right * 2, B: right, C: right}, []
+    with pytest.warns(RuntimeWarning) as seen:
+        autotune.tuned("fam", "k", [A, B, C], measure, "triton", path)
+    assert [str(w.message)[:26] for w in seen] == ["xkern: the fam candidate ("] * 2 + ["xkern: 2 fam candidates di"]
+    assert "the first, (BLOCK_M=64, num_warps=4, num_stages=" in str(seen[2].message)
+    # a key whose candidates all agree stores no such list
+    assert "disagreed" not in json.load(open(path)).get("mm|1", {}) and autotune.tuned(
+        "mm", "1", [A, C], lambda c: times[c], "triton", path) == A
+    assert "disagreed" not in json.load(open(path))["mm|1"]
+
+
 def test_best_keeps_each_finalists_faster_time():
     """A clock drift during the first pass (A measured slow once) is undone by the second."""
     seen = {A: [3.0, 1.0], B: [2.0, 2.0], C: [5.0, 5.0]}

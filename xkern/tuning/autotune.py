@@ -4,9 +4,10 @@ A kernel family with a config space (the matmul template's tiles, for one) asks 
 config of one problem key. The answer comes from, in order: this process's memory, the cache file
 of this device, or a measurement of every candidate with the pipelined timer (tuning/timing.py) on
 random inputs of the problem's shapes (each candidate's results first checked against the first
-candidate's: `agrees`), whose winner is written back to the file. So a process pays
-for tuning once per key and device, and every later process starts with the tuned config. Keys
-carry a hash of the kernel code measured (version_of), so changed kernels are tuned afresh.
+candidate's: `agrees`; one that differs is skipped, named in a warning and in the file), whose
+winner is written back to the file. So a process pays for tuning once per key and device, and
+every later process starts with the tuned config. Keys carry a hash of the kernel code measured
+(version_of), so changed kernels are tuned afresh.
 
 The file is JSON, one per device kind and Triton version
 ($XKERN_CACHE_DIR or ~/.cache/xkern, then configs/<device>--triton-<version>.json), written by
@@ -24,6 +25,7 @@ import os
 import re
 import tempfile
 import threading
+import warnings
 from typing import Callable, Sequence
 
 from xkern import _compat
@@ -86,8 +88,9 @@ def lookup(key: str, path: str) -> L.Config | None:
         return None  # an entry from an incompatible version: re-tune
 
 
-def store(key: str, config: L.Config, seconds: float, path: str) -> None:
-    entry = {**to_json(config), "us": round(seconds * 1e6, 2)}
+def store(key: str, config: L.Config, seconds: float, path: str, disagreed: Sequence[str] = ()) -> None:
+    """Write `key`'s winner (and the candidates skipped for giving other results, if any)."""
+    entry = {**to_json(config), "us": round(seconds * 1e6, 2), **({"disagreed": list(disagreed)} if disagreed else {})}
     with _LOCK:
         merged = {**_read(path), key: entry}
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -140,14 +143,21 @@ def agrees(first: list, outputs) -> None:
 FINALISTS = 3
 
 
-def best(candidates: Sequence[L.Config], measure: Callable[[L.Config], float]) -> tuple[L.Config, float]:
-    """The fastest candidate by `measure` (seconds); one that fails to compile or run is skipped."""
+def best(candidates: Sequence[L.Config], measure: Callable[[L.Config], float],
+         disagreed: list | None = None) -> tuple[L.Config, float]:
+    """The fastest candidate by `measure` (seconds); one that fails to compile or run is skipped.
+    Those skipped because their results differ (Disagrees) are appended to `disagreed` as
+    (config, reason)."""
     times: dict[int, float] = {}
 
     def run(i: int) -> None:
         try:
             with _compat.eval_context():  # run the candidates now, not inside the user's trace
                 seconds = measure(candidates[i])
+        except Disagrees as e:
+            if disagreed is not None and all(c is not candidates[i] for c, _ in disagreed):
+                disagreed.append((candidates[i], str(e)))
+            return
         except Exception:  # noqa: BLE001 - out of shared memory, too many registers...: not a winner
             return
         times[i] = min(seconds, times.get(i, math.inf))
@@ -182,7 +192,22 @@ def tuned(family: str, key: str, candidates: Sequence[L.Config], measure: Callab
     full_key = f"{family}@{version}|{key}" if version else f"{family}|{key}"
     config = lookup(full_key, path)
     if config is None:
-        config, seconds = best(candidates, measure)
+        disagreed: list = []
+        config, seconds = best(candidates, measure, disagreed)
+        for bad, reason in disagreed:  # a compiler bug, most likely: say so, once (the file keeps it)
+            warnings.warn(f"xkern: the {family} candidate {describe(bad)} gave results unlike the first "
+                          f"candidate's at {key} ({reason}); skipped. A Triton miscompile of that tile is "
+                          "likely: please report it with this message.", RuntimeWarning, stacklevel=2)
+        if len(disagreed) > 1:
+            warnings.warn(f"xkern: {len(disagreed)} {family} candidates differ from the first one at {key}; "
+                          f"the first, {describe(candidates[0])}, may be the one that is wrong.", RuntimeWarning,
+                          stacklevel=2)
         if math.isfinite(seconds):
-            store(full_key, config, seconds, path)
+            store(full_key, config, seconds, path, [f"{describe(bad)}: {reason}" for bad, reason in disagreed])
     return config
+
+
+def describe(config: L.Config) -> str:
+    """A config as one line: its meta-parameters, warps and stages."""
+    meta = ", ".join(f"{k}={v}" for k, v in sorted(dict(config.meta).items()))
+    return f"({meta}, num_warps={config.num_warps}, num_stages={config.num_stages})"
