@@ -618,6 +618,59 @@ def test_hand_written_masks_and_biases_are_found(layout, form):
         close(g, w, jnp.bfloat16)
 
 
+def _scores_bqhk(form):
+    """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
+    many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,
+    or a boolean mask per key, per query and key, or per head, filled with -1e9."""
+    s = 20
+    causal_iota = (jnp.arange(s)[:, None] >= jnp.arange(s)[None, :])[None, :, None, :]  # [1, q, 1, k]
+    rng = np.random.default_rng(31)
+    masks = {"key padding": jnp.asarray(np.arange(s)[None, :] < np.array([20, 9])[:, None])[:, None, None, :],
+             "per head and query": jnp.asarray(rng.random((2, s, 4, s)) > 0.3).at[1, 5, 2].set(False),
+             "causal from iota": causal_iota}
+
+    def f(q, k, v):
+        if form.startswith("q scaled"):
+            scores = jnp.einsum("bqhd,bkhd->bqhk", q / jnp.sqrt(q.shape[-1]), k)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bqhk", q, k) / jnp.sqrt(q.shape[-1])
+        if form.endswith("tril"):
+            scores = jnp.where(jnp.tril(jnp.ones((s, s), bool))[None, :, None, :], scores, -jnp.inf)
+        for name, mask in masks.items():
+            if form.endswith(name):
+                scores = jnp.where(mask, scores, -1e9)
+        probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+        return jnp.einsum("bqhk,bkhd->bqhd", probs, v)
+    return f
+
+
+@pytest.mark.parametrize("form, pattern, kernel_causal", [
+    ("product scaled", "attention/einsum[bqhk]/sqrt(d)+float32 softmax", False),
+    ("q scaled, causal from iota", "attention/einsum[bqhk]/sqrt(d)+scaled q+mask", True),
+    ("product scaled, causal by tril", "attention/einsum[bqhk]/sqrt(d)+causal", True),
+    ("product scaled, key padding", "attention/einsum[bqhk]/sqrt(d)+mask", False),
+    ("q scaled, per head and query", "attention/einsum[bqhk]/sqrt(d)+scaled q+mask", False)])
+def test_scores_ordered_b_q_h_k_are_found(form, pattern, kernel_causal):
+    """Scores in [b, q, h, k] order were left to XLA (explain: "written in no spelling the attention
+    patterns take"); their masks reach the kernels transposed to [b, h, q, k], and a constant causal
+    one runs as causal. Values and gradients equal jax.jit's."""
+    f = _scores_bqhk(form)
+    q, k, v, do = make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=32)
+    report = xkern.explain(f)(q, k, v)
+    [match] = report.matches
+    assert match.pattern.startswith(pattern), match.pattern
+    masked = form.endswith(("padding", "per head and query"))
+    assert _launch_flags(f, q, k, v) == [{"CAUSAL": kernel_causal, "HAS_MASK": masked}]
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    got, want = xkern.jit(f)(q, k, v), jax.jit(f)(*f32)
+    close(got, want, jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+    if form.endswith("per head and query"):  # the query that sees no key averages every value, as XLA's
+        assert np.abs(np.asarray(got[1, 5, 2], np.float32)).max() > 0
+
+
 @pytest.mark.parametrize("form", ["padding", "causal and padding", "padding, dropout"])
 def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
     """HF's Flax ports turn their masks into a bias (0 or finfo.min, in the model's dtype) and call

@@ -153,7 +153,16 @@ def flax_attention_dropout(mask: str | None, bias: str | None = None):
 SCORE_SHAPES = {"(broadcast)": lambda b, h, q, k: (b, 1, 1, k), "[b,h,q,k]": lambda b, h, q, k: (b, h, q, k)}
 
 
-def _causal(scores):
+# The same masks where the scores are [b, q, h, k] ("bqhd,bkhd->bqhk", as Levanter's haliax and many
+# hand-written models order them): the kernels take them transposed to [b, h, q, k].
+BQHK_SHAPES = {"(broadcast)": lambda b, h, q, k: (b, 1, 1, k), "[b,q,h,k]": lambda b, h, q, k: (b, q, h, k),
+               "[1,q,1,k]": lambda b, h, q, k: (1, q, 1, k)}
+
+
+def _causal(scores, layout="bshd"):
+    if layout == "bqhk":  # queries on axis 1, keys last
+        visible = jnp.tril(jnp.ones((scores.shape[1], scores.shape[3]), bool))[None, :, None, :]
+        return jnp.where(visible, scores, -jnp.inf)
     sq, sk = scores.shape[-2:]
     return jnp.where(jnp.tril(jnp.ones((sq, sk), bool)), scores, -jnp.inf)
 
@@ -238,7 +247,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         elif mask:
             scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
-            scores = _causal(scores)
+            scores = _causal(scores, layout)
         scores = scores.astype(jnp.float32) if upcast else scores
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1) if sinks else scores, axis=-1)
         probs = probs[..., :-1] if sinks else probs
@@ -340,11 +349,15 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
 CONSTANT_MASK_ELEMENTS = 1 << 28
 
 
-def _mask_facts(match, index: int = -1) -> dict:
+def _mask_facts(match, index: int = -1, layout: str = "bshd") -> dict:
     """{"mask_kind": "causal" | "none"} when the matched mask (input `index`: the last but a
     dropout's) is a constant of that kind, {"mask_kind": "window", "left": l, "right": r} for the
     same band of keys i - l ... i + r in every batch entry and head, else {}."""
-    return _mask_kind(constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS))
+    mask = constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS)
+    if layout == "bqhk" and mask is not None and mask.ndim == 4:  # [b, q, h, k]: queries, keys last
+        with jax.ensure_compile_time_eval():
+            mask = jnp.transpose(mask, (0, 2, 1, 3))
+    return _mask_kind(mask)
 
 
 def _mask_kind(mask) -> dict:
@@ -527,7 +540,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
-        if mask is not None and with_mask == "[b,q,k]":
+        if mask is not None and layout == "bqhk" and with_mask in BQHK_SHAPES:
+            mask = mask.transpose(0, 2, 1, 3)
+        elif mask is not None and with_mask == "[b,q,k]":
             mask = mask[:, None]
         elif mask is not None and with_mask == "[q,k]":
             mask = mask[None, None]
@@ -556,7 +571,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks
 
     def facts_of(match) -> dict:
-        facts = _mask_facts(match, mask_index) if with_mask else _bias_facts(match) if with_bias else {}
+        facts = _mask_facts(match, mask_index, layout) if with_mask else _bias_facts(match) if with_bias else {}
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
@@ -624,6 +639,15 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", sc
 PATTERNS += [_pattern(by_hand(layout, False, upcast, mask=mask, scores="scaled q"), HALF if upcast else ALL,
                       layout=layout, with_mask=mask, fill=bool(mask), shapes={"[b,q,k]": lambda b, h, q, k: (b, q, k)})
              for layout in ("bqhk", "bqhk,gqa") for mask in (None, "[b,q,k]") for upcast in (False, True)]
+# Scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk", then "bqhk,bkhd->bqhd"), scaled on the product or
+# on q, causal or with a boolean mask (a constant one from iota, [1, q, 1, k], is read as causal).
+PATTERNS += [_pattern(by_hand("bqhk", causal, upcast, scaling, mask=mask, scores=scores), HALF if upcast else ALL,
+                      layout="bqhk", causal=causal, with_mask=mask, fill=bool(mask), shapes=BQHK_SHAPES,
+                      scaling=scaling, params=scaling != "/sqrt(d)")
+             for scores in ("product", "scaled q") for scaling in ("*scale", "/divisor", "/sqrt(d)")
+             for causal, mask in ((False, None), (True, None), *((False, m) for m in BQHK_SHAPES))
+             for upcast in (False, True)
+             if not (scores == "scaled q" and scaling == "*scale" and not (causal or mask))]  # (Gemma's, below)
 # Scaled by a scalar the program computes (1 / jnp.sqrt(d)) or is given (a Python number passed to
 # the jitted function, a learned temperature), cast to the scores' dtype, on the product or on q.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, mask=mask, scores=scores), HALF if upcast else ALL,
