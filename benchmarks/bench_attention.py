@@ -236,6 +236,18 @@ def _equinox(s):
     return attend
 
 
+def _levanter(s):
+    """Scores ordered [b, q, h, k], as Levanter's haliax orders its named axes (and many hand-written
+    models): q scaled by 1/sqrt(d), a causal mask from iota filled with -1e9."""
+    causal = (jnp.arange(s)[:, None] >= jnp.arange(s)[None, :])[None, :, None, :]
+
+    def attend(q, k, v, rng):
+        scores = jnp.einsum("bqhd,bkhd->bqhk", q / jnp.sqrt(q.shape[-1]), k)
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        return jnp.einsum("bqhk,bkhd->bqhd", weights, v)
+    return attend
+
+
 def _vjp_at(f, args, do):
     """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
     out, vjp = jax.vjp(f, *args)
@@ -246,7 +258,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
     by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
-    of 50 as well), gpt-oss, MaxText's dot_product, Equinox. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
+    in Levanter's [b, q, h, k] order. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -263,7 +276,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("MaxText dot_product: GQA 32/8, causal", (4, 4096, 32, 128), _maxtext(4, 4096, 8), 2),
               ("MaxText dot_product: GQA 32/8, causal, float32 logits", (4, 4096, 32, 128),
                _maxtext(4, 4096, 8, True), 2),
-              ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2)]
+              ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
+              ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2)]
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8}
     if not on_gpu:
         kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1}
@@ -271,7 +285,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
                    _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
                    _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else
-                   _equinox(40) if "Equinox" in n else f, c)
+                   _equinox(40) if "Equinox" in n else _levanter(40) if "Levanter" in n else f, c)
                   for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:
