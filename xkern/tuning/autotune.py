@@ -90,7 +90,9 @@ def lookup(key: str, path: str) -> L.Config | None:
 
 def store(key: str, config: L.Config, seconds: float, path: str, disagreed: Sequence[str] = ()) -> None:
     """Write `key`'s winner (and the candidates skipped for giving other results, if any)."""
-    entry = {**to_json(config), "us": round(seconds * 1e6, 2), **({"disagreed": list(disagreed)} if disagreed else {})}
+    entry = {**to_json(config), "us": round(seconds * 1e6, 2)}
+    if disagreed:
+        entry["disagreed"] = list(disagreed)
     with _LOCK:
         merged = {**_read(path), key: entry}
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -155,7 +157,7 @@ def best(candidates: Sequence[L.Config], measure: Callable[[L.Config], float],
             with _compat.eval_context():  # run the candidates now, not inside the user's trace
                 seconds = measure(candidates[i])
         except Disagrees as e:
-            if disagreed is not None and all(c is not candidates[i] for c, _ in disagreed):
+            if disagreed is not None:  # (never a finalist: measured once)
                 disagreed.append((candidates[i], str(e)))
             return
         except Exception:  # noqa: BLE001 - out of shared memory, too many registers...: not a winner
