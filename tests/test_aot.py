@@ -63,6 +63,12 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # The soft-capped kernels on each vendor's first target
     capped = {r["target"] for r in results if "/softcap/" in r["case"]}
     assert capped == {"sm_90", "gfx942"}, capped
+    # At head dim 128 the forward of problems without masking is the Gluon one (attention_hopper) on
+    # sm_90, the causal diagonal included; a soft cap keeps the warp-specialized Triton forward
+    gluon = {r["case"] for r in results if r["kernel"] == "fwd"}
+    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/fwd" for kind in ("plain", "causal-gqa", "sinks")}, gluon
+    assert not any(r["case"] == "attention/sm_90/d128/bf16/causal-gqa/fwd_diagonal" for r in results)
+    assert any(r["case"] == "attention/sm_90/d128/bf16/softcap/fwd_diagonal" for r in results)
     # Attention sinks, counted after the loop: in the warp-specialized forward (Hopper) too
     sunk = {r["target"]: r["detail"] for r in results if r["case"].endswith("/sinks/fwd")}
     assert set(sunk) == {"sm_90", "gfx942"} and sunk["sm_90"].endswith(", 12 warps"), sunk

@@ -1431,6 +1431,30 @@ def test_warp_specialized_kernels_take_a_soft_cap(causal):
     assert A.Static(False, 1.0, None, None, False, "triton", (), softcap=1.5).fit(q, k)["unmasked_keys"] == sk
 
 
+def test_gluon_forward_is_offered_first_only_where_it_applies():
+    """attention_hopper's forward (Gluon) is the first candidate on a Hopper GPU for 16-bit problems
+    at head dim 128 without masking whose key count its 128-key block divides, and for causal ones
+    with as many queries as keys (a multiple of its 128-row block); never with a soft cap, masks,
+    float32, head dims 64 or 256, other key counts, without TMA, on AMD's GPUs or in the
+    interpreter. Static.fit says whether scores are capped."""
+    import dataclasses
+    from xkern.kernels import attention as A
+    first = lambda d=128, gpu="cuda", **kw: dict(A.candidates("fwd", d, "triton", gpu, **kw)[0].meta).get("GLUON")
+    assert first(unmasked_keys=4096) and first(unmasked_keys=384) and first(causal_square=4096)
+    assert first(causal_square=4096, unmasked_keys=0, mask=False, bias=False)
+    for refused in (dict(unmasked_keys=4000), dict(causal_square=4000), dict(unmasked_keys=4096, capped=True),
+                    dict(causal_square=4096, capped=True), dict(unmasked_keys=4096, itemsize=4),
+                    dict(unmasked_keys=4096, tma=False), dict(d=64, unmasked_keys=4096),
+                    dict(d=256, unmasked_keys=4096), dict(gpu="rocm", unmasked_keys=4096), dict(window_keys=4096), {}):
+        assert not first(**refused), refused
+    assert not any(dict(c.meta).get("GLUON") for c in A.candidates("fwd", 128, "interpret", unmasked_keys=4096))
+    config = [c for c in A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096) if dict(c.meta).get("GLUON")]
+    assert len(config) == 1 and A.shared_bytes("fwd", config[0], 2, False, False) <= A.shared_memory_limit("cuda")
+    q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    plain = A.Static(False, 0.1, None, None, False, "triton", ())
+    assert not plain.fit(q, q)["capped"] and dataclasses.replace(plain, softcap=30.0).fit(q, q)["capped"]
+
+
 def test_warp_specialized_forward_is_offered_only_where_it_applies():
     """First candidate on a TMA GPU for 16-bit problems without masking at head dims 128 and 256
     (where it won on the H200) and for causal ones with as many queries as keys (a multiple of its
@@ -1438,8 +1462,9 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     not divide, or without TMA."""
     import dataclasses
     from xkern.kernels import attention as A
-    ws = lambda d, **kw: [c for c in A.candidates("fwd", d, "triton", "cuda", **kw) if c["WS"]]
-    assert ws(128, unmasked_keys=4096)[0] == A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096)[0]
+    ws = lambda d, **kw: [c for c in A.candidates("fwd", d, "triton", "cuda", **kw) if dict(c.meta).get("WS")]
+    # at head dim 128 the Gluon forward (attention_hopper) comes first, the warp-specialized one next
+    assert ws(128, unmasked_keys=4096)[0] == A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096)[1]
     assert ws(256, unmasked_keys=4096) and ws(256, unmasked_keys=4096)[0].num_warps == 4
     assert not ws(128, unmasked_keys=4096, tma=False)
     assert not ws(128, unmasked_keys=4096, itemsize=4)
@@ -1449,7 +1474,7 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     # WS carries the stage count: hopper.free_dead_barriers frees that many unused barriers (1 to 4)
     assert all(1 <= c["WS"] == c.num_stages <= 4 for d in (128, 256) for kernel in ("fwd", "dkdv", "dq")
                for c in A.candidates(kernel, d, "triton", "cuda", unmasked_keys=4096, unmasked_queries=4096)
-               if c["WS"])
+               if dict(c.meta).get("WS"))
     dq = lambda d, **kw: A.candidates("dq", d, "triton", "cuda", **kw)[0]["WS"]  # at d128 not causal (won there)
     assert dq(256, unmasked_keys=4096, unmasked_queries=4096) and dq(256, causal_square=4096)
     assert dq(128, unmasked_keys=4096, unmasked_queries=4096) and not dq(128, causal_square=4096)
@@ -1525,9 +1550,36 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
     ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap,
                                                     sinks=sink if sinks else None)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
-    assert ws["attention_fwd"] and ws["attention_bwd_dq"] == (d == 256 or not causal)
+    gluon = d == 128 and not cap  # attention_hopper's forward, causal diagonal included
+    assert bool(ran["attention_fwd"].get("GLUON")) == gluon and ws["attention_fwd"] != gluon
+    assert ws["attention_bwd_dq"] == (d == 256 or not causal)
     assert ws["attention_bwd_dkdv"] == (d == 128)
-    assert ("attention_fwd_diagonal" in ran) == causal
+    assert ("attention_fwd_diagonal" in ran) == (causal and not gluon)
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (wgmma); the interpreter cannot run Gluon")
+@pytest.mark.parametrize("shape,options", [((2, 200, 384, 4, 4, 128), {}),
+                                           ((3, 384, 384, 4, 1, 128), {"causal": True}),
+                                           ((1, 640, 640, 8, 2, 128), {"causal": True, "out_dtype": jnp.float32}),
+                                           ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"})],
+                         ids=["queries past a block, two batches", "causal mqa, three batches",
+                              "causal gqa, float32 out", "causal, sinks"])
+def test_gluon_forward_on_hopper(shape, options):
+    """attention_hopper's forward (Gluon), where the heuristic picks it: query counts its 128-row
+    block does not divide (the rows past a batch's end read the next batch's and are never stored),
+    causal with every key block of a query block masked on the diagonal, GQA/MQA, a float32 result,
+    sinks; values and every gradient against the float32 reference, and under vmap."""
+    if options.get("sinks"):
+        options = {**options, "sinks": jnp.asarray(np.random.default_rng(3).standard_normal((shape[3],)), jnp.float32)}
+    trained = {n: o for n, o in options.items() if n != "out_dtype"}  # (the helper's cotangents are bf16)
+    ran = _bf16_against_the_reference_with_launches(shape, 17, **trained)
+    assert ran["attention_fwd"].get("GLUON") and "attention_fwd_diagonal" not in ran
+    q, k, v, _ = make(*shape, jnp.bfloat16, seed=18)
+    stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]
+    got = jax.vmap(lambda q, k, v: attention(q, k, v, **options))(*stacked)
+    assert got.dtype == options.get("out_dtype", jnp.bfloat16)
+    for i in range(2):
+        close(got[i], reference(*(x[i].astype(jnp.float32) for x in stacked), **options), jnp.bfloat16)
 
 
 # Problems whose every tuner candidate is checked on a GPU: (b, sq, sk, h, hk, d), options. The
@@ -1850,4 +1902,4 @@ def test_warp_specialized_window_dkdv_on_hopper(window):
     _dkdv_diagonal adds the window's edges: values and every gradient against the reference."""
     ran = _bf16_against_the_reference_with_launches((1, 1024, 1024, 4, 2, 128), 13, local_window_size=window)
     assert ran["attention_bwd_dkdv"].get("WS") and "attention_dkdv_diagonal" in ran
-    assert not ran["attention_fwd"].get("WS")
+    assert not ran["attention_fwd"].get("WS") and not ran["attention_fwd"].get("GLUON")

@@ -217,3 +217,68 @@ def test_kernels_are_built_as_triton_compiled_them():
     compiled.metadata = {"num_warps": 4, "global_scratch_size": 256, "global_scratch_align": 1}
     assert old.TritonKernel("k", 4, 1, 0, "p", "t", 90) == (("k", 4, 1, 0, "p", "t", 90), {})
     assert lib.other == "delegated"
+
+
+# Run by the test below in a process of its own that compiles (in the interpreter's, Triton's own
+# library functions, which Gluon calls, are interpreted ones).
+_GLUON_BUILD = """
+import re
+
+from triton._C import libtriton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+import triton.compiler.code_generator as code_gen
+
+from xkern.kernels import launch as L
+from xkern.kernels import attention_hopper as H
+
+backend = make_backend(GPUTarget("cuda", 90, 32))
+options = backend.parse_options({"num_warps": 4, "num_stages": 2, "num_ctas": 1, "optimize_epilogue": False,
+                                 "debug": False, "enable_fp_fusion": True})  # as jax_triton passes them
+signature = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "sink_ptr": "*fp32", "sq": "i32",
+             "sk": "i32", "o_ptr": "*bf16", "lse_ptr": "*fp32"}
+constants = {**dict(H.config().meta), "QK_SCALE": 0.127, "HEADS": 8, "KV_HEADS": 2, "D": 128, "CAUSAL": True,
+             "HAS_SINK": False}
+signature.update({name: "constexpr" for name in constants})
+attrs = {(i,): backend.parse_attr("D") for i, t in enumerate(signature.values()) if t.startswith("*")}
+context = libtriton.ir.context()
+libtriton.ir.load_dialects(context)
+backend.load_dialects(context)
+module = L._GluonAwareCodeGen(code_gen, lambda: 90).ast_to_ttir(
+    H.fwd, ASTSource(H.fwd, constexprs=constants, signature=signature, attrs=attrs), options=options,
+    codegen_fns=backend.get_codegen_implementation(options), context=context, module_map=backend.get_module_map())
+assert L._is_gluon_module(module)
+recording, metadata = L._RecordingBackend(backend), {}
+ttgir = recording.make_ttgir(recording.make_ttir(module, metadata, options, 90), metadata, options, 90)
+ptx = backend.make_ptx(backend.make_llir(ttgir, metadata, options, 90), metadata, options, 90)
+assert recording.metadata is metadata and metadata["num_warps"] == 12, metadata["num_warps"]
+assert metadata["global_scratch_size"] == 3 * 128  # three TMA descriptors built on the device
+assert ".maxnreg 168" in ptx and re.search(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+240;", ptx)
+assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+# exactly what Triton's own compile builds for the kernel (its Gluon passes, not the TTIR ones)
+import triton
+from triton.experimental.gluon._runtime import GluonASTSource
+
+reference = triton.compile(GluonASTSource(H.fwd, signature, constants, attrs), target=backend.target,
+                           options={"num_warps": 4, "num_stages": 2, "enable_fp_fusion": True, "maxnreg": 168})
+assert ptx == reference.asm["ptx"]
+plain = libtriton.ir.builder(context).create_module()  # Triton's TTIR carries no warp count yet
+assert not L._is_gluon_module(plain)
+print("built")
+"""
+
+
+def test_gluon_kernels_build_through_jax_tritons_compile_steps():
+    """jax_triton 0.3.1 knows only Triton's front end. launch.py redirects the two steps of its
+    compile that see the language (building the IR, and the passes to TTGIR) for Gluon kernels:
+    the attention forward for Hopper (attention_hopper.fwd) goes, by jax_triton's own sequence of
+    calls, to sm_90 PTX with its three partitions (4 warps asked, 12 compiled: two consumer
+    warpgroups and the loader's warp), its register cap and the rebalancing between partitions."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _GLUON_BUILD], env={**env, "XKERN_BACKEND": "triton"},
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("built"), run.stderr[-3000:]

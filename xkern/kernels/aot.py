@@ -47,10 +47,16 @@ def compile_kernel(fn, signature: dict, config, target: str):
     # without it Triton cannot vectorize loads, nor pipeline them, and the code is not what runs.
     aligned = make_backend(gpu).parse_attr("D")
     attrs = {(i,): aligned for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")}
-    src = ASTSource(fn=fn, signature=signature, constexprs=dict(config.meta), attrs=attrs)
-    return triton.compile(src, target=gpu,
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages,
-                                   "enable_fp_fusion": True})  # as jax_triton compiles
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
+    if getattr(fn, "is_gluon", lambda: False)():  # (as launch.gluon_module builds it under jax_triton)
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        src = GluonASTSource(fn, signature, dict(config.meta), attrs)
+        if getattr(fn, "xkern_maxnreg", None):
+            options["maxnreg"] = fn.xkern_maxnreg
+    else:
+        src = ASTSource(fn=fn, signature=signature, constexprs=dict(config.meta), attrs=attrs)
+    return triton.compile(src, target=gpu, options=options)  # as jax_triton compiles
 
 
 def frees_dead_barriers(ptx: str) -> bool:
@@ -115,7 +121,7 @@ def main(argv: list[str]) -> int:
                 ok, detail = False, detail + "; its unused mbarriers at the start of shared memory are not invalidated before a copy"
         except Exception as e:  # report every failure, not only the first
             ok, detail = False, f"{type(e).__name__}: {e}"
-        results.append({"case": name, "target": target, "ok": ok, "detail": detail,
+        results.append({"case": name, "kernel": fn.__name__, "target": target, "ok": ok, "detail": detail,
                         "seconds": round(time.perf_counter() - start, 3)})
     if "--json" in argv:
         print(json.dumps(results))

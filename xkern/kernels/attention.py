@@ -22,6 +22,8 @@ gradient (then XLA computes dbias, the size of the bias itself).
 On Hopper, 16-bit problems that need no masking take warp-specialized forward and dk/dv kernels
 (TMA loads, one loop: Triton's pass admits no masking in it); causal ones with as many queries as
 keys take them too, off the diagonal, and the diagonal blocks then take two small masked kernels.
+At head dim 128 the forward of those problems is attention_hopper's, written in Gluon (its own
+warp partitions and asynchronous products; causal in one kernel).
 Decoding (a few query rows per key head against many keys) takes a split-key forward instead: one
 program per chunk of the keys and key head, merged by XLA (see _fwd_split_kv).
 """
@@ -41,6 +43,7 @@ import triton
 import triton.language as tl
 
 from xkern.fusion.triton_math import tanh_absolute
+from xkern.kernels import attention_hopper
 from xkern.kernels.hopper import free_dead_barriers
 from xkern.tuning import autotune
 from xkern.tuning.timing import time_pipelined
@@ -1189,6 +1192,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     3.6 and 3.9 (an upper bound for the warp-specialized forward's); AMD's (gfx942) use less.
     xkern.kernels.aot checks the compiled kernels."""
     bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
+    if dict(config.meta).get("GLUON"):  # q and the k/v ring, exactly, and its mbarriers
+        return (bm + 2 * stages * bn) * bd * itemsize + 1024
     if kernel == "dkdv":
         loop, own = 2 * bm * bd * itemsize + 8 * bm, (2 * bn * bd + bm * bn) * itemsize
     else:
@@ -1205,7 +1210,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
 def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None, itemsize: int = 2,
                mask: bool = False, bias: bool = False, limit: int | None = None,
                tma: bool | None = None, unmasked_keys: int = 0, unmasked_queries: int = 0,
-               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None) -> list[L.Config]:
+               causal_square: int = 0, window_keys: int = 0, split_kv: tuple | None = None,
+               capped: bool = False) -> list[L.Config]:
     """The configs worth trying, best guess first, without those that would ask for more shared
     memory than the device has (`limit`; the launch would fail): float32 inputs, masks and biases
     take more. The warp-specialized kernels' tiles come first where they apply: `tma` (None:
@@ -1216,10 +1222,12 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     _dkdv_diagonal); or `window_keys`, the key count of a sliding-window problem with no other
     masking (dk/dv's: the window's edges then take _dkdv_diagonal). `split_kv`: (query rows per key
     head, batch x key heads, keys) of a problem the split-key forward takes (Static.fit), whose
-    tiles then come first. (A soft cap is no masking: every kernel takes it.)"""
+    tiles then come first. (A soft cap is no masking: every kernel takes it, but for the Gluon
+    forward, attention_hopper, which comes first where it applies, on Hopper: `capped` says.)"""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
     split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
+    gluon = []  # attention_hopper's forward, where it applies
     if backend == "interpret":
         if split:
             return split
@@ -1244,7 +1252,10 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
             return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
                                                                     unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
-    every = split + [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
+        if kernel == "fwd" and L.hopper(None if on_device else gpu) and attention_hopper.applies(
+                head_dim, itemsize, unmasked_keys, causal_square, capped):
+            gluon = [attention_hopper.config()]
+    every = split + gluon + [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
                                  WS=t[3] if len(t) > 4 else 0) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
     fitting = [c for c in every if size(c) <= limit] or [min(every, key=size)]
@@ -1297,8 +1308,9 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
             step = jax.jit(lambda *a: (_launch_fwd(*a[:7], trial) if i == 0 else _launch_bwd(*a, trial)))
             autotune.agrees(first, step(*args))
             return time_pipelined(step, *args, min_seconds=0.02)
+        version = autotune.version_of(_fwd, _fwd_split_kv, attention_hopper.fwd, _bwd_dkdv, _bwd_dq)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
-                                    st.backend, version=autotune.version_of(_fwd, _fwd_split_kv, _bwd_dkdv, _bwd_dq))
+                                    st.backend, version=version)
     return tuple(configs)
 
 
@@ -1357,7 +1369,8 @@ class Static:
                 "bias": self.bias_bh is not None or self.drop_bh is not None,
                 "unmasked_keys": k.shape[1] if plain else 0, "unmasked_queries": q.shape[1] if plain else 0,
                 "causal_square": q.shape[1] if causal_square else 0, "window_keys": k.shape[1] if windowed else 0,
-                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None}
+                "split_kv": (rows, q.shape[0] * k.shape[2], k.shape[1]) if decode else None,
+                "capped": bool(self.softcap)}
 
     @property
     def drop_flags(self) -> int:
@@ -1427,6 +1440,8 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static, sinks=None):
     config = st.configs[0]
     if "SPLITS" in dict(config.meta):  # (never with dropout: Static.fit)
         return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st, sinks)
+    if dict(config.meta).get("GLUON"):  # (only where nothing is masked: Static.fit)
+        return attention_hopper.launch_fwd(q, k, v, sinks, st.out_dtype(q), st.constexprs(q, k), st.backend)
     outs = [jax.ShapeDtypeStruct(q.shape, st.out_dtype(q)), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
     grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), {**st.constexprs(q, k), "HAS_SINK": sinks is not None}
@@ -1549,7 +1564,7 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     consts = dict(constexprs)
     batch = out_shapes[0].shape[0]  # every output is per example: [batch, ...]
-    names = ARGUMENTS.get(kernel, BACKWARD_ARGUMENTS)
+    names = _argument_names(kernel, config)
     folded = []
     for name, a, d in zip(names, args, dims):
         if _absent(name, consts) or (name in BATCH_FLAGS and d is None and not _varies_over_batch(name, consts)):
@@ -1590,12 +1605,20 @@ ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len",
              "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
              "attention_dq_diagonal": ("q", "k", "v", "do", "lse", "delta", "dq")}
+
+
+def _argument_names(kernel: str, config: L.Config) -> tuple:
+    if kernel == "attention_fwd" and dict(config.meta).get("GLUON"):
+        return ("q", "k", "v", "sink")  # attention_hopper.fwd's
+    return ARGUMENTS.get(kernel, BACKWARD_ARGUMENTS)
+
+
 def _split(params) -> L.Split:
     """The batch splits across devices: every per-example array (the outputs too) has it as dim 0;
     a mask or bias shared by the batch, and absent operands' placeholders, are shared. Each device
     launches the same kernel on its examples: the grid's second axis (batch x heads) shrinks."""
     consts = dict(params["constexprs"])
-    names = ARGUMENTS.get(params["kernel"], BACKWARD_ARGUMENTS)
+    names = _argument_names(params["kernel"], params["config"])
     roles = [L.SHARED if _absent(name, consts) or (name in BATCH_FLAGS and not _varies_over_batch(name, consts))
              else L.ROWS for name in names]
     return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch)
@@ -2105,7 +2128,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
            "unmasked_queries": 0 if options else 4096,
            "causal_square": 4096 if options in ({"CAUSAL": True}, {"CAUSAL": True, "SOFTCAP": 50.0},
                                                 {"CAUSAL": True, "HAS_SINK": True}) else 0,
-           "window_keys": 4096 if "WINDOW_L" in options else 0}
+           "window_keys": 4096 if "WINDOW_L" in options else 0, "capped": "SOFTCAP" in options}
     configs = tuple(candidates(kernel, d, "triton", gpu, limit=limit, tma=target == "sm_90", **fit)[0]
                     for kernel in ("fwd", "dkdv", "dq"))
     st = Static(False, d ** -0.5, None, None, False, "triton", configs)
@@ -2121,9 +2144,15 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     fwd_consts = {**{name: value for name, value in consts.items() if name != "SCALE"}, "HAS_SINK": sink}
     fwd, dkdv, dq = configs[0].replace(**fwd_consts), *(c.replace(**consts) for c in configs[1:])
     fwd_arrays = {n: t for n, t in arrays.items() if n not in ("sq", "sk")}
-    yield (f"{tag}/fwd", _fwd, {**fwd_arrays, "sink_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el,
-                                "lse_ptr": "*fp32"}, fwd, (target,))
-    if fwd["WS"] and options.get("CAUSAL"):  # the warp-specialized causal forward's diagonal blocks
+    if dict(fwd.meta).get("GLUON"):  # attention_hopper's forward takes the problem (and its diagonal)
+        names = ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL", "HAS_SINK")
+        yield (f"{tag}/fwd", attention_hopper.fwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "sink_ptr": "*fp32",
+               "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"},
+               configs[0].replace(**{n: fwd_consts[n] for n in names}), (target,))
+    else:
+        yield (f"{tag}/fwd", _fwd, {**fwd_arrays, "sink_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el,
+                                    "lse_ptr": "*fp32"}, fwd, (target,))
+    if dict(fwd.meta).get("WS") and options.get("CAUSAL"):  # the warp-specialized forward's diagonal blocks
         diagonal = _fwd_diagonal_config(fwd, gpu).replace(**{n: fwd_consts[n] for n in (
             "QK_SCALE", "SOFTCAP", "FAST_TANH", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,

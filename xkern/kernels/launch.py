@@ -303,7 +303,63 @@ class _RecordingBackend:
 
     def make_ttir(self, src, metadata, *args):
         self.metadata = metadata
+        if _is_gluon_module(src):  # already TTGIR: Gluon's front end lays out every value itself
+            return src
         return self._backend.make_ttir(src, metadata, *args)
+
+    def make_ttgir(self, src, metadata, options, capability):
+        if _is_gluon_module(src):
+            return self._backend.gluon_to_ttgir(src, metadata, options, capability)
+        return self._backend.make_ttgir(src, metadata, options, capability)
+
+
+# Gluon (triton.experimental.gluon, Triton >= 3.5) kernels are written at Triton's layout level:
+# explicit warp partitions, mbarriers and asynchronous wgmma. jax_triton 0.3.1 knows only Triton's
+# front end, so its two steps that see the language are redirected here: building the IR (Gluon's
+# module carries its target, warp count and register cap as attributes) and the passes that make it
+# TTGIR (Gluon's own, in place of the TTIR ones).
+def _is_gluon_module(module) -> bool:
+    """Whether `module`, on its way to TTGIR, came from Gluon: Triton's TTIR has no warp count yet."""
+    return module.get_int_attr("ttg.num-warps") is not None
+
+
+class _GluonAwareCodeGen:
+    """jax_triton's `code_gen` module, building a Gluon kernel's IR with Gluon's front end. A Gluon
+    kernel may set `xkern_maxnreg` (registers per thread at launch): a warp-specialized one must,
+    so that all its warps' registers fit the SM before its partitions rebalance them."""
+
+    def __init__(self, code_gen, capability):
+        self._code_gen, self._capability = code_gen, capability
+
+    def __getattr__(self, name):
+        return getattr(self._code_gen, name)
+
+    def ast_to_ttir(self, fn, src, *, options, codegen_fns, context, module_map):
+        if not getattr(fn, "is_gluon", lambda: False)():
+            return self._code_gen.ast_to_ttir(fn, src, options=options, codegen_fns=codegen_fns, context=context,
+                                              module_map=module_map)
+        return gluon_module(fn, src, options, codegen_fns, context, module_map, self._capability())
+
+
+def gluon_module(fn, src, options, codegen_fns, context, module_map, capability: int):
+    """The TTGIR module of Gluon kernel `fn` for an NVIDIA GPU of compute `capability` (e.g. 90),
+    from jax_triton's ASTSource `src` (its signature, constants and attributes)."""
+    from triton._C.libtriton import ir
+    from triton.compiler.code_generator import ast_to_ttir
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    gluon_src = GluonASTSource(fn, src.signature, src.constants, src.attrs)
+    builder = ir.builder(context)
+    module = builder.create_module()
+    module.set_attr("ttg.target", builder.get_string_attr(f"cuda:{capability}"))
+    module.set_attr("ttg.num-warps", builder.get_int32_attr(options.num_warps))
+    module.set_attr("ttg.num-ctas", builder.get_int32_attr(options.num_ctas))
+    module.set_attr("ttg.threads-per-warp", builder.get_int32_attr(32))
+    maxnreg = getattr(fn, "xkern_maxnreg", None)
+    if maxnreg:
+        module.set_attr("ttg.maxnreg", builder.get_int32_attr(maxnreg))
+    return ast_to_ttir(fn, gluon_src, context=context, options=options, codegen_fns=codegen_fns,
+                       module_map=module_map, module=module)
 
 
 class _KernelsAsCompiled:
@@ -341,6 +397,7 @@ def _kernels_as_compiled():
         return result
 
     jt.compile_ttir_to_ptx_inplace = compile_recording
+    jt.code_gen = _GluonAwareCodeGen(jt.code_gen, lambda: int(lib.get_compute_capability(0)))
     jt.triton_kernel_call_lib = _KernelsAsCompiled(
         lib, compiled, "global_scratch_size" in (lib.TritonKernel.__init__.__doc__ or ""))
     return jt.triton_kernel_call_lib
@@ -362,6 +419,17 @@ def tma_supported() -> bool:
         return False
     major = int(str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0])
     return major >= 9 and global_scratch_supported()
+
+
+def hopper(gpu: str | None = None) -> bool:
+    """Whether kernels written for Hopper (its wgmma, in Gluon) run: on this process's device (gpu
+    None), an NVIDIA GPU of compute capability 9.x with TMA (tma_supported); ahead of time, for
+    `gpu` "cuda" (an H200, as attention's configs name it)."""
+    if gpu is not None:
+        return gpu == "cuda"
+    if not tma_supported():
+        return False
+    return str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0] == "9"
 
 
 def vendor() -> str:
