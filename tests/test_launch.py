@@ -277,8 +277,10 @@ def test_gluon_kernels_build_through_jax_tritons_compile_steps():
     import os
     import subprocess
     import sys
+    import tempfile
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _GLUON_BUILD], env={**env, "XKERN_BACKEND": "triton"},
-                         capture_output=True, text=True, timeout=300)
+    with tempfile.TemporaryDirectory() as cache:  # (a cached build would name the paths it was built from)
+        run = subprocess.run([sys.executable, "-c", _GLUON_BUILD], capture_output=True, text=True, timeout=300,
+                             env={**env, "XKERN_BACKEND": "triton", "TRITON_CACHE_DIR": cache})
     assert run.returncode == 0 and run.stdout.strip().endswith("built"), run.stderr[-3000:]
