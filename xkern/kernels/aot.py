@@ -48,7 +48,9 @@ def compile_kernel(fn, signature: dict, config, target: str):
     aligned = make_backend(gpu).parse_attr("D")
     attrs = {(i,): aligned for i, name in enumerate(fn.arg_names) if signature[name].startswith("*")}
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages, "enable_fp_fusion": True}
-    if getattr(fn, "is_gluon", lambda: False)():  # (as launch.gluon_module builds it under jax_triton)
+    from xkern.kernels.launch import is_gluon
+
+    if is_gluon(fn):  # (as launch.gluon_module builds it under jax_triton)
         from triton.experimental.gluon._runtime import GluonASTSource
 
         src = GluonASTSource(fn, signature, dict(config.meta), attrs)

@@ -318,6 +318,11 @@ class _RecordingBackend:
 # front end, so its two steps that see the language are redirected here: building the IR (Gluon's
 # module carries its target, warp count and register cap as attributes) and the passes that make it
 # TTGIR (Gluon's own, in place of the TTIR ones).
+def is_gluon(fn) -> bool:
+    """Whether kernel `fn` is written in Gluon (a GluonJITFunction)."""
+    return getattr(fn, "is_gluon", lambda: False)()
+
+
 def _is_gluon_module(module) -> bool:
     """Whether `module`, on its way to TTGIR, came from Gluon: Triton's TTIR has no warp count yet."""
     return module.get_int_attr("ttg.num-warps") is not None
@@ -335,7 +340,7 @@ class _GluonAwareCodeGen:
         return getattr(self._code_gen, name)
 
     def ast_to_ttir(self, fn, src, *, options, codegen_fns, context, module_map):
-        if not getattr(fn, "is_gluon", lambda: False)():
+        if not is_gluon(fn):
             return self._code_gen.ast_to_ttir(fn, src, options=options, codegen_fns=codegen_fns, context=context,
                                               module_map=module_map)
         return gluon_module(fn, src, options, codegen_fns, context, module_map, self._capability())
