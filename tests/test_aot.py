@@ -53,8 +53,8 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     assert len({(r["case"], r["target"]) for r in results}) == len(results)  # no compile done twice
     # Hopper's warp-specialized attention kernels: asked for 4 warps, compiled into 12 (3 warp groups)
     specialized = [r for r in results if r["case"] in ("attention/sm_90/d128/bf16/plain/fwd",
-                                                       "attention/sm_90/d128/bf16/plain/bwd_dkdv",
-                                                       "attention/sm_90/d128/bf16/plain/bwd_dq",
+                                                       "attention/sm_90/d128/bf16/plain/bwd",
+                                                       "attention/sm_90/d128/bf16/softcap/bwd_dkdv",
                                                        "attention/sm_90/d256/bf16/causal-gqa/bwd_dq")]
     assert len(specialized) == 4 and all(r["detail"].endswith(", 12 warps") for r in specialized), specialized
     # The sliding-window kernels (forward, dk/dv, dq) on every target
@@ -68,6 +68,10 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     gluon = {r["case"] for r in results if r["kernel"] == "fwd"}
     assert gluon == {f"attention/sm_90/d128/bf16/{kind}/fwd" for kind in ("plain", "causal-gqa", "sinks")}, gluon
     assert not any(r["case"] == "attention/sm_90/d128/bf16/causal-gqa/fwd_diagonal" for r in results)
+    # and so is the backward (dk, dv and dq in one kernel: no dq kernel, no diagonal ones)
+    gluon = {r["case"] for r in results if r["kernel"] == "bwd"}
+    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/bwd" for kind in ("plain", "causal-gqa", "sinks")}, gluon
+    assert not any(r["case"].startswith("attention/sm_90/d128/bf16/causal-gqa/") and "dq" in r["case"] for r in results)
     assert any(r["case"] == "attention/sm_90/d128/bf16/softcap/fwd_diagonal" for r in results)
     # Attention sinks, counted after the loop: in the warp-specialized forward (Hopper) too
     sunk = {r["target"]: r["detail"] for r in results if r["case"].endswith("/sinks/fwd")}

@@ -1455,6 +1455,31 @@ def test_gluon_forward_is_offered_first_only_where_it_applies():
     assert not plain.fit(q, q)["capped"] and dataclasses.replace(plain, softcap=30.0).fit(q, q)["capped"]
 
 
+def test_gluon_backward_is_offered_first_only_where_it_applies():
+    """attention_hopper's backward (Gluon: dk, dv and dq in one kernel) is the first dk/dv candidate
+    on a Hopper GPU for 16-bit problems at head dim 128 without masking whose key count its 128-key
+    block and whose query count its 64-row block divide, and for causal ones with as many queries as
+    keys (a multiple of 128); never where the forward's is not, nor for other query counts. Its
+    shared memory (k, v, the q/do ring, dS^T and dQ halves) fits the H200's; the tuner then times
+    no dq candidates, since none would run."""
+    from xkern.kernels import attention as A
+    first = lambda d=128, gpu="cuda", **kw: dict(A.candidates("dkdv", d, "triton", gpu, **kw)[0].meta).get("GLUON")
+    assert first(unmasked_keys=4096, unmasked_queries=4096) and first(unmasked_keys=384, unmasked_queries=192)
+    assert first(causal_square=4096) and first(causal_square=384)
+    for refused in (dict(unmasked_keys=4096, unmasked_queries=4000), dict(unmasked_keys=4096),
+                    dict(unmasked_keys=4000, unmasked_queries=4096), dict(causal_square=4032),
+                    dict(causal_square=4096, capped=True), dict(causal_square=4096, itemsize=4),
+                    dict(causal_square=4096, tma=False), dict(d=64, causal_square=4096),
+                    dict(d=256, causal_square=4096), dict(gpu="rocm", causal_square=4096), dict(window_keys=4096), {}):
+        assert not first(**refused), refused
+    assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dkdv", 128, "interpret", causal_square=4096))
+    assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dq", 128, "triton", "cuda", causal_square=4096))
+    config = A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[0]
+    assert 196944 <= A.shared_bytes("dkdv", config, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
+    # the Triton dk/dv stays next: the tuner times both
+    assert dict(A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[1].meta).get("WS")
+
+
 def test_warp_specialized_forward_is_offered_only_where_it_applies():
     """First candidate on a TMA GPU for 16-bit problems without masking at head dims 128 and 256
     (where it won on the H200) and for causal ones with as many queries as keys (a multiple of its
@@ -1480,7 +1505,8 @@ def test_warp_specialized_forward_is_offered_only_where_it_applies():
     assert dq(128, unmasked_keys=4096, unmasked_queries=4096) and not dq(128, causal_square=4096)
     assert not dq(64, unmasked_keys=4096, unmasked_queries=4096) and not dq(256, causal_square=4000)
     assert not dq(256, unmasked_keys=4096, unmasked_queries=4000) and not dq(256, unmasked_keys=4096)
-    dkdv = lambda **kw: A.candidates("dkdv", 128, "triton", "cuda", **kw)[0]["WS"]
+    dkdv = lambda **kw: next(dict(c.meta).get("WS") for c in A.candidates("dkdv", 128, "triton", "cuda", **kw)
+                             if not dict(c.meta).get("GLUON"))  # (after attention_hopper's backward, at d128)
     assert dkdv(unmasked_keys=4096, unmasked_queries=4096)
     assert not dkdv(unmasked_keys=4096, unmasked_queries=4000) and not dkdv(unmasked_keys=4096)
     assert ws(128, causal_square=4096) and ws(256, causal_square=4096)
@@ -1550,36 +1576,48 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
     ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap,
                                                     sinks=sink if sinks else None)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
-    gluon = d == 128 and not cap  # attention_hopper's forward, causal diagonal included
+    gluon = d == 128 and not cap  # attention_hopper's forward and backward, causal diagonal included
     assert bool(ran["attention_fwd"].get("GLUON")) == gluon and ws["attention_fwd"] != gluon
-    assert ws["attention_bwd_dq"] == (d == 256 or not causal)
-    assert ws["attention_bwd_dkdv"] == (d == 128)
+    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon and ("attention_bwd_dq" in ran) != gluon
+    assert gluon or ws["attention_bwd_dq"] == (d == 256 or not causal)
+    assert ws["attention_bwd_dkdv"] == (d == 128 and not gluon)
     assert ("attention_fwd_diagonal" in ran) == (causal and not gluon)
 
 
 @pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (wgmma); the interpreter cannot run Gluon")
 @pytest.mark.parametrize("shape,options", [((2, 200, 384, 4, 4, 128), {}),
+                                           ((2, 192, 384, 8, 2, 128), {}),
                                            ((3, 384, 384, 4, 1, 128), {"causal": True}),
                                            ((1, 640, 640, 8, 2, 128), {"causal": True, "out_dtype": jnp.float32}),
                                            ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"})],
-                         ids=["queries past a block, two batches", "causal mqa, three batches",
-                              "causal gqa, float32 out", "causal, sinks"])
-def test_gluon_forward_on_hopper(shape, options):
-    """attention_hopper's forward (Gluon), where the heuristic picks it: query counts its 128-row
-    block does not divide (the rows past a batch's end read the next batch's and are never stored),
-    causal with every key block of a query block masked on the diagonal, GQA/MQA, a float32 result,
-    sinks; values and every gradient against the float32 reference, and under vmap."""
+                         ids=["queries past a block, two batches", "gqa, fewer queries than keys",
+                              "causal mqa, three batches", "causal gqa, float32 out", "causal, sinks"])
+def test_gluon_kernels_on_hopper(shape, options):
+    """attention_hopper's forward and backward (Gluon), where the heuristic picks them: query counts
+    the forward's 128-row block does not divide (the rows past a batch's end read the next batch's
+    and are never stored; the backward, whose query blocks are 64 rows, declines them), causal with
+    every key block of a query block masked on the diagonal, GQA/MQA, a float32 result, sinks;
+    values and every gradient (dq through the backward's float32 reductions) against the float32
+    reference, and under vmap."""
     if options.get("sinks"):
         options = {**options, "sinks": jnp.asarray(np.random.default_rng(3).standard_normal((shape[3],)), jnp.float32)}
     trained = {n: o for n, o in options.items() if n != "out_dtype"}  # (the helper's cotangents are bf16)
     ran = _bf16_against_the_reference_with_launches(shape, 17, **trained)
     assert ran["attention_fwd"].get("GLUON") and "attention_fwd_diagonal" not in ran
+    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == (shape[1] % 64 == 0)
+    assert ("attention_bwd_dq" in ran) == (shape[1] % 64 != 0)
     q, k, v, _ = make(*shape, jnp.bfloat16, seed=18)
     stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]
     got = jax.vmap(lambda q, k, v: attention(q, k, v, **options))(*stacked)
     assert got.dtype == options.get("out_dtype", jnp.bfloat16)
+    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * jnp.cos(jnp.arange(shape[-1])))
+    grads = jax.vmap(jax.grad(loss(lambda *a: attention(*a, **trained)), argnums=(0, 1, 2)))(*stacked)
     for i in range(2):
-        close(got[i], reference(*(x[i].astype(jnp.float32) for x in stacked), **options), jnp.bfloat16)
+        one = [x[i].astype(jnp.float32) for x in stacked]
+        close(got[i], reference(*one, **options), jnp.bfloat16)
+        want = jax.grad(loss(lambda *a: reference(*a, **trained)), argnums=(0, 1, 2))(*one)
+        for g, w in zip(grads, want):
+            close(g[i], w, jnp.bfloat16)
 
 
 # Problems whose every tuner candidate is checked on a GPU: (b, sq, sk, h, hk, d), options. The
@@ -1613,6 +1651,9 @@ def test_every_tuner_candidate_gives_the_reference(case, kernel, monkeypatch):
         fit = st.fit(q, k)
         offered[:] = A.candidates(kernel, q.shape[-1], st.backend, **fit)
         configs = list(A.default_configs(q.shape[-1], st.backend, **fit))
+        if kernel == "dq":  # attention_hopper's backward would give dq itself: the Triton dk/dv then
+            configs[1] = next(c for c in A.candidates("dkdv", q.shape[-1], st.backend, **fit)
+                              if not dict(c.meta).get("GLUON"))
         configs[index] = offered[tried]
         return tuple(configs)
     monkeypatch.setattr(A, "tuned_configs", one_candidate)

@@ -22,8 +22,9 @@ gradient (then XLA computes dbias, the size of the bias itself).
 On Hopper, 16-bit problems that need no masking take warp-specialized forward and dk/dv kernels
 (TMA loads, one loop: Triton's pass admits no masking in it); causal ones with as many queries as
 keys take them too, off the diagonal, and the diagonal blocks then take two small masked kernels.
-At head dim 128 the forward of those problems is attention_hopper's, written in Gluon (its own
-warp partitions and asynchronous products; causal in one kernel).
+At head dim 128 both passes of those problems are attention_hopper's, written in Gluon (its own
+warp partitions and asynchronous products; causal in one kernel each): its backward gives dq too,
+per key block, added into a float32 accumulator by TMA reductions, so no dq kernel runs after it.
 Decoding (a few query rows per key head against many keys) takes a split-key forward instead: one
 program per chunk of the keys and key head, merged by XLA (see _fwd_split_kv).
 """
@@ -1192,6 +1193,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     3.6 and 3.9 (an upper bound for the warp-specialized forward's); AMD's (gfx942) use less.
     xkern.kernels.aot checks the compiled kernels."""
     bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
+    if dict(config.meta).get("GLUON") and kernel == "dkdv":  # k, v, the q/do ring, two dS^T, two dQ halves
+        return (2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm) * itemsize + bm * bd * 4 + 1024
     if dict(config.meta).get("GLUON"):  # q and the k/v ring, exactly, and its mbarriers
         return (bm + 2 * stages * bn) * bd * itemsize + 1024
     if kernel == "dkdv":
@@ -1223,7 +1226,8 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
     masking (dk/dv's: the window's edges then take _dkdv_diagonal). `split_kv`: (query rows per key
     head, batch x key heads, keys) of a problem the split-key forward takes (Static.fit), whose
     tiles then come first. (A soft cap is no masking: every kernel takes it, but for the Gluon
-    forward, attention_hopper, which comes first where it applies, on Hopper: `capped` says.)"""
+    forward and backward, attention_hopper, which come first where they apply, on Hopper: `capped`
+    says. Its backward is a dk/dv candidate that gives dq too.)"""
     block_d = max(16, L.next_pow2(head_dim))
     loads = {"WS": 0}
     split = _split_kv_candidates(block_d, backend, gpu, split_kv) if split_kv and kernel == "fwd" else []
@@ -1252,9 +1256,13 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
             return unmasked_keys % bn == 0 and (kernel == "fwd" or (unmasked_queries > 0 and
                                                                     unmasked_queries % bm == 0))
         tiles = [(*tile, True) for tile in WS_TILES.get((kernel, head_dim), []) if fits(*tile[:2])] + tiles
-        if kernel == "fwd" and L.hopper(None if on_device else gpu) and attention_hopper.applies(
-                head_dim, itemsize, unmasked_keys, causal_square, capped):
+        hopper = L.hopper(None if on_device else gpu)
+        if kernel == "fwd" and hopper and attention_hopper.applies(head_dim, itemsize, unmasked_keys, causal_square,
+                                                                   capped):
             gluon = [attention_hopper.config()]
+        if kernel == "dkdv" and hopper and attention_hopper.applies_bwd(head_dim, itemsize, unmasked_keys,
+                                                                        unmasked_queries, causal_square, capped):
+            gluon = [attention_hopper.bwd_config()]  # dq too: no dq kernel runs after it
     every = split + gluon + [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
                                  WS=t[3] if len(t) > 4 else 0) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)
@@ -1299,6 +1307,8 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     fit = st.fit(q, k)
     configs = list(default_configs(d, st.backend, **fit))
     for i, kernel in enumerate(("fwd", "dkdv", "dq")):
+        if kernel == "dq" and dict(configs[1].meta).get("GLUON"):
+            continue  # attention_hopper's backward gives dq itself
         first = []  # the first candidate's results (autotune.agrees)
 
         def measure(config, i=i, first=first):
@@ -1308,7 +1318,8 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
             step = jax.jit(lambda *a: (_launch_fwd(*a[:7], trial) if i == 0 else _launch_bwd(*a, trial)))
             autotune.agrees(first, step(*args))
             return time_pipelined(step, *args, min_seconds=0.02)
-        version = autotune.version_of(_fwd, _fwd_split_kv, attention_hopper.fwd, _bwd_dkdv, _bwd_dq)
+        version = autotune.version_of(_fwd, _fwd_split_kv, attention_hopper.fwd, _bwd_dkdv, _bwd_dq,
+                                      attention_hopper.bwd)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
                                     st.backend, version=version)
     return tuple(configs)
@@ -1530,6 +1541,8 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     sk, kv_heads = k.shape[1], k.shape[2]
     consts = {**st.constexprs(q, k), "SCALE": st.scale}
     dkdv, dq = st.configs[1], st.configs[2]
+    if dict(dkdv.meta).get("GLUON"):  # dq, dk and dv in one kernel (only where nothing is masked: Static.fit)
+        return attention_hopper.launch_bwd(q, k, v, do, lse, delta, st.scale, st.constexprs(q, k), st.backend)
     args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
                                                        kv_len, drop), do, lse, delta, sq, sk)
     dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
@@ -1557,7 +1570,7 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     return dq_, dk, dv
 
 
-def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, **_):
+def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, zeroed, **_):
     """vmap folds into the batch axis: each per-example array gets (vmapped size x batch) as its
     leading axis, a mask or bias shared by the whole batch stays shared, and the grid's second
     axis (batch x heads) grows by the vmapped size."""
@@ -1579,7 +1592,7 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
         folded.insert(i, value)
     outs = [jax.ShapeDtypeStruct((size * s.shape[0], *s.shape[1:]), s.dtype) for s in out_shapes]
     results = L.launch(fn, *folded, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] * size),
-                       config=config, backend=backend, constexprs=consts)
+                       config=config, backend=backend, constexprs=consts, zeroed=zeroed)
     return [r.reshape(size, -1, *r.shape[1:]) for r in results], [0] * len(results)
 
 
@@ -1610,6 +1623,8 @@ ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len",
 def _argument_names(kernel: str, config: L.Config) -> tuple:
     if kernel == "attention_fwd" and dict(config.meta).get("GLUON"):
         return ("q", "k", "v", "sink")  # attention_hopper.fwd's
+    if kernel == "attention_bwd_dkdv" and dict(config.meta).get("GLUON"):
+        return ("q", "k", "v", "do", "lse", "delta")  # attention_hopper.bwd's
     return ARGUMENTS.get(kernel, BACKWARD_ARGUMENTS)
 
 
@@ -1624,14 +1639,15 @@ def _split(params) -> L.Split:
     return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch)
 
 
-def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, aliases, **_):
+def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, aliases, zeroed, **_):
     batch, local = out_shapes[0].shape[0], arrays[0].shape[0]
     args = list(arrays)
     for i, value in scalars:
         args.insert(i, value)
     outs = [jax.ShapeDtypeStruct((local, *s.shape[1:]), s.dtype) for s in out_shapes]
     return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] // batch * local),
-                    config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases))
+                    config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases),
+                    zeroed=zeroed)
 
 
 for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal", "attention_bwd_dkdv",
@@ -2157,6 +2173,12 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
             "QK_SCALE", "SOFTCAP", "FAST_TANH", "HEADS", "KV_HEADS", "D", "DOT_F32")})
         yield (f"{tag}/fwd_diagonal", _fwd_diagonal, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "o_part_ptr": el,
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
+    if dict(dkdv.meta).get("GLUON"):  # attention_hopper's backward: dk, dv and dq's accumulator
+        names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")
+        yield (f"{tag}/bwd", attention_hopper.bwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
+               "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sq": "i32", "sk": "i32", "dk_ptr": el, "dv_ptr": el,
+               "dq_ptr": "*fp32"}, configs[1].replace(**{n: consts[n] for n in names}), (target,))
+        return
     yield (f"{tag}/bwd_dkdv", _bwd_dkdv, {**arrays, **grads, "dk_ptr": el, "dv_ptr": el}, dkdv, (target,))
     if dkdv["WS"] and (options.get("CAUSAL") or "WINDOW_L" in options):
         diagonal = _dkdv_diagonal_config(dkdv, gpu).replace(**{n: consts[n] for n in (

@@ -1,10 +1,10 @@
-"""Attention forward for Hopper GPUs in Gluon, FlashAttention-3's way.
+"""Attention for Hopper GPUs in Gluon, FlashAttention-3's way: the forward, and the backward in one kernel.
 
 Gluon (`triton.experimental.gluon`) is Triton at the level of its layouts: warp partitions,
 mbarriers and asynchronous warpgroup products are written out rather than left to Triton's passes.
 Triton 3.6's automatic warp specialization (attention.py's _fwd_warp_specialized) runs each
 consumer warpgroup's products synchronously and cannot mask inside its loop, so a causal forward
-there needs a second kernel for the diagonal blocks. This kernel has three partitions per program
+there needs a second kernel for the diagonal blocks. The forward has three partitions per program
 of 128 query rows:
 
     loader      1 warp: streams k and v blocks by TMA into a 2-stage ring (ready / empty mbarriers)
@@ -17,19 +17,47 @@ of 128 query rows:
 H200, bf16, b4 s4096 h32 d128 (tools_tmp probe, same runs): causal forward 517 TFLOP/s against 458
 for the warp-specialized kernel and its diagonal pass, b1 s16384 causal 615 against 560, GQA 32/8
 619 against 597, and a tie without masking (584 against 573; 581 against 599 in another run).
+
+The backward (`bwd`) gives dk, dv and dq from one pass over the scores, where attention.py's
+kernels take two (dk/dv per key block, dq per query block, each recomputing S and dP: seven
+products of a query block and a key block where five suffice). One program per 128 keys of a key
+head; a 1-warp loader streams 64-row blocks of q and do (every query head of the group) into a
+ring; two consumer warpgroups own 64 keys each, with dk and dv in registers. Per query block each
+computes S^T and dP^T, then dV += P^T do and dK += dS^T q, writes its dS^T into shared memory,
+meets the other at an mbarrier, and takes half of dQ's columns over all 128 keys (dS k[:, half]).
+That half goes through shared memory to a float32 accumulator in global memory by a TMA reduction
+(L2 adds in bulk: per-thread atomics made the same kernel 1.6x slower), zeroed by the launch; dq
+is the accumulator scaled, in XLA. H200, fwd+bwd with the Gluon forward, same run as the two-kernel
+backward: 519 TFLOP/s against 469-478, causal 451 against 390, b1 s16384 causal 533 against 469,
+GQA 32/8 524 against 456-476. Without the dq reduction the kernel gave 647/545/675/653: those adds
+(8.6 GB into L2 at s4096) are what is left.
+
 Hopper only (wgmma): the interpreter cannot run Gluon, so on a CPU the same problems take the
-Triton kernels, and tests check this one by compiling it for sm_90 (and on a GPU, by value).
+Triton kernels, and tests check these by compiling them for sm_90 (and on a GPU, by value).
 """
 from __future__ import annotations
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
 
 from xkern.kernels import launch as L
 
 # Triton 3.9 renamed the TMA load (3.6: async_copy_global_to_shared, now a deprecated alias)
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _tma_add_36(tensor_desc, coord, src, _semantic=None):
+    """tma.async_atomic_add as Triton 3.9 has it: Triton 3.6's Gluon builds the op but has no call."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+_tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 
 BLOCK_M = BLOCK_N = 128  # query rows per program (64 per consumer warpgroup), keys per block
 HEAD_DIM = 128  # the one head dim it takes (at 64 and 256 the Triton kernels stay)
@@ -236,3 +264,220 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
                     grid=(L.cdiv(sq, cfg["BLOCK_M"]), b * heads), config=cfg, backend=backend,
                     constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
                                 "HAS_SINK": sinks is not None})
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward: dk, dv and dq in one kernel
+# --------------------------------------------------------------------------------------------------
+
+BWD_BLOCK_M = 64  # query rows per step (a q and a do block in the ring)
+BWD_BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
+# q/do ring, k, v, two dS^T and two dQ halves: 193 KB of the 227 KB at 2 stages (3 measured the same)
+BWD_STAGES = 2
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, q_bufs, do_bufs, ready, empty, row0, hk, first, n_q_blocks,
+                HEADS: gl.constexpr, KV_HEADS: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr):
+    """q and do blocks, query blocks 0 .. n_q_blocks-1 (rows row0 + first + m * BLOCK_M of the
+    [batch * sq, heads * D] views) of each query head of key head hk in turn, into the ring."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    group: gl.constexpr = HEADS // KV_HEADS
+    for i in range(group * n_q_blocks):
+        s = i % stages
+        col = (hk * group + i // n_q_blocks) * D
+        row = row0 + first + (i % n_q_blocks) * BLOCK_M
+        mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # (a fresh barrier passes phase 1)
+        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        _tma_load(q_desc, [row, col], ready.index(s), q_bufs.index(s))
+        _tma_load(do_desc, [row, col], ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty,
+              lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq, key0, half, zeros_s, zeros_q,
+              QK_SCALE: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr, MASKED: gl.constexpr,
+              s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Ring slot i (query rows start.., head h) against this warpgroup's 64 keys from key0: dk and
+    dv accumulate; dS^T goes to shared memory for the two warpgroups' dQ halves."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    keys_n: gl.constexpr = k_half.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    s = i % stages
+    q_smem = q_bufs.index(s)
+    do_smem = do_bufs.index(s)
+    queries = start + gl.arange(0, block_m, gl.SliceLayout(0, s_layout))
+    stats = (b * HEADS + h).to(gl.int64) * sq + queries
+    lse = gl.load(lse_ptr + stats)
+    delta = gl.load(delta_ptr + stats)
+    mbarrier.wait(ready.index(s), (i // stages) & 1)
+    s_t = warpgroup_mma(k_half, q_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_half, do_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # P^T (and dV's product) while dP^T runs
+    p_t = gl.exp2(s_t * QK_SCALE - lse[None, :])
+    if MASKED:  # key j sees query i only when j <= i
+        keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
+        p_t = gl.where(keys[:, None] <= queries[None, :], p_t, 0.0)
+    p_op = gl.convert_layout(p_t.to(q_smem.dtype), a_layout)
+    dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
+    dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q_smem.dtype)
+    ds_smem = ds_bufs.index(i % 2)  # (two: the other warpgroup may still read the last step's)
+    ds_smem.slice(half * keys_n, keys_n).store(ds_t)
+    ds_op = gl.convert_layout(ds_t, a_layout)
+    dk = warpgroup_mma(ds_op, q_smem, dk, is_async=True)
+    fence_async_shared()
+    mbarrier.arrive(ds_bar, count=1)  # both halves of dS^T written: each warpgroup takes half of dQ
+    mbarrier.wait(ds_bar, i & 1)
+    dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols, zeros_q, use_acc=False, is_async=True)
+    dv, dk, dq, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op, ds_op))
+    mbarrier.arrive(empty.index(s), count=1)
+    tma.store_wait(0)  # the last step's reduction has read dq_smem
+    dq_smem.store(dq)
+    fence_async_shared()
+    _tma_add(dq_desc, [b * sq + start, h * D + half * (D // 2)], dq_smem)
+    return dk, dv
+
+
+@gluon.jit
+def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, half, first, n_q_blocks,
+                  QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
+                  D: gl.constexpr, CAUSAL: gl.constexpr):
+    """One warpgroup's 64 keys (k_half, v_half from key0) against every query block the loader
+    brings, then its rows of dk (scaled) and dv."""
+    num_warps: gl.constexpr = gl.num_warps()
+    keys_n: gl.constexpr = k_half.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    group: gl.constexpr = HEADS // KV_HEADS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, block_m, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D // 2, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    mbarrier.wait(kv_bar, 0)
+    zeros_s = gl.zeros([keys_n, block_m], gl.float32, s_layout)
+    zeros_q = gl.zeros([block_m, D // 2], gl.float32, q_layout)
+    dk = gl.zeros([keys_n, D], gl.float32, o_layout)
+    dv = gl.zeros([keys_n, D], gl.float32, o_layout)
+    n_masked: gl.constexpr = 2 * keys_n // block_m if CAUSAL else 0  # the query blocks the diagonal crosses
+    for g in range(group):
+        h = hk * group + g
+        for m in range(0, n_masked):
+            dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
+                               ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq,
+                               key0, half, zeros_s, zeros_q, QK_SCALE, HEADS, D, True, s_layout, a_layout)
+        for m in range(n_masked, n_q_blocks):
+            dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
+                               ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq,
+                               key0, half, zeros_s, zeros_q, QK_SCALE, HEADS, D, False, s_layout, a_layout)
+    tma.store_wait(0)
+    rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
+    dims = gl.arange(0, D, gl.SliceLayout(0, o_layout))
+    offs = ((b * sk + rows).to(gl.int64) * (KV_HEADS * D) + hk * D)[:, None] + dims[None, :]
+    gl.store(dk_ptr + offs, (dk * SCALE).to(dk_ptr.dtype.element_ty))
+    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr, dq_ptr,
+        QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
+        D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr):
+    """dk, dv [batch, sk, KV_HEADS, D] and dq's float32 accumulator ([batch, sq, HEADS, D], zeroed
+    before, unscaled) of attention over q, do [batch, sq, HEADS, D] and k, v (16-bit), given the
+    forward's lse (log2 domain) and delta = rowsum(do * o) [batch, HEADS, sq]; no masking but causal
+    (then sq == sk); sq a multiple of BLOCK_M, sk of BLOCK_N. Grid (sk // BLOCK_N, batch * KV_HEADS),
+    4 warps asked. (BLOCK_D == D and GLUON: the config's marks.)"""
+    pid_n = gl.program_id(0)  # (causal: the first key blocks, which see the most queries, first)
+    bhk = gl.program_id(1)
+    b = bhk // KV_HEADS
+    hk = bhk % KV_HEADS
+    batch = gl.num_programs(1) // KV_HEADS
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D // 2], gl.float32)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, D], q_layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, D], q_layout)
+    dq_desc = tma.make_tensor_descriptor(dq_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, D // 2],
+                                         dq_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, D],
+                                        kv_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, D],
+                                        kv_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2], dq_layout)  # one per warpgroup
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    key0 = pid_n * BLOCK_N
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b * sk + key0, hk * D], kv_bar, k_smem)
+    _tma_load(v_desc, [b * sk + key0, hk * D], kv_bar, v_smem)
+    first = key0 if CAUSAL else 0  # (causal: no query before the block's first key sees it)
+    n_q_blocks = (sq - first) // BLOCK_M
+    HALF: gl.constexpr = BLOCK_N // 2
+    HALF_D: gl.constexpr = D // 2
+    gl.warp_specialize([
+        (_bwd_consumer, (k_smem.slice(0, HALF), v_smem.slice(0, HALF), k_smem.slice(0, HALF_D, dim=1), kv_bar,
+                         ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_desc,
+                         dq_bufs.index(0), b, sq, sk, hk, key0, 0, first, n_q_blocks, QK_SCALE, SCALE, HEADS,
+                         KV_HEADS, D, CAUSAL)),
+        (_bwd_consumer, (k_smem.slice(HALF, HALF), v_smem.slice(HALF, HALF), k_smem.slice(HALF_D, HALF_D, dim=1),
+                         kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         dq_desc, dq_bufs.index(1), b, sq, sk, hk, key0 + HALF, 1, first, n_q_blocks, QK_SCALE,
+                         SCALE, HEADS, KV_HEADS, D, CAUSAL)),
+        (_bwd_loader, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, b * sq, hk, first, n_q_blocks, HEADS,
+                       KV_HEADS, D, BLOCK_M)),
+    ], [4, 1], [240, 24])
+
+
+bwd.xkern_maxnreg = MAXNREG
+
+
+def bwd_config() -> L.Config:
+    """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
+    which then launches no dq kernel)."""
+    return L.Config.of(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=HEAD_DIM, STAGES=BWD_STAGES, GLUON=1,
+                       num_warps=4, num_stages=BWD_STAGES)
+
+
+def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
+                capped: bool) -> bool:
+    """Whether the backward takes the problem: as `applies`, and without masking the query count a
+    multiple of BWD_BLOCK_M too."""
+    return (head_dim == HEAD_DIM and itemsize == 2 and not capped
+            and ((unmasked_keys > 0 and unmasked_keys % BWD_BLOCK_N == 0 and unmasked_queries > 0
+                  and unmasked_queries % BWD_BLOCK_M == 0)
+                 or (causal_square > 0 and causal_square % BWD_BLOCK_N == 0)))
+
+
+def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str):
+    """(dq, dk, dv) as attention._launch_bwd returns them; consts: attention.Static.constexprs'."""
+    import jax
+    import jax.numpy as jnp
+
+    b, sq, _, _ = q.shape
+    sk, kv_heads = k.shape[1], k.shape[2]
+    outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+            jax.ShapeDtypeStruct(q.shape, jnp.float32)]
+    cfg = bwd_config()
+    dk, dv, dq = L.launch(bwd, q, k, v, do, lse, delta, sq, sk, kernel="attention_bwd_dkdv", out_shapes=outs,
+                          grid=(sk // cfg["BLOCK_N"], b * kv_heads), config=cfg, backend=backend, zeroed=(2,),
+                          constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
+                                      "SCALE": scale})
+    return (dq * scale).astype(q.dtype), dk, dv
