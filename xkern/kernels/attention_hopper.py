@@ -271,7 +271,7 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
 # --------------------------------------------------------------------------------------------------
 
 BWD_BLOCK_M = 64  # query rows per step (a q and a do block in the ring)
-BWD_BLOCK_N = 128  # keys per program (64 per consumer warpgroup)
+BWD_BLOCK_N = BLOCK_N  # keys per program (64 per consumer warpgroup)
 # q/do ring, k, v, two dS^T and two dQ halves: 193 KB of the 227 KB at 2 stages (3 measured the same)
 BWD_STAGES = 2
 
@@ -458,12 +458,11 @@ def bwd_config() -> L.Config:
 
 def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
                 capped: bool) -> bool:
-    """Whether the backward takes the problem: as `applies`, and without masking the query count a
-    multiple of BWD_BLOCK_M too."""
-    return (head_dim == HEAD_DIM and itemsize == 2 and not capped
-            and ((unmasked_keys > 0 and unmasked_keys % BWD_BLOCK_N == 0 and unmasked_queries > 0
-                  and unmasked_queries % BWD_BLOCK_M == 0)
-                 or (causal_square > 0 and causal_square % BWD_BLOCK_N == 0)))
+    """Whether the backward takes the problem: where the forward does (its 128-key and 128-row
+    blocks are the backward's 128-key block), and without masking the query count a multiple of
+    BWD_BLOCK_M too."""
+    return (applies(head_dim, itemsize, unmasked_keys, causal_square, capped)
+            and (unmasked_keys == 0 or (unmasked_queries > 0 and unmasked_queries % BWD_BLOCK_M == 0)))
 
 
 def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str):
