@@ -1475,7 +1475,7 @@ def test_gluon_backward_is_offered_first_only_where_it_applies():
     assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dkdv", 128, "interpret", causal_square=4096))
     assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dq", 128, "triton", "cuda", causal_square=4096))
     config = A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[0]
-    assert 196944 <= A.shared_bytes("dkdv", config, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
+    assert 198000 <= A.shared_bytes("dkdv", config, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
     # the Triton dk/dv stays next: the tuner times both
     assert dict(A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[1].meta).get("WS")
 

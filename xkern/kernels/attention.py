@@ -1193,8 +1193,8 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     3.6 and 3.9 (an upper bound for the warp-specialized forward's); AMD's (gfx942) use less.
     xkern.kernels.aot checks the compiled kernels."""
     bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
-    if dict(config.meta).get("GLUON") and kernel == "dkdv":  # k, v, the q/do ring, two dS^T, two dQ halves
-        return (2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm) * itemsize + bm * bd * 4 + 1024
+    if dict(config.meta).get("GLUON") and kernel == "dkdv":  # k, v, the q/do/lse/delta ring, two dS^T, two dQ halves
+        return (2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm) * itemsize + (bd + 2 * stages) * bm * 4 + 1024
     if dict(config.meta).get("GLUON"):  # q and the k/v ring, exactly, and its mbarriers
         return (bm + 2 * stages * bn) * bd * itemsize + 1024
     if kernel == "dkdv":

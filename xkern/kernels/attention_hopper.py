@@ -21,16 +21,19 @@ for the warp-specialized kernel and its diagonal pass, b1 s16384 causal 615 agai
 The backward (`bwd`) gives dk, dv and dq from one pass over the scores, where attention.py's
 kernels take two (dk/dv per key block, dq per query block, each recomputing S and dP: seven
 products of a query block and a key block where five suffice). One program per 128 keys of a key
-head; a 1-warp loader streams 64-row blocks of q and do (every query head of the group) into a
-ring; two consumer warpgroups own 64 keys each, with dk and dv in registers. Per query block each
+head; a 1-warp loader streams 64-row blocks of q and do (every query head of the group), with
+their rows of lse and delta, into a ring; two consumer warpgroups own 64 keys each, with dk and dv in registers. Per query block each
 computes S^T and dP^T, then dV += P^T do and dK += dS^T q, writes its dS^T into shared memory,
 meets the other at an mbarrier, and takes half of dQ's columns over all 128 keys (dS k[:, half]).
 That half goes through shared memory to a float32 accumulator in global memory by a TMA reduction
 (L2 adds in bulk: per-thread atomics made the same kernel 1.6x slower), zeroed by the launch; dq
 is the accumulator scaled, in XLA. H200, fwd+bwd with the Gluon forward, same run as the two-kernel
 backward: 519 TFLOP/s against 469-478, causal 451 against 390, b1 s16384 causal 533 against 469,
-GQA 32/8 524 against 456-476. Without the dq reduction the kernel gave 647/545/675/653: those adds
-(8.6 GB into L2 at s4096) are what is left.
+GQA 32/8 524 against 456-476. Loading lse and delta by TMA with q and do, rather than by each
+consumer at the start of its step (a global load's latency, before its first exp), gained 4-8%
+more (session 33, same run: 513 / 447 / 533 against 493 / 430 / 494 for plain / causal / GQA).
+Without the dq reductions (dq then wrong, its product and store kept) the kernel gave 549 / 469 /
+563 in that run: the 8.6 GB of float32 adds into L2 at s4096 cost 6-7%.
 
 Hopper only (wgmma): the interpreter cannot run Gluon, so on a CPU the same problems take the
 Triton kernels, and tests check these by compiling them for sm_90 (and on a GPU, by value).
@@ -272,50 +275,56 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
 
 BWD_BLOCK_M = 64  # query rows per step (a q and a do block in the ring)
 BWD_BLOCK_N = BLOCK_N  # keys per program (64 per consumer warpgroup)
-# q/do ring, k, v, two dS^T and two dQ halves: 193 KB of the 227 KB at 2 stages (3 measured the same)
+# q/do/lse/delta ring, k, v, two dS^T and two dQ halves: 194 KB of the 227 KB at 2 stages (3 measured
+# the same, in sessions 32 and 33)
 BWD_STAGES = 2
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, q_bufs, do_bufs, ready, empty, row0, hk, first, n_q_blocks,
-                HEADS: gl.constexpr, KV_HEADS: gl.constexpr, D: gl.constexpr, BLOCK_M: gl.constexpr):
-    """q and do blocks, query blocks 0 .. n_q_blocks-1 (rows row0 + first + m * BLOCK_M of the
-    [batch * sq, heads * D] views) of each query head of key head hk in turn, into the ring."""
+def _bwd_loader(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b, sq,
+                hk, first, n_q_blocks, HEADS: gl.constexpr, KV_HEADS: gl.constexpr, D: gl.constexpr,
+                BLOCK_M: gl.constexpr):
+    """q and do blocks, query blocks 0 .. n_q_blocks-1 (rows b * sq + first + m * BLOCK_M of the
+    [batch * sq, heads * D] views) of each query head of key head hk in turn, into the ring, with
+    their rows of lse and delta (which the consumers would otherwise wait on global loads for)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     group: gl.constexpr = HEADS // KV_HEADS
+    nbytes: gl.constexpr = (q_desc.block_type.nbytes + do_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
     for i in range(group * n_q_blocks):
         s = i % stages
-        col = (hk * group + i // n_q_blocks) * D
-        row = row0 + first + (i % n_q_blocks) * BLOCK_M
+        h = hk * group + i // n_q_blocks
+        start = first + (i % n_q_blocks) * BLOCK_M
         mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # (a fresh barrier passes phase 1)
-        mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        _tma_load(q_desc, [row, col], ready.index(s), q_bufs.index(s))
-        _tma_load(do_desc, [row, col], ready.index(s), do_bufs.index(s))
+        mbarrier.expect(ready.index(s), nbytes)
+        _tma_load(q_desc, [b * sq + start, h * D], ready.index(s), q_bufs.index(s))
+        _tma_load(do_desc, [b * sq + start, h * D], ready.index(s), do_bufs.index(s))
+        _tma_load(lse_desc, [(b * HEADS + h) * sq + start], ready.index(s), lse_bufs.index(s))
+        _tma_load(delta_desc, [(b * HEADS + h) * sq + start], ready.index(s), delta_bufs.index(s))
 
 
 @gluon.jit
 def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty,
-              lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq, key0, half, zeros_s, zeros_q,
-              QK_SCALE: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr, MASKED: gl.constexpr,
-              s_layout: gl.constexpr, a_layout: gl.constexpr):
-    """Ring slot i (query rows start.., head h) against this warpgroup's 64 keys from key0: dk and
-    dv accumulate; dS^T goes to shared memory for the two warpgroups' dQ halves."""
+              lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq, key0, half, zeros_s, zeros_q,
+              QK_SCALE: gl.constexpr, D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+    """Ring slot i (query rows start.., head h, with their lse and delta) against this warpgroup's
+    64 keys from key0: dk and dv accumulate; dS^T goes to shared memory for the two warpgroups' dQ
+    halves."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     keys_n: gl.constexpr = k_half.type.shape[0]
     block_m: gl.constexpr = q_bufs.type.shape[1]
     s = i % stages
     q_smem = q_bufs.index(s)
     do_smem = do_bufs.index(s)
-    queries = start + gl.arange(0, block_m, gl.SliceLayout(0, s_layout))
-    stats = (b * HEADS + h).to(gl.int64) * sq + queries
-    lse = gl.load(lse_ptr + stats)
-    delta = gl.load(delta_ptr + stats)
     mbarrier.wait(ready.index(s), (i // stages) & 1)
+    lse = lse_bufs.index(s).load(gl.SliceLayout(0, s_layout))
+    delta = delta_bufs.index(s).load(gl.SliceLayout(0, s_layout))
     s_t = warpgroup_mma(k_half, q_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_half, do_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # P^T (and dV's product) while dP^T runs
     p_t = gl.exp2(s_t * QK_SCALE - lse[None, :])
     if MASKED:  # key j sees query i only when j <= i
+        queries = start + gl.arange(0, block_m, gl.SliceLayout(0, s_layout))
         keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
         p_t = gl.where(keys[:, None] <= queries[None, :], p_t, 0.0)
     p_op = gl.convert_layout(p_t.to(q_smem.dtype), a_layout)
@@ -340,8 +349,8 @@ def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bu
 
 
 @gluon.jit
-def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr,
-                  delta_ptr, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, half, first, n_q_blocks,
+def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs,
+                  delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, half, first, n_q_blocks,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
                   D: gl.constexpr, CAUSAL: gl.constexpr):
     """One warpgroup's 64 keys (k_half, v_half from key0) against every query block the loader
@@ -367,12 +376,12 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
         h = hk * group + g
         for m in range(0, n_masked):
             dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
-                               ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq,
-                               key0, half, zeros_s, zeros_q, QK_SCALE, HEADS, D, True, s_layout, a_layout)
+                               ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq,
+                               key0, half, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, a_layout)
         for m in range(n_masked, n_q_blocks):
             dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
-                               ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dq_desc, dq_smem, b, sq,
-                               key0, half, zeros_s, zeros_q, QK_SCALE, HEADS, D, False, s_layout, a_layout)
+                               ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq,
+                               key0, half, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, a_layout)
     tma.store_wait(0)
     rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, gl.SliceLayout(0, o_layout))
@@ -409,10 +418,15 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
                                         kv_layout)
     v_desc = tma.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, D],
                                         kv_layout)
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse_desc = tma.make_tensor_descriptor(lse_ptr, [batch * HEADS * sq], [1], [BLOCK_M], stats_layout)
+    delta_desc = tma.make_tensor_descriptor(delta_ptr, [batch * HEADS * sq], [1], [BLOCK_M], stats_layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
     v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], kv_layout)
     q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
     do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
     ds_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, D // 2], dq_layout)  # one per warpgroup
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -434,15 +448,15 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
     HALF_D: gl.constexpr = D // 2
     gl.warp_specialize([
         (_bwd_consumer, (k_smem.slice(0, HALF), v_smem.slice(0, HALF), k_smem.slice(0, HALF_D, dim=1), kv_bar,
-                         ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_desc,
+                         ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
                          dq_bufs.index(0), b, sq, sk, hk, key0, 0, first, n_q_blocks, QK_SCALE, SCALE, HEADS,
                          KV_HEADS, D, CAUSAL)),
         (_bwd_consumer, (k_smem.slice(HALF, HALF), v_smem.slice(HALF, HALF), k_smem.slice(HALF_D, HALF_D, dim=1),
-                         kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr,
                          dq_desc, dq_bufs.index(1), b, sq, sk, hk, key0 + HALF, 1, first, n_q_blocks, QK_SCALE,
                          SCALE, HEADS, KV_HEADS, D, CAUSAL)),
-        (_bwd_loader, (q_desc, do_desc, q_bufs, do_bufs, ready, empty, b * sq, hk, first, n_q_blocks, HEADS,
-                       KV_HEADS, D, BLOCK_M)),
+        (_bwd_loader, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b,
+                       sq, hk, first, n_q_blocks, HEADS, KV_HEADS, D, BLOCK_M)),
     ], [4, 1], [240, 24])
 
 
