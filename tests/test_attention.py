@@ -1433,23 +1433,27 @@ def test_warp_specialized_kernels_take_a_soft_cap(causal):
 
 def test_gluon_forward_is_offered_first_only_where_it_applies():
     """attention_hopper's forward (Gluon) is the first candidate on a Hopper GPU for 16-bit problems
-    at head dim 128 without masking whose key count its 128-key block divides, and for causal ones
-    with as many queries as keys (a multiple of its 128-row block); never with a soft cap, masks,
-    float32, head dims 64 or 256, other key counts, without TMA, on AMD's GPUs or in the
-    interpreter. Static.fit says whether scores are capped."""
+    at head dims 128 and 256 without masking whose key count its key block (128; 64 at head dim 256)
+    divides, and for causal ones with as many queries as keys (a multiple of its 128-row block);
+    never with a soft cap, masks, float32, head dim 64 (where it lost), other key counts, without
+    TMA, on AMD's GPUs or in the interpreter. Static.fit says whether scores are capped."""
     import dataclasses
     from xkern.kernels import attention as A
     first = lambda d=128, gpu="cuda", **kw: dict(A.candidates("fwd", d, "triton", gpu, **kw)[0].meta).get("GLUON")
     assert first(unmasked_keys=4096) and first(unmasked_keys=384) and first(causal_square=4096)
     assert first(causal_square=4096, unmasked_keys=0, mask=False, bias=False)
+    assert first(d=256, unmasked_keys=4096) and first(d=256, unmasked_keys=320) and first(d=256, causal_square=384)
     for refused in (dict(unmasked_keys=4000), dict(causal_square=4000), dict(unmasked_keys=4096, capped=True),
                     dict(causal_square=4096, capped=True), dict(unmasked_keys=4096, itemsize=4),
                     dict(unmasked_keys=4096, tma=False), dict(d=64, unmasked_keys=4096),
-                    dict(d=256, unmasked_keys=4096), dict(gpu="rocm", unmasked_keys=4096), dict(window_keys=4096), {}):
+                    dict(d=256, unmasked_keys=4000), dict(d=256, causal_square=4032), dict(d=256, unmasked_keys=4096,
+                    itemsize=4), dict(gpu="rocm", unmasked_keys=4096), dict(window_keys=4096), {}):
         assert not first(**refused), refused
     assert not any(dict(c.meta).get("GLUON") for c in A.candidates("fwd", 128, "interpret", unmasked_keys=4096))
-    config = [c for c in A.candidates("fwd", 128, "triton", "cuda", unmasked_keys=4096) if dict(c.meta).get("GLUON")]
-    assert len(config) == 1 and A.shared_bytes("fwd", config[0], 2, False, False) <= A.shared_memory_limit("cuda")
+    for d, exact in ((128, 164112), (256, 196880)):  # (sm_90 builds)
+        config = [c for c in A.candidates("fwd", d, "triton", "cuda", unmasked_keys=4096) if dict(c.meta).get("GLUON")]
+        assert len(config) == 1 and config[0]["BLOCK_D"] == d
+        assert exact <= A.shared_bytes("fwd", config[0], 2, False, False) <= A.shared_memory_limit("cuda")
     q = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     plain = A.Static(False, 0.1, None, None, False, "triton", ())
     assert not plain.fit(q, q)["capped"] and dataclasses.replace(plain, softcap=30.0).fit(q, q)["capped"]
@@ -1568,19 +1572,21 @@ def _bf16_against_the_reference_with_launches(shape, seed, **options) -> dict:
                               "d128 sinks", "d128 causal sinks"])
 def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
     """On a Hopper GPU the public op picks the warp-specialized kernels at the tiles measured there
-    (the interpreter tests above run their source at 16-wide tiles): values and every gradient
-    against the float32 reference, and the launches' configs say which kernels ran. A soft cap (of
+    (the interpreter tests above run their source at 16-wide tiles), where attention_hopper's Gluon
+    kernels do not take the pass: values and every gradient against the float32 reference, and the
+    launches' configs say which kernels ran. A soft cap (of
     2: the scores bend) takes them too, its tanh PTX's, and so do sinks (here per row)."""
     d = shape[-1]
     sink = jnp.asarray(np.random.default_rng(12).standard_normal((1, shape[3], shape[1], 1)), jnp.float32)
     ran = _bf16_against_the_reference_with_launches(shape, 11, causal=causal, logits_soft_cap=cap,
                                                     sinks=sink if sinks else None)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
-    gluon = d == 128 and not cap  # attention_hopper's forward and backward, causal diagonal included
+    gluon = not cap  # attention_hopper's forward (head dims 128 and 256), causal diagonal included
+    gluon_bwd = d == 128 and not cap  # and its backward (128)
     assert bool(ran["attention_fwd"].get("GLUON")) == gluon and ws["attention_fwd"] != gluon
-    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon and ("attention_bwd_dq" in ran) != gluon
-    assert gluon or ws["attention_bwd_dq"] == (d == 256 or not causal)
-    assert ws["attention_bwd_dkdv"] == (d == 128 and not gluon)
+    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon_bwd and ("attention_bwd_dq" in ran) != gluon_bwd
+    assert gluon_bwd or ws["attention_bwd_dq"] == (d == 256 or not causal)
+    assert ws["attention_bwd_dkdv"] == (d == 128 and not gluon_bwd)
     assert ("attention_fwd_diagonal" in ran) == (causal and not gluon)
 
 
@@ -1589,11 +1595,15 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
                                            ((2, 192, 384, 8, 2, 128), {}),
                                            ((3, 384, 384, 4, 1, 128), {"causal": True}),
                                            ((1, 640, 640, 8, 2, 128), {"causal": True, "out_dtype": jnp.float32}),
-                                           ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"})],
+                                           ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"}),
+                                           ((2, 200, 320, 2, 1, 256), {}),
+                                           ((1, 384, 384, 4, 2, 256), {"causal": True})],
                          ids=["queries past a block, two batches", "gqa, fewer queries than keys",
-                              "causal mqa, three batches", "causal gqa, float32 out", "causal, sinks"])
+                              "causal mqa, three batches", "causal gqa, float32 out", "causal, sinks",
+                              "d256, 64-key blocks, queries past a block", "d256 causal gqa"])
 def test_gluon_kernels_on_hopper(shape, options):
-    """attention_hopper's forward and backward (Gluon), where the heuristic picks them: query counts
+    """attention_hopper's forward and backward (Gluon; at head dim 256 the forward alone, in 64-key
+    blocks), where the heuristic picks them: query counts
     the forward's 128-row block does not divide (the rows past a batch's end read the next batch's
     and are never stored; the backward, whose query blocks are 64 rows, declines them), causal with
     every key block of a query block masked on the diagonal, GQA/MQA, a float32 result, sinks;
@@ -1604,8 +1614,8 @@ def test_gluon_kernels_on_hopper(shape, options):
     trained = {n: o for n, o in options.items() if n != "out_dtype"}  # (the helper's cotangents are bf16)
     ran = _bf16_against_the_reference_with_launches(shape, 17, **trained)
     assert ran["attention_fwd"].get("GLUON") and "attention_fwd_diagonal" not in ran
-    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == (shape[1] % 64 == 0)
-    assert ("attention_bwd_dq" in ran) == (shape[1] % 64 != 0)
+    gluon_bwd = shape[-1] == 128 and shape[1] % 64 == 0
+    assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon_bwd and ("attention_bwd_dq" in ran) != gluon_bwd
     q, k, v, _ = make(*shape, jnp.bfloat16, seed=18)
     stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]
     got = jax.vmap(lambda q, k, v: attention(q, k, v, **options))(*stacked)

@@ -25,6 +25,7 @@ keys take them too, off the diagonal, and the diagonal blocks then take two smal
 At head dim 128 both passes of those problems are attention_hopper's, written in Gluon (its own
 warp partitions and asynchronous products; causal in one kernel each): its backward gives dq too,
 per key block, added into a float32 accumulator by TMA reductions, so no dq kernel runs after it.
+At head dim 256 its forward takes them too (in 64-key blocks), and the backward stays here.
 Decoding (a few query rows per key head against many keys) takes a split-key forward instead: one
 program per chunk of the keys and key head, merged by XLA (see _fwd_split_kv).
 """
@@ -1259,7 +1260,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
         hopper = L.hopper(None if on_device else gpu)
         if kernel == "fwd" and hopper and attention_hopper.applies(head_dim, itemsize, unmasked_keys, causal_square,
                                                                    capped):
-            gluon = [attention_hopper.config()]
+            gluon = [attention_hopper.config(head_dim)]
         if kernel == "dkdv" and hopper and attention_hopper.applies_bwd(head_dim, itemsize, unmasked_keys,
                                                                         unmasked_queries, causal_square, capped):
             gluon = [attention_hopper.bwd_config()]  # dq too: no dq kernel runs after it

@@ -16,7 +16,10 @@ of 128 query rows:
 
 H200, bf16, b4 s4096 h32 d128 (tools_tmp probe, same runs): causal forward 517 TFLOP/s against 458
 for the warp-specialized kernel and its diagonal pass, b1 s16384 causal 615 against 560, GQA 32/8
-619 against 597, and a tie without masking (584 against 573; 581 against 599 in another run).
+619 against 597, and a tie without masking (584 against 573; 581 against 599 in another run). At
+head dim 256 the same kernel, in 64-key blocks, took b2 s4096 h16 from 600 to 669 and causal from
+425 to 558 (session 33, same run; cuDNN 657 / 555). At 64 it lost (402 against 432, causal 338
+against 392: its softmax, not its products, bounds it there), so the Triton kernels keep that.
 
 The backward (`bwd`) gives dk, dv and dq from one pass over the scores, where attention.py's
 kernels take two (dk/dv per key block, dq per query block, each recomputing S and dP: seven
@@ -62,13 +65,18 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 
-BLOCK_M = BLOCK_N = 128  # query rows per program (64 per consumer warpgroup), keys per block
-HEAD_DIM = 128  # the one head dim it takes (at 64 and 256 the Triton kernels stay)
-STAGES = 2  # k/v buffers: q and two stages of k and v take 160 KB of the 227 KB
+BLOCK_M = 128  # query rows per program (64 per consumer warpgroup)
+# Keys per block, by head dim: at 256 a consumer's [64, 256] float32 output takes 128 registers, and
+# 64-key score tiles keep the rest within its 240.
+FWD_BLOCK_N = {128: 128, 256: 64}
+BLOCK_N = FWD_BLOCK_N[128]
+HEAD_DIM = 128  # the backward's one head dim
+STAGES = 2  # k/v buffers: q and two stages of k and v take 160 KB of the 227 KB (192 KB at head dim 256)
 # Registers per thread at launch: 12 warps (4 asked: one consumer warpgroup; the other and the
 # loader's warp round up to two more) x 32 threads x 168 fit the SM's 65536; the partitions then
 # rebalance to 240 for each consumer and 24 for the loader.
 MAXNREG = 168
+LPT_HEADS = gl.constexpr(4)  # the causal forward runs its longest blocks first over groups of this many heads
 
 
 @gluon.jit
@@ -86,6 +94,23 @@ def _loader(k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, 
         mbarrier.wait(v_empty.index(s), phase ^ 1)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         _tma_load(v_desc, [row0 + j * BLOCK_N, col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _longest_first(HEADS_PER_GROUP: gl.constexpr):
+    """(rank, head) of this program of a causal grid (blocks, heads), whose block `rank` is its
+    head's rank-th longest: programs start in order of the linear id, so each group of
+    HEADS_PER_GROUP heads (about one wave of programs, sharing L2) runs its longest blocks first,
+    over all its heads. Longest first within each head alone left the last head's longest block to
+    start near the end, a tail: at head dim 256 (b2 s4096 h16, 32 blocks a head) this took the
+    causal forward from 534-559 TFLOP/s to 588-601 (session 33); at 128 it measured the same."""
+    n_blocks = gl.num_programs(0)
+    heads = gl.num_programs(1)
+    p = gl.program_id(1) * n_blocks + gl.program_id(0)
+    group = p // (HEADS_PER_GROUP * n_blocks)
+    in_group = gl.minimum(HEADS_PER_GROUP, heads - group * HEADS_PER_GROUP)
+    r = p - group * HEADS_PER_GROUP * n_blocks
+    return r // in_group, group * HEADS_PER_GROUP + r % in_group
 
 
 @gluon.jit
@@ -191,8 +216,12 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
     [batch, sq, HEADS, D] and k, v [batch, sk, KV_HEADS, D] (16-bit), as attention._fwd gives them
     for problems without masking: sk a multiple of BLOCK_N; causal only with sq == sk. Grid
     (cdiv(sq, BLOCK_M), batch * HEADS), 4 warps asked. (BLOCK_D == D and GLUON: the config's marks.)"""
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)  # longest first
-    bh = gl.program_id(1)
+    if CAUSAL:
+        rank, bh = _longest_first(LPT_HEADS)
+        pid_m = gl.num_programs(0) - 1 - rank  # (the last query blocks see the most keys)
+    else:
+        pid_m = gl.program_id(0)
+        bh = gl.program_id(1)
     b = bh // HEADS
     h = bh % HEADS
     batch = gl.num_programs(1) // HEADS
@@ -239,18 +268,18 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
 fwd.xkern_maxnreg = MAXNREG  # read by launch.gluon_module and aot.compile_kernel
 
 
-def config() -> L.Config:
-    """The forward's config (GLUON marks it for attention._launch_fwd)."""
-    return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=HEAD_DIM, STAGES=STAGES, GLUON=1, num_warps=4,
-                       num_stages=STAGES)
+def config(head_dim: int = HEAD_DIM) -> L.Config:
+    """The forward's config at `head_dim` (GLUON marks it for attention._launch_fwd)."""
+    return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N[head_dim], BLOCK_D=head_dim, STAGES=STAGES, GLUON=1,
+                       num_warps=4, num_stages=STAGES)
 
 
 def applies(head_dim: int, itemsize: int, unmasked_keys: int, causal_square: int, capped: bool) -> bool:
-    """Whether the problem is this kernel's: head dim 128, 16-bit, no soft cap, and either no
-    masking at all with a key count BLOCK_N divides, or causal alone with as many queries as keys, a
-    multiple of BLOCK_M."""
-    return (head_dim == HEAD_DIM and itemsize == 2 and not capped
-            and ((unmasked_keys > 0 and unmasked_keys % BLOCK_N == 0)
+    """Whether the problem is this kernel's: head dim 128 or 256, 16-bit, no soft cap, and either no
+    masking at all with a key count the block (FWD_BLOCK_N) divides, or causal alone with as many
+    queries as keys, a multiple of BLOCK_M."""
+    return (head_dim in FWD_BLOCK_N and itemsize == 2 and not capped
+            and ((unmasked_keys > 0 and unmasked_keys % FWD_BLOCK_N[head_dim] == 0)
                  or (causal_square > 0 and causal_square % BLOCK_M == 0)))
 
 
@@ -262,7 +291,7 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
     b, sq, heads, _ = q.shape
     outs = [jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     sink = sinks if sinks is not None else jnp.zeros((1,), jnp.float32)
-    cfg = config()
+    cfg = config(q.shape[-1])
     return L.launch(fwd, q, k, v, sink, sq, k.shape[1], kernel="attention_fwd", out_shapes=outs,
                     grid=(L.cdiv(sq, cfg["BLOCK_M"]), b * heads), config=cfg, backend=backend,
                     constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
@@ -400,7 +429,9 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
     forward's lse (log2 domain) and delta = rowsum(do * o) [batch, HEADS, sq]; no masking but causal
     (then sq == sk); sq a multiple of BLOCK_M, sk of BLOCK_N. Grid (sk // BLOCK_N, batch * KV_HEADS),
     4 warps asked. (BLOCK_D == D and GLUON: the config's marks.)"""
-    pid_n = gl.program_id(0)  # (causal: the first key blocks, which see the most queries, first)
+    # (causal: the first key blocks, which see the most queries, first within each head; by groups of
+    # heads, as the forward, lost 2% at s16384, whose 4 heads' q, do and dq overflow L2)
+    pid_n = gl.program_id(0)
     bhk = gl.program_id(1)
     b = bhk // KV_HEADS
     hk = bhk % KV_HEADS
@@ -473,9 +504,9 @@ def bwd_config() -> L.Config:
 def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
                 capped: bool) -> bool:
     """Whether the backward takes the problem: where the forward does (its 128-key and 128-row
-    blocks are the backward's 128-key block), and without masking the query count a multiple of
-    BWD_BLOCK_M too."""
-    return (applies(head_dim, itemsize, unmasked_keys, causal_square, capped)
+    blocks are the backward's 128-key block) at head dim 128, and without masking the query count a
+    multiple of BWD_BLOCK_M too."""
+    return (head_dim == HEAD_DIM and applies(head_dim, itemsize, unmasked_keys, causal_square, capped)
             and (unmasked_keys == 0 or (unmasked_queries > 0 and unmasked_queries % BWD_BLOCK_M == 0)))
 
 
