@@ -1593,22 +1593,23 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
 @pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (wgmma); the interpreter cannot run Gluon")
 @pytest.mark.parametrize("shape,options", [((2, 200, 384, 4, 4, 128), {}),
                                            ((2, 192, 384, 8, 2, 128), {}),
-                                           ((3, 384, 384, 4, 1, 128), {"causal": True}),
+                                           ((3, 384, 384, 2, 1, 128), {"causal": True}),
                                            ((1, 640, 640, 8, 2, 128), {"causal": True, "out_dtype": jnp.float32}),
                                            ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"}),
                                            ((2, 200, 320, 2, 1, 256), {}),
                                            ((1, 384, 384, 4, 2, 256), {"causal": True})],
                          ids=["queries past a block, two batches", "gqa, fewer queries than keys",
-                              "causal mqa, three batches", "causal gqa, float32 out", "causal, sinks",
+                              "causal mqa, three batches (6 heads: groups of 4 and 2)", "causal gqa, float32 out",
+                              "causal, sinks",
                               "d256, 64-key blocks, queries past a block", "d256 causal gqa"])
 def test_gluon_kernels_on_hopper(shape, options):
     """attention_hopper's forward and backward (Gluon; at head dim 256 the forward alone, in 64-key
-    blocks), where the heuristic picks them: query counts
-    the forward's 128-row block does not divide (the rows past a batch's end read the next batch's
-    and are never stored; the backward, whose query blocks are 64 rows, declines them), causal with
-    every key block of a query block masked on the diagonal, GQA/MQA, a float32 result, sinks;
-    values and every gradient (dq through the backward's float32 reductions) against the float32
-    reference, and under vmap."""
+    blocks), where the heuristic picks them: query counts the forward's 128-row block does not
+    divide (the rows past a batch's end read the next batch's and are never stored; the backward,
+    whose query blocks are 64 rows, declines them), causal with every key block of a query block
+    masked on the diagonal (its grid in groups of 4 heads, here also a last group of 2), GQA/MQA, a
+    float32 result, sinks; values and every gradient (dq through the backward's float32 reductions)
+    against the float32 reference, and under vmap."""
     if options.get("sinks"):
         options = {**options, "sinks": jnp.asarray(np.random.default_rng(3).standard_normal((shape[3],)), jnp.float32)}
     trained = {n: o for n, o in options.items() if n != "out_dtype"}  # (the helper's cotangents are bf16)
