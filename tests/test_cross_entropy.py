@@ -414,3 +414,84 @@ def test_near_misses_are_not_rewritten():
         else:
             assert fused == [] and "z-loss weight -0.1" in str(report), report
         close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
+
+
+def test_shared_memory_kernel_takes_the_rows_where_it_wins():
+    """cross_entropy_hopper's kernel (Hopper): 16-bit integer-label problems whose dx the forward
+    writes, rows of 3 to 14 * 4 / 3 chunks of 8192, a multiple of 8 wide; nothing else."""
+    from xkern.kernels import cross_entropy_hopper as hopper
+    consts = ce._consts(128256, None, 0.1, 1e-4, write_dx=True)
+    assert hopper.applies(128256, 2, consts) and hopper.applies(32000, 2, consts)
+    assert hopper.applies(3 * 8192, 2, consts) and hopper.applies(152912, 2, consts)  # (14 * 8192 * 4 / 3: 152917)
+    assert not hopper.applies(3 * 8192 - 8, 2, consts) and not hopper.applies(152920, 2, consts)
+    assert not hopper.applies(256000, 2, consts) and not hopper.applies(16384, 2, consts)
+    assert not hopper.applies(128257, 2, consts)  # (rows 2 bytes past a multiple of 16: no TMA)
+    assert not hopper.applies(128256, 4, consts)  # float32
+    assert not hopper.applies(128256, 2, {**consts, "WRITE_DX": False})  # reduction "none"
+    assert not hopper.applies(128256, 2, {**consts, "ONE_HOT": True})
+    assert hopper.config(128256)["N_CHUNKS"] == 14 and hopper.config(50304)["N_CHUNKS"] == 6
+
+
+def _gluon_launches(monkeypatch):
+    """A list that records each launch of cross_entropy_hopper's kernel (at trace time), which here
+    also takes rows of 1 and 2 chunks (small problems)."""
+    from xkern.kernels import cross_entropy_hopper
+    monkeypatch.setattr(cross_entropy_hopper, "MIN_COLS", cross_entropy_hopper.CHUNK.value)
+    launches, launch = [], cross_entropy_hopper.launch_fwd
+    monkeypatch.setattr(cross_entropy_hopper, "launch_fwd", lambda x2, *a, **k: launches.append(x2.shape)
+                        or launch(x2, *a, **k))
+    return launches
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")
+@pytest.mark.parametrize("shape,options,dtype", [((300, 8192), "plain", jnp.bfloat16),
+                                                 ((133, 8200), "all", jnp.bfloat16),
+                                                 ((2, 70, 50000), "ignore", jnp.float16),
+                                                 ((140, 128256), "all", jnp.bfloat16)],
+                         ids=["one chunk, rows past the SMs", "a tail of 8", "3-D, 6 chunks and a tail",
+                              "14 chunks and a tail, two rows a program"])
+def test_shared_memory_kernel_on_hopper(shape, options, dtype, monkeypatch):
+    """cross_entropy_hopper (rows kept in shared memory): loss and gradient against the float32
+    reference for both reductions that write dx in the forward."""
+    launches = _gluon_launches(monkeypatch)
+    kw = OPTIONS[options]
+    logits, labels = make(shape, dtype, seed=5, ignore=kw.get("ignore_index"))
+    for reduction in ("mean", "sum"):
+        f = lambda impl: jax.jit(jax.value_and_grad(lambda x: impl(x, labels, reduction=reduction, **kw) * 1.5))
+        (got, dgot), (want, dwant) = f(xkern.ops.cross_entropy)(logits), f(ce.reference)(logits.astype(jnp.float32))
+        close(got, want, jnp.float16)
+        assert dgot.dtype == dtype
+        close(dgot, dwant, dtype)
+    assert len(launches) == 2  # the kernel ran, once per reduction
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")
+def test_shared_memory_kernel_edge_rows_on_hopper(monkeypatch):
+    """Rows of 20000 (2 chunks in shared memory and a tail): -inf, +inf, NaN, 1e30 and -1e4 placed in
+    the chunks and in the tail, as XLA gives them (NaN where it gives NaN), with every option."""
+    launches = _gluon_launches(monkeypatch)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((10, 20000)).astype(np.float32)
+    x[1, 5] = x[2, 19000] = -np.inf          # a -inf logit, in a chunk and in the tail
+    x[3] = -np.inf                           # every logit -inf
+    x[4, 9000] = np.inf                      # +inf in the second chunk
+    x[5, 19999] = np.inf                     # +inf, last of the tail
+    x[6, 17000] = np.nan                     # NaN in the tail
+    x[7, 0], x[7, 18000] = 1e30, -1e30       # far apart
+    x[8] += -1e4                             # large, all negative
+    x[9, 16384] = 30.0                       # the max, first of the tail
+    x = jnp.asarray(x, jnp.bfloat16)
+    labels = jnp.asarray([3, 5, 19000, 0, 9000, 7, 17000, 0, 12, 16384], jnp.int32)
+    for kw in ({}, {"label_smoothing": 0.3, "z_loss": 1e-3, "ignore_index": 3}):  # (row 0 ignored)
+        f = lambda impl: jax.jit(jax.value_and_grad(lambda a, y: impl(a, y, reduction="sum", **kw)))
+        for rows in (slice(None), np.array([0, 1, 2, 7, 8, 9])):  # all rows (NaN sum), the finite ones
+            (got, dgot) = f(xkern.ops.cross_entropy)(x[rows], labels[rows])
+            (want, dwant) = f(ce.reference)(x[rows].astype(jnp.float32), labels[rows])
+            np.testing.assert_allclose(got, want, rtol=2e-3)
+            dgot, dwant = np.asarray(dgot, np.float32), np.asarray(dwant, np.float32)
+            np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
+            np.testing.assert_allclose(dgot, dwant, rtol=1e-2, atol=1e-2)  # (bf16 dx: 2^-8 relative)
+        per_row = jax.jit(lambda a: xkern.ops.cross_entropy(a, labels, reduction="none", **kw))(x)
+        want_rows = ce.reference(x.astype(jnp.float32), labels, reduction="none", **kw)
+        np.testing.assert_array_equal(np.isnan(per_row), np.isnan(want_rows))
+    assert len(launches) == 4

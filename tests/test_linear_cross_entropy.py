@@ -8,6 +8,7 @@ import pytest
 
 import xkern
 from xkern.kernels import cross_entropy as ce
+from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
 from xkern.kernels.linear_cross_entropy import linear_cross_entropy, reference
 
@@ -338,3 +339,25 @@ def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
         for g, x in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             assert np.isfinite(np.asarray(g)).all(), name
             close(g, x, jnp.float32)
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_shared_memory_kernel_writes_dlogits_in_place_on_hopper(options, monkeypatch):
+    """At 16 bits and a vocabulary of 16392 (2 chunks in shared memory and a tail of 8) each chunk's
+    loss and dlogits come from cross_entropy_hopper, dlogits over the chunk's logits: value and
+    both gradients against the float32 reference."""
+    from xkern.kernels import cross_entropy_hopper
+    monkeypatch.setattr(cross_entropy_hopper, "MIN_COLS", cross_entropy_hopper.CHUNK.value)  # (a small problem)
+    launches, launch = [], cross_entropy_hopper.launch_fwd
+    monkeypatch.setattr(cross_entropy_hopper, "launch_fwd", lambda x2, *a, **k: launches.append(x2.shape)
+                        or launch(x2, *a, **k))
+    kw = {**OPTIONS[options], "reduction": "mean"}
+    h, w, labels = make((3, 100), 64, 16392, jnp.bfloat16, seed=3)
+    ours = lambda h, w: linear_cross_entropy(h, w, labels, chunk_rows=128, **kw)
+    (value, grads) = jax.jit(jax.value_and_grad(ours, (0, 1)))(h, w)
+    want, wants = jax.value_and_grad(lambda h, w: reference(h, w, labels, **kw), (0, 1))(*f32(h, w))
+    close(value, want, jnp.bfloat16)
+    for g, r in zip(grads, wants):
+        close(g, r, jnp.bfloat16)
+    assert launches and all(shape == (128, 16392) for shape in launches)

@@ -12,7 +12,9 @@ Two differentiation strategies, by reduction:
   mean / sum  the forward kernel also writes dx, pre-scaled by the reduction (1 / valid rows), in a
               second pass over the row (read back from L2 where it fits); the backward is dx * g,
               which XLA removes when g is the constant 1 of `jax.grad(loss)`. The logits are not
-              saved, and the backward never reads them.
+              saved, and the backward never reads them. On Hopper, for 16-bit rows of 24576 to
+              152917 logits with integer labels, cross_entropy_hopper's kernel does this
+              reading each row once (kept in shared memory): 3.16x jax.jit against 2.28x.
   none        each row has its own cotangent, unknown in the forward: the forward writes the losses
               and the per-row lse only (as its shift and log-sum); the backward kernel recomputes dx
               from the logits and lse in one pass (reading the logits once, writing dx once).
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
+from xkern.kernels import cross_entropy_hopper
 from xkern.kernels.launch import number_error, static_number
 
 import triton
@@ -243,11 +246,14 @@ def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=
     callers whose logits are a temporary (linear_cross_entropy)."""
     n_rows, n_cols = x2.shape
     consts = dict(constexprs)
+    aliases = {0: 2} if in_place and consts["WRITE_DX"] else None
+    if backend == "triton" and cross_entropy_hopper.applies(n_cols, x2.dtype.itemsize, consts) and L.hopper():
+        return cross_entropy_hopper.launch_fwd(x2, labels, row_scale, consts, backend, aliases)
     outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
     return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
                     grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts,
-                    aliases={0: 2} if in_place and consts["WRITE_DX"] else None)
+                    aliases=aliases)
 
 
 def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, in_place=False, **_):
@@ -451,7 +457,8 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
 # --------------------------------------------------------------------------------------------------
 
 def aot_cases():
-    """(name, kernel, signature, config) for both kernels, plain and with every option."""
+    """(name, kernel, signature, config[, targets]) for both kernels, plain and with every option,
+    and cross_entropy_hopper's."""
     for dtype in ("fp32", "bf16"):
         for n_cols in (1000, 128256):
             one_hot = [{"ONE_HOT": True}, {"ONE_HOT": True, "SMOOTHING": 0.1},
@@ -471,3 +478,13 @@ def aot_cases():
                 yield (f"{tag}/bwd", _bwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "lse_ptr": "*fp32",
                         "g_ptr": "*fp32", "n_rows": "i32", "dx_ptr": f"*{dtype}"}, config)
+    # cross_entropy_hopper's kernel (Hopper only): 14 chunks and a tail, and 6 chunks with every option
+    for dtype, n_cols, options in (("bf16", 128256, {}),
+                                   ("fp16", 50304, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True,
+                                                    "IGNORE_INDEX": -100})):
+        consts = {**_consts(n_cols, None, 0.0, 0.0, write_dx=True), **options}
+        name = f"cross_entropy/{dtype}/n{n_cols}{'/options' if options else ''}/lse_dx"
+        yield (name, cross_entropy_hopper.lse_dx,
+               {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
+                "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
+               cross_entropy_hopper.config(n_cols).replace(**consts), ("sm_90",))

@@ -1,0 +1,251 @@
+"""Cross-entropy's value and gradient for Hopper GPUs in Gluon, reading the logits once.
+
+cross_entropy._fwd (mean / sum reductions) reads each row twice, once for its logsumexp and once
+for dx, and writes dx: three passes over the logits, 6.3 GB at 8192 x 128256 bf16, whose second
+read comes from HBM (the rows do not stay in L2 between the passes at that width). Here one program
+per SM keeps most of its row in shared memory, in a ring of 14 slots of 8192 logits (224 KB of the
+227) that a loader warp fills by TMA:
+
+    loader    1 warp: the first N_CHUNKS chunks of each of the program's rows, in turn, each into
+              the next free slot (ready / empty mbarriers per slot)
+    compute   16 warps: the row's logsumexp from its chunks (then from its tail, the part past
+              14 chunks, by plain loads), its loss, then dx from the same chunks, freeing each slot
+              as it goes, so the loader's copies of the next row overlap this row's dx stores
+
+So 2.1 GB are read and 2.1 GB written, plus the tails read twice (11% of a 128256-wide row). Rows
+narrower than 14 chunks share the ring (a 6-chunk row and the next two are in flight together).
+
+H200, 8192 x 128256 bf16, value and gradient (the suite's row, session 34): 1.31 ms, 3.16x
+jax.jit's 4.14 (the Triton kernel: 1.82 in the same run, 2.28x). What bounds it is instruction
+issue more than memory: about 16 instructions per logit (two exps, the running max and sum, dx's
+two fmas, conversions) over 16 warps; 8 warps took 1.54 ms, the chunk loops unrolled (an
+instruction cache overflow) 4.9, a running max per row of a chunk (shuffles each chunk) 4.9 too.
+
+Integer labels (ignore_index, label smoothing, z-loss) at 16 bits, rows a multiple of 8 wide
+(TMA's 16-byte strides) between MIN_COLS and MAX_COLS, where it wins; everything else keeps
+cross_entropy._fwd, as does the interpreter (which cannot run Gluon), so tests check this kernel by
+compiling it for sm_90 (and on a GPU, by value). The formulas and the handling of rows that are not
+finite are cross_entropy._fwd's and _write_dx_row's, with the running max kept per thread (over its
+8 logits of each row of a chunk) and the parts combined once per row.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from xkern.kernels import launch as L
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@builtin
+def _reinterpret(smem, dtype, shape, layout, _semantic=None):
+    """smem's bytes as another shape and layout (Triton 3.6: _reinterpret, 3.9: reinterpret)."""
+    view = getattr(smem, "reinterpret", None) or smem._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+
+BOX = gl.constexpr(256)  # logits a TMA copy brings (a box is at most 256 elements a side)
+CHUNK_BOXES = gl.constexpr(32)  # boxes a chunk: 8192 logits, 16 KB at 16 bits, under one mbarrier
+CHUNK = gl.constexpr(BOX.value * CHUNK_BOXES.value)
+SLOTS = gl.constexpr(14)  # the ring: 224 KB of the 227 a program may have (3 KB left for barriers)
+LOG2E = gl.constexpr(1.4426950408889634)
+NUM_WARPS = 16  # compute warps (and the loader's 1): 8 left the exps' latency exposed (1.54 ms against 1.34)
+
+
+@gluon.jit
+def _issue_chunk(desc, bufs, ready, row, c, slot):
+    """TMA copies of chunk c of row `row` into ring slot `slot`, under its barrier."""
+    mbarrier.expect(ready.index(slot), CHUNK_BOXES * desc.block_type.nbytes)
+    for b in range(CHUNK_BOXES):
+        _tma_load(desc, [row, (c * CHUNK_BOXES + b) * BOX], ready.index(slot), bufs.index(slot * CHUNK_BOXES + b))
+
+
+@gluon.jit
+def _online_lse(x, m, ref, s):
+    """cross_entropy._online_lse over each thread's 8 logits of each row of a chunk, in the thread
+    alone (no shuffles): running max m, its finite shift ref, sum of exp(x - ref) (NaN carried in
+    s; all -inf gives s = 0). The row's parts are combined once, at its end (_combine)."""
+    m = gl.maximum(m, gl.max(x, 2))
+    new_ref = gl.where((m == m) & (gl.abs(m) != float("inf")), m, 0.0)
+    s = gl.where(s > 0, s * gl.exp2((ref - new_ref) * LOG2E), s)
+    s += gl.sum(gl.exp2((x - new_ref[:, :, None]) * LOG2E), 2)
+    return m, new_ref, s
+
+
+@gluon.jit
+def _combine(m, ref, s):
+    """(shift, log_sum) of a row from its threads' parts: the same step, over the parts."""
+    m_row = gl.max(gl.max(m, 1), 0)
+    shift = gl.where((m_row == m_row) & (gl.abs(m_row) != float("inf")), m_row, 0.0)
+    part = gl.where(s > 0, s * gl.exp2((ref - shift) * LOG2E), s)
+    return shift, gl.log(gl.sum(gl.sum(part, 1), 0))
+
+
+@gluon.jit
+def _dx(x, cols, label, shift, log_sum2, scale, hit, miss, valid):
+    """_write_dx_row's dx for logits x at columns cols (integer labels), with the row's constants
+    folded (one fma for the exponent, one for the result): log_sum2 = log_sum * LOG2E, scale =
+    factor * (1 + 2 Z_LOSS lse), hit / miss = the target at the label / elsewhere, times factor."""
+    p = gl.exp2((x - shift) * LOG2E - log_sum2)
+    return gl.where(valid, p * scale + gl.where(cols == label, -hit, -miss), 0.0)
+
+
+@gluon.jit
+def _loader(desc, bufs, ready, empty, n_rows, N_CHUNKS: gl.constexpr):
+    """1 warp: the first N_CHUNKS chunks of each of the program's rows, in turn, into the ring's
+    slots as the compute warps free them."""
+    slots: gl.constexpr = ready.type.shape[0]
+    j = 0
+    for row in range(gl.program_id(0), n_rows, gl.num_programs(0)):
+        for c in range(N_CHUNKS):
+            mbarrier.wait(empty.index(j % slots), ((j // slots) & 1) ^ 1)  # (a fresh barrier passes phase 1)
+            _issue_chunk(desc, bufs, ready, row, c, j % slots)
+            j += 1
+
+
+@gluon.jit
+def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty,
+          N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
+          IGNORE_INDEX: gl.constexpr, N_CHUNKS: gl.constexpr):
+    """The compute warps: each row's loss and lse from its chunks (then its tail), then its dx."""
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    # a chunk as [boxes, 32, 8]: each thread holds 8 consecutive logits (16 bytes) of each of its rows
+    layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
+    part_layout: gl.constexpr = gl.SliceLayout(2, layout)
+    cols = (gl.arange(0, CHUNK_BOXES, gl.SliceLayout(1, part_layout))[:, None, None] * BOX
+            + gl.arange(0, 32, gl.SliceLayout(0, part_layout))[None, :, None] * 8
+            + gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :])
+    RESIDENT: gl.constexpr = N_CHUNKS * CHUNK
+    it = 0
+    for row in range(gl.program_id(0), n_rows, gl.num_programs(0)):
+        j0 = it * N_CHUNKS  # the ring's count of chunks before this row's
+        base = row.to(gl.int64) * N_COLS
+        label = gl.load(labels_ptr + row)
+        in_range = (label >= 0) & (label < N_COLS)
+        valid = (label != IGNORE_INDEX) | (not HAS_IGNORE)
+        picked = gl.load(x_ptr + base + gl.where(in_range, label, 0)).to(gl.float32)
+        tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=-float("inf"))
+
+        # the row's logsumexp: the chunks in shared memory, then the tail from global memory
+        m = gl.full([CHUNK_BOXES, 32], -float("inf"), gl.float32, part_layout)
+        ref = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
+        s = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
+        total = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
+        for c in range(N_CHUNKS):  # (not unrolled: 14 chunks' code, twice, overflowed the instruction cache)
+            slot = (j0 + c) % SLOTS
+            mbarrier.wait(ready.index(slot), ((j0 + c) // SLOTS) & 1)
+            x = chunks.index(slot).load(layout).to(gl.float32)
+            m, ref, s = _online_lse(x, m, ref, s)
+            if SMOOTHING != 0.0:
+                total += gl.sum(x, 2)
+        for start in range(RESIDENT, N_COLS, CHUNK):
+            x = tail.to(gl.float32)
+            nxt = start + CHUNK + cols
+            tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=-float("inf"))  # (the next, in flight)
+            m, ref, s = _online_lse(x, m, ref, s)
+            if SMOOTHING != 0.0:
+                total += gl.sum(gl.where(start + cols < N_COLS, x, 0.0), 2)
+        shift, log_sum = _combine(m, ref, s)
+        lse = shift + log_sum
+        picked = gl.where(in_range, picked, float("nan"))
+        loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
+        if SMOOTHING != 0.0:
+            loss -= SMOOTHING / N_COLS * gl.sum(gl.sum(total, 1), 0)
+        gl.store(loss_ptr + row, gl.where(valid, loss, 0.0))
+        gl.store(lse_ptr + 2 * row, shift)
+        gl.store(lse_ptr + 2 * row + 1, log_sum)
+
+        # dx: each chunk from shared memory, its slot then freed for the loader's next row
+        factor = gl.load(row_scale_ptr + row)
+        log_sum2 = gl.where(log_sum == float("inf"), float("nan"), log_sum) * LOG2E  # (a row holding +inf: NaN)
+        scale = factor * (1.0 + 2.0 * Z_LOSS * lse) if Z_LOSS != 0.0 else factor
+        hit = (1.0 - SMOOTHING + SMOOTHING / N_COLS) * factor  # (the smoothing's e / N_COLS on every class)
+        miss = SMOOTHING / N_COLS * factor
+        tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=0.0)
+        for c in range(N_CHUNKS):
+            slot = (j0 + c) % SLOTS
+            x = chunks.index(slot).load(layout).to(gl.float32)
+            mbarrier.arrive(empty.index(slot), count=1)  # (after every warp's read: the arrive syncs them)
+            dx = _dx(x, cols, label - c * CHUNK, shift, log_sum2, scale, hit, miss, valid)
+            gl.store(dx_ptr + base + c * CHUNK + cols, dx.to(dtype))
+        for start in range(RESIDENT, N_COLS, CHUNK):
+            x = tail.to(gl.float32)
+            nxt = start + CHUNK + cols
+            tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=0.0)
+            dx = _dx(x, cols, label - start, shift, log_sum2, scale, hit, miss, valid)
+            gl.store(dx_ptr + base + start + cols, dx.to(dtype), mask=start + cols < N_COLS)
+        it += 1
+
+
+@gluon.jit
+def lse_dx(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr,
+           N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
+           IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, WRITE_DX: gl.constexpr, N_CHUNKS: gl.constexpr,
+           GLUON: gl.constexpr):
+    """cross_entropy._fwd with WRITE_DX and integer labels: loss [n_rows], lse [n_rows, 2] (shift,
+    log of the sum of exp(x - shift)) and dx [n_rows, N_COLS] of logits x [n_rows, N_COLS] (16-bit),
+    dx scaled by row_scale. Grid: at most one program per SM (its shared memory), each taking every
+    num_programs-th row. N_CHUNKS: the chunks of a row kept in shared memory (N_COLS // CHUNK at most).
+    (ONE_HOT, WRITE_DX: cross_entropy's constexprs, here False and True.)"""
+    gl.static_assert(WRITE_DX and not ONE_HOT, "cross_entropy_hopper.lse_dx: integer labels, dx written")
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    box_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    desc = tma.make_tensor_descriptor(x_ptr, [n_rows, N_COLS], [N_COLS, 1], [1, BOX], box_layout)
+    bufs = gl.allocate_shared_memory(dtype, [SLOTS * CHUNK_BOXES, 1, BOX], box_layout)
+    chunks = _reinterpret(bufs, dtype, [SLOTS, CHUNK_BOXES, 32, 8], flat)  # (the same bytes, row-major)
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(c), count=1)
+        mbarrier.init(empty.index(c), count=1)
+    gl.warp_specialize([
+        (_rows, (x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty, N_COLS,
+                 SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX, N_CHUNKS)),
+        (_loader, (desc, bufs, ready, empty, n_rows, N_CHUNKS)),
+    ], [1], [24])
+
+
+lse_dx.xkern_maxnreg = 96  # registers at launch: 17 warps, rounded up to 20, x 32 x 96 fit the SM's 65536
+
+
+def n_chunks(n_cols: int) -> int:
+    """The chunks of a row kept in shared memory (the rest is its tail)."""
+    return min(SLOTS.value, n_cols // CHUNK.value)
+
+
+def config(n_cols: int) -> L.Config:
+    """The kernel's config (GLUON marks it for cross_entropy._launch_fwd)."""
+    return L.Config.of(N_CHUNKS=n_chunks(n_cols), GLUON=1, num_warps=NUM_WARPS, num_stages=1)
+
+
+# Where it wins (H200, value and gradient, 8192 rows, the Triton kernel in the same run; session 34):
+# rows of 3 chunks or more, three quarters of them or more in shared memory. Narrower rows stay in L2
+# between the Triton kernel's passes (16384: 0.241 ms against 0.199); at 256000 (4096 rows) over half
+# of each row is read twice, by the tail's plain loads (1.74 against 1.64).
+MIN_COLS = 3 * CHUNK.value
+MAX_COLS = SLOTS.value * CHUNK.value * 4 // 3
+
+
+def applies(n_cols: int, itemsize: int, consts: dict) -> bool:
+    """Whether the problem is this kernel's (consts: cross_entropy's constexprs): 16-bit logits,
+    integer labels, dx written, rows a multiple of 8 wide (TMA's 16-byte strides) between MIN_COLS
+    and MAX_COLS."""
+    return (itemsize == 2 and not consts["ONE_HOT"] and consts["WRITE_DX"] and n_cols % 8 == 0
+            and MIN_COLS <= n_cols <= MAX_COLS)
+
+
+def launch_fwd(x2, labels, row_scale, consts: dict, backend: str, aliases=None):
+    """(loss, lse, dx) as cross_entropy._launch_fwd returns them."""
+    import jax
+    import jax.numpy as jnp
+
+    n_rows, n_cols = x2.shape
+    outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
+            jax.ShapeDtypeStruct(x2.shape, x2.dtype)]
+    programs = min(n_rows, getattr(jax.devices()[0], "core_count", 132))
+    return L.launch(lse_dx, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
+                    grid=(programs,), config=config(n_cols), backend=backend, constexprs=consts, aliases=aliases)
