@@ -447,9 +447,11 @@ def _gluon_launches(monkeypatch):
 @pytest.mark.parametrize("shape,options,dtype", [((300, 8192), "plain", jnp.bfloat16),
                                                  ((133, 8200), "all", jnp.bfloat16),
                                                  ((2, 70, 50000), "ignore", jnp.float16),
-                                                 ((140, 128256), "all", jnp.bfloat16)],
+                                                 ((140, 128256), "all", jnp.bfloat16),
+                                                 ((40, 139368), "all", jnp.bfloat16)],
                          ids=["one chunk, rows past the SMs", "a tail of 8", "3-D, 6 chunks and a tail",
-                              "14 chunks and a tail, two rows a program"])
+                              "14 chunks and a tail of 2 blocks, two rows a program",
+                              "a tail of 3 blocks (streamed, then read again)"])
 def test_shared_memory_kernel_on_hopper(shape, options, dtype, monkeypatch):
     """cross_entropy_hopper (rows kept in shared memory): loss and gradient against the float32
     reference for both reductions that write dx in the forward."""

@@ -9,17 +9,19 @@ per SM keeps most of its row in shared memory, in a ring of 14 slots of 8192 log
     loader    1 warp: the first N_CHUNKS chunks of each of the program's rows, in turn, each into
               the next free slot (ready / empty mbarriers per slot)
     compute   16 warps: the row's logsumexp from its chunks (then from its tail, the part past
-              14 chunks, by plain loads), its loss, then dx from the same chunks, freeing each slot
-              as it goes, so the loader's copies of the next row overlap this row's dx stores
+              14 chunks, by plain loads, kept in registers for dx when it is 2 chunks or less), its
+              loss, then dx from the same chunks, freeing each slot as it goes, so the loader's
+              copies of the next row overlap this row's dx stores
 
-So 2.1 GB are read and 2.1 GB written, plus the tails read twice (11% of a 128256-wide row). Rows
-narrower than 14 chunks share the ring (a 6-chunk row and the next two are in flight together).
+So at 8192 x 128256 (a tail of 13568) 2.1 GB are read and 2.1 GB written; a longer tail is read
+twice. Rows narrower than 14 chunks share the ring (a 6-chunk row and the next two are in flight
+together).
 
-H200, 8192 x 128256 bf16, value and gradient (the suite's row, session 34): 1.31 ms, 3.16x
-jax.jit's 4.14 (the Triton kernel: 1.82 in the same run, 2.28x). What bounds it is instruction
-issue more than memory: about 16 instructions per logit (two exps, the running max and sum, dx's
-two fmas, conversions) over 16 warps; 8 warps took 1.54 ms, the chunk loops unrolled (an
-instruction cache overflow) 4.9, a running max per row of a chunk (shuffles each chunk) 4.9 too.
+H200, 8192 x 128256 bf16, value and gradient (session 34): 1.26-1.27 ms, 3.25-3.27x jax.jit's 4.13
+(the Triton kernel: 1.82 in the same run, 2.27x); 1.31 with the tail read twice. What bounds it is
+instruction issue as much as memory: about 16 instructions per logit (two exps, the running max
+and sum, dx's two fmas, conversions) over 16 warps; 8 warps took 1.54 ms, the chunk loops unrolled
+(an instruction cache overflow) 4.9, a running max per row of a chunk (shuffles each chunk) 4.9.
 
 Integer labels (ignore_index, label smoothing, z-loss) at 16 bits, rows a multiple of 8 wide
 (TMA's 16-byte strides) between MIN_COLS and MAX_COLS, where it wins; everything else keeps
@@ -76,6 +78,16 @@ def _online_lse(x, m, ref, s):
 
 
 @gluon.jit
+def _tail_lse(tail, cols, m, ref, s, total, SMOOTHING: gl.constexpr, N_COLS: gl.constexpr):
+    """_online_lse over a block of the tail (its lanes past the row hold -inf), and its sum."""
+    x = tail.to(gl.float32)
+    m, ref, s = _online_lse(x, m, ref, s)
+    if SMOOTHING != 0.0:
+        total += gl.sum(gl.where(cols < N_COLS, x, 0.0), 2)
+    return m, ref, s, total
+
+
+@gluon.jit
 def _combine(m, ref, s):
     """(shift, log_sum) of a row from its threads' parts: the same step, over the parts."""
     m_row = gl.max(gl.max(m, 1), 0)
@@ -119,6 +131,8 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
             + gl.arange(0, 32, gl.SliceLayout(0, part_layout))[None, :, None] * 8
             + gl.arange(0, 8, gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :])
     RESIDENT: gl.constexpr = N_CHUNKS * CHUNK
+    TAIL: gl.constexpr = N_COLS - RESIDENT
+    KEEP_TAIL: gl.constexpr = TAIL <= 2 * CHUNK  # (16 registers a thread, at 16 warps)
     it = 0
     for row in range(gl.program_id(0), n_rows, gl.num_programs(0)):
         j0 = it * N_CHUNKS  # the ring's count of chunks before this row's
@@ -127,7 +141,11 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
         in_range = (label >= 0) & (label < N_COLS)
         valid = (label != IGNORE_INDEX) | (not HAS_IGNORE)
         picked = gl.load(x_ptr + base + gl.where(in_range, label, 0)).to(gl.float32)
+        # the tail: up to 2 blocks of CHUNK loaded now and kept for dx, else streamed (and read again)
         tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=-float("inf"))
+        if KEEP_TAIL:
+            tail2 = gl.load(x_ptr + base + RESIDENT + CHUNK + cols, mask=RESIDENT + CHUNK + cols < N_COLS,
+                            other=-float("inf"))
 
         # the row's logsumexp: the chunks in shared memory, then the tail from global memory
         m = gl.full([CHUNK_BOXES, 32], -float("inf"), gl.float32, part_layout)
@@ -141,13 +159,17 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += gl.sum(x, 2)
-        for start in range(RESIDENT, N_COLS, CHUNK):
-            x = tail.to(gl.float32)
-            nxt = start + CHUNK + cols
-            tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=-float("inf"))  # (the next, in flight)
-            m, ref, s = _online_lse(x, m, ref, s)
-            if SMOOTHING != 0.0:
-                total += gl.sum(gl.where(start + cols < N_COLS, x, 0.0), 2)
+        if KEEP_TAIL:
+            if TAIL > 0:
+                m, ref, s, total = _tail_lse(tail, RESIDENT + cols, m, ref, s, total, SMOOTHING, N_COLS)
+            if TAIL > CHUNK:
+                m, ref, s, total = _tail_lse(tail2, RESIDENT + CHUNK + cols, m, ref, s, total, SMOOTHING, N_COLS)
+        else:
+            for start in range(RESIDENT, N_COLS, CHUNK):
+                x = tail
+                nxt = start + CHUNK + cols
+                tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=-float("inf"))  # (the next, in flight)
+                m, ref, s, total = _tail_lse(x, start + cols, m, ref, s, total, SMOOTHING, N_COLS)
         shift, log_sum = _combine(m, ref, s)
         lse = shift + log_sum
         picked = gl.where(in_range, picked, float("nan"))
@@ -164,19 +186,29 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
         scale = factor * (1.0 + 2.0 * Z_LOSS * lse) if Z_LOSS != 0.0 else factor
         hit = (1.0 - SMOOTHING + SMOOTHING / N_COLS) * factor  # (the smoothing's e / N_COLS on every class)
         miss = SMOOTHING / N_COLS * factor
-        tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=0.0)
+        if not KEEP_TAIL:
+            tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=0.0)
         for c in range(N_CHUNKS):
             slot = (j0 + c) % SLOTS
             x = chunks.index(slot).load(layout).to(gl.float32)
             mbarrier.arrive(empty.index(slot), count=1)  # (after every warp's read: the arrive syncs them)
             dx = _dx(x, cols, label - c * CHUNK, shift, log_sum2, scale, hit, miss, valid)
             gl.store(dx_ptr + base + c * CHUNK + cols, dx.to(dtype))
-        for start in range(RESIDENT, N_COLS, CHUNK):
-            x = tail.to(gl.float32)
-            nxt = start + CHUNK + cols
-            tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=0.0)
-            dx = _dx(x, cols, label - start, shift, log_sum2, scale, hit, miss, valid)
-            gl.store(dx_ptr + base + start + cols, dx.to(dtype), mask=start + cols < N_COLS)
+        if KEEP_TAIL:  # (its lanes past the row hold -inf: their dx, not stored, is finite)
+            if TAIL > 0:
+                dx = _dx(tail.to(gl.float32), cols, label - RESIDENT, shift, log_sum2, scale, hit, miss, valid)
+                gl.store(dx_ptr + base + RESIDENT + cols, dx.to(dtype), mask=RESIDENT + cols < N_COLS)
+            if TAIL > CHUNK:
+                at = RESIDENT + CHUNK
+                dx = _dx(tail2.to(gl.float32), cols, label - at, shift, log_sum2, scale, hit, miss, valid)
+                gl.store(dx_ptr + base + at + cols, dx.to(dtype), mask=at + cols < N_COLS)
+        else:
+            for start in range(RESIDENT, N_COLS, CHUNK):
+                x = tail.to(gl.float32)
+                nxt = start + CHUNK + cols
+                tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=0.0)
+                dx = _dx(x, cols, label - start, shift, log_sum2, scale, hit, miss, valid)
+                gl.store(dx_ptr + base + start + cols, dx.to(dtype), mask=start + cols < N_COLS)
         it += 1
 
 
