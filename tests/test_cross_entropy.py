@@ -337,6 +337,21 @@ def _spellings():
     }
 
 
+# The spellings above whose whole loss is the mean or sum of the row losses (integer labels): taken
+# with their reduction, so that the gradient comes out of the forward (the others: a row loss, the
+# rest XLA's). -sum(0.5 * rows) and one-hot targets keep the row loss.
+REDUCED = {"optax_integer_labels": "mean(optax_integer_labels)",
+           "optax_integer_labels+upcast": "sum(optax_integer_labels+upcast)",
+           "logsumexp-take_along_axis": "mean(logsumexp-take_along_axis)",
+           "take_along_axis(log_softmax)+upcast": "-mean(take_along_axis(log_softmax)+upcast)",
+           "-take_along_axis(x-logsumexp)+upcast": "mean(-take_along_axis(x-logsumexp)+upcast)",
+           "logsumexp-take_along_axis+z*logsumexp^2": "mean(logsumexp-take_along_axis+z*logsumexp^2)",
+           "-take_along_axis(log_softmax)+z*logsumexp^2+upcast":
+               "sum(-take_along_axis(log_softmax)+z*logsumexp^2+upcast)",
+           "-take_along_axis(x-logsumexp)+z*logsumexp^2": "mean(-take_along_axis(x-logsumexp)+z*logsumexp^2)",
+           "optax_integer_labels+z*logsumexp^2+upcast": "mean(optax_integer_labels+z*logsumexp^2+upcast)"}
+
+
 @pytest.mark.parametrize("spelling", list(_spellings()))
 def test_patterns_match_and_equal_jax_jit(spelling):
     f = _spellings()[spelling]
@@ -344,8 +359,11 @@ def test_patterns_match_and_equal_jax_jit(spelling):
     labels = labels.at[0, 0].set(-2)  # negative labels count from the end, as take_along_axis does
     report = xkern.explain(f)(logits, labels)
     assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")] == \
-        [f"cross_entropy/{spelling}"]
+        [f"cross_entropy/{REDUCED.get(spelling, spelling)}"]
     assert "cross_entropy_fwd" in kernel_names(jax.make_jaxpr(xkern.optimize(f))(logits, labels))
+    # reduced: the gradient comes out of the forward, no backward kernel reads the logits again
+    grad_kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels))
+    assert ("cross_entropy_bwd" in grad_kernels) == (spelling not in REDUCED)
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
           jnp.bfloat16)
@@ -367,8 +385,10 @@ def test_numpy_indexing_spellings_are_found_and_count_labels_from_the_end(spelli
     logits, labels = make((7, 37), jnp.bfloat16, seed=9)
     labels = labels.at[0].set(-2).at[1].set(-37)
     report = xkern.explain(f)(logits, labels)
+    reduced = {"-log_softmax[rows, labels]": "mean", "log_softmax[rows, labels]+upcast": "-sum",
+               "logsumexp-logits[rows, labels]": "mean"}[spelling]  # (the whole loss: mean / sum of the rows)
     assert [m.pattern for m in report.matches if m.pattern.startswith("cross_entropy")] == \
-        [f"cross_entropy/{spelling}"]
+        [f"cross_entropy/{reduced}({spelling})"]
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
           jnp.bfloat16)
@@ -382,6 +402,28 @@ def test_numpy_indexing_spellings_are_found_and_count_labels_from_the_end(spelli
     close(xkern.jit(masked)(logits, padded), jax.jit(masked)(logits, padded), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(masked)))(logits, padded), jax.jit(jax.grad(masked))(logits, padded),
           jnp.bfloat16)
+
+
+def test_mean_or_sum_over_every_row_takes_the_reduction_and_over_some_axes_the_row_loss():
+    """The loss reduced over every row (3-D logits: two axes) is cross_entropy(reduction=...), its
+    gradient from the forward; reduced over one axis, or scaled before the sum, the row loss, the
+    rest XLA's. Values and gradients as jax.jit's in every case."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.float32, seed=10)
+    rows = optax.softmax_cross_entropy_with_integer_labels
+    cases = {"mean": (lambda x, y: rows(x, y).mean(), "mean(optax_integer_labels)"),
+             "sum": (lambda x, y: jnp.sum(rows(x, y)), "sum(optax_integer_labels)"),
+             "sum / 7": (lambda x, y: rows(x, y).sum() / 7.0, "sum(optax_integer_labels)"),
+             "mean over axis 0": (lambda x, y: rows(x, y).mean(axis=0), "optax_integer_labels"),
+             "sum over axis 1": (lambda x, y: jnp.sum(rows(x, y), axis=1), "optax_integer_labels"),
+             "sum of 0.5 * rows": (lambda x, y: jnp.sum(0.5 * rows(x, y)), "optax_integer_labels")}
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels)
+        assert [m.pattern for m in report.matches] == [f"cross_entropy/{pattern}"], name
+        close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
+        loss = lambda g: (lambda x: jnp.sum(g(x, labels) * jnp.arange(1.0, 1.0 + g(x, labels).size).reshape(
+            g(x, labels).shape)))
+        close(jax.grad(loss(xkern.optimize(f)))(logits), jax.grad(loss(f))(logits), jnp.float32)
 
 
 def test_near_misses_are_not_rewritten():

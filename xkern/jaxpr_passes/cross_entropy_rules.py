@@ -1,6 +1,8 @@
 """Softmax cross-entropy with integer labels over the last axis, in the ways people write it,
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
-program's dtype where the program computed in half precision).
+program's dtype where the program computed in half precision); its mean or sum over every row, by
+cross_entropy(reduction="mean" / "sum"), whose forward also writes the logits' gradient when the
+program is differentiated (so the backward never reads the logits: on Hopper they are read once).
 
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
@@ -402,3 +404,45 @@ def sum(loss):  # noqa: A001 (the reduction's name)
 PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, extends=f"cross_entropy/{name}")
              for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The loss reduced: cross_entropy(reduction="mean" / "sum")
+# --------------------------------------------------------------------------------------------------
+
+def _reduced(loss_fn, reduce, log_probability):
+    """reduce(loss_fn(logits, labels)), negated for log-probabilities."""
+    def pattern(logits, labels, **params):
+        out = reduce(loss_fn(logits, labels, **params))
+        return -out if log_probability else out
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({loss_fn.__name__})"
+    return pattern
+
+
+def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None):
+    """The mean or sum of an integer-label row loss, as cross_entropy(reduction=...): under
+    differentiation its forward also writes the logits' gradient (pre-scaled by the reduction), so
+    the backward does not read the logits again (on Hopper, cross_entropy_hopper reads them once)."""
+    fn = _reduced(loss_fn, reduce, log_probability)
+
+    def replace(logits, labels, *, backend, **params):
+        labels = _labels_as_read(labels, labels_as, logits.shape[-1])
+        loss = kernels.cross_entropy(logits, labels, z_loss=params.get("z_loss", 0.0), reduction=reduce.__name__,
+                                     backend=backend)
+        # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels).dtype)
+    return Pattern(
+        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({name})", op="cross_entropy", fn=fn,
+        dtypes=dtypes,
+        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
+        params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8), check=_check,
+        replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
+        extends=f"cross_entropy/{name}")
+
+
+# Each integer-label row loss's mean and sum over every row (one-hot targets keep the row loss and
+# XLA's reduction), traced only for programs where the row loss is found. A reduction over some
+# axes only, or of the losses scaled first, keeps the row loss.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param)
+             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if labels_as != ONE_HOT
+             for reduce in (mean, sum)]
