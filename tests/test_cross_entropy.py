@@ -53,6 +53,37 @@ def test_loss_and_gradient(reduction, options, shape, dtype):
     close(g, w, dtype)
 
 
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("options", list(OPTIONS), ids=str)
+def test_row_weights(reduction, options):
+    """weights (a padding mask, or any float per row): "none" weights * loss, "sum" their sum,
+    "mean" that over the weights' sum (ignored rows weigh 0); values and the gradients of logits
+    and of the weights against the float32 reference, and the forward alone writes dx."""
+    kw = OPTIONS[options]
+    logits, labels = make((2, 3, 45), jnp.bfloat16, seed=11, ignore=kw.get("ignore_index"))
+    weights = jnp.asarray(np.random.default_rng(2).uniform(0, 2, labels.shape), jnp.float32).at[0, 1].set(0.0)
+
+    def want(x, w):
+        rows = ce.reference(x.astype(jnp.float32), labels, reduction="none", **kw)
+        if reduction == "none":
+            return rows * w
+        valid = labels != kw["ignore_index"] if "ignore_index" in kw else jnp.ones(labels.shape, bool)
+        total = jnp.sum(rows * w)
+        return total / jnp.sum(w * valid) if reduction == "mean" else total
+
+    got = lambda x, w: xkern.ops.cross_entropy(x, labels, reduction=reduction, weights=w, **kw)
+    close(got(logits, weights), want(logits, weights), jnp.float16)
+    f = lambda impl: jax.grad(lambda x, w: jnp.sum(impl(x, w)) * 1.5, (0, 1))
+    for g, r in zip(f(got)(logits, weights), f(want)(logits, weights)):
+        close(g, r, jnp.bfloat16)
+    grad_kernels = kernel_names(jax.make_jaxpr(f(got))(logits, weights))
+    assert ("cross_entropy_bwd" in grad_kernels) == (reduction == "none")
+    zero = xkern.ops.cross_entropy(logits, labels, reduction="mean", weights=jnp.zeros(labels.shape), **kw)
+    assert zero == 0.0  # weights summing to 0: a mean of 0, not NaN
+    with pytest.raises(ValueError, match="weights must be None or a float array of labels' shape"):
+        xkern.ops.cross_entropy(logits, labels, weights=jnp.ones(labels.shape, jnp.int32))
+
+
 def test_long_rows_stream_in_chunks(monkeypatch):
     """Rows longer than a chunk: the online logsumexp and the dx pass loop over 5 chunks; two
     programs share the three rows (each loops over every other row)."""
@@ -424,6 +455,32 @@ def test_mean_or_sum_over_every_row_takes_the_reduction_and_over_some_axes_the_r
         loss = lambda g: (lambda x: jnp.sum(g(x, labels) * jnp.arange(1.0, 1.0 + g(x, labels).size).reshape(
             g(x, labels).shape)))
         close(jax.grad(loss(xkern.optimize(f)))(logits), jax.grad(loss(f))(logits), jnp.float32)
+
+
+def test_padding_masked_sums_take_the_weights():
+    """sum(rows * mask) (/ sum(mask) by XLA) and mean(rows * mask): cross_entropy with the mask as
+    its weights, the gradient from the forward; a mask in the logits' half precision too. A mask
+    by where keeps the row loss. Values and gradients (logits and mask) as jax.jit's."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.bfloat16, seed=12)
+    mask = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape), jnp.float32)
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    cases = {"masked mean": (lambda x, y, m: jnp.sum(up(x, y) * m) / jnp.sum(m),
+                             "sum(optax_integer_labels+upcast * weights)"),
+             "mean of masked": (lambda x, y, m: jnp.mean(up(x, y) * m), "mean(optax_integer_labels+upcast * weights)"),
+             "bf16 mask": (lambda x, y, m: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)
+                                                   * m.astype(jnp.bfloat16)), "sum(optax_integer_labels * weights)"),
+             "where": (lambda x, y, m: jnp.sum(jnp.where(m > 0, up(x, y), 0.0)), "optax_integer_labels+upcast")}
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels, mask)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], name
+        # (the bf16 mask's sum is bf16, rounded once here, after float32 math: 1 ulp from jax.jit's)
+        close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.bfloat16)
+        grads = lambda g: jax.grad(g, (0, 2))(logits, labels, mask)
+        for got, want in zip(grads(xkern.optimize(f)), grads(f)):
+            close(got, want, jnp.bfloat16)
+        kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask))
+        assert ("cross_entropy_bwd" in kernels) == (name == "where"), name
 
 
 def test_near_misses_are_not_rewritten():

@@ -1,8 +1,9 @@
 """Softmax cross-entropy with integer labels over the last axis, in the ways people write it,
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
-program's dtype where the program computed in half precision); its mean or sum over every row, by
-cross_entropy(reduction="mean" / "sum"), whose forward also writes the logits' gradient when the
-program is differentiated (so the backward never reads the logits: on Hopper they are read once).
+program's dtype where the program computed in half precision); its mean or sum over every row (or
+that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
+weights=...), whose forward also writes the logits' gradient when the program is differentiated
+(so the backward never reads the logits: on Hopper they are read once).
 
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
@@ -228,7 +229,7 @@ def _check_params(params) -> str | None:
 
 
 def _check(match, params) -> str | None:
-    logits, labels = match.input_avals
+    logits, labels = match.input_avals[:2]
     if logits.dtype not in ALL:
         return f"dtype {logits.dtype}: the cross-entropy kernels take float32, bfloat16 and float16"
     if logits.ndim < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
@@ -410,39 +411,68 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, ex
 # The loss reduced: cross_entropy(reduction="mean" / "sum")
 # --------------------------------------------------------------------------------------------------
 
-def _reduced(loss_fn, reduce, log_probability):
-    """reduce(loss_fn(logits, labels)), negated for log-probabilities."""
-    def pattern(logits, labels, **params):
-        out = reduce(loss_fn(logits, labels, **params))
+def _reduced(loss_fn, reduce, log_probability, weighted):
+    """reduce(loss_fn(logits, labels)), negated for log-probabilities; weighted: each row's loss
+    times a weight first (a padding mask), the weights the pattern's last input."""
+    def pattern(logits, labels, *weights, **params):
+        rows = loss_fn(logits, labels, **params)
+        out = reduce(rows * weights[0] if weighted else rows)
         return -out if log_probability else out
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({loss_fn.__name__})"
+    rows = f"{loss_fn.__name__}{' * weights' if weighted else ''}"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows})"
     return pattern
 
 
-def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None):
-    """The mean or sum of an integer-label row loss, as cross_entropy(reduction=...): under
-    differentiation its forward also writes the logits' gradient (pre-scaled by the reduction), so
-    the backward does not read the logits again (on Hopper, cross_entropy_hopper reads them once)."""
-    fn = _reduced(loss_fn, reduce, log_probability)
+def _check_reduced(match, params, weighted) -> str | None:
+    if weighted:
+        labels, weights = match.input_avals[1:3]
+        if weights.size != labels.size or not jnp.issubdtype(weights.dtype, jnp.floating):
+            return f"the losses are multiplied by {weights.dtype}{list(weights.shape)}, not a float weight per row"
+    return _check(match, params)
 
-    def replace(logits, labels, *, backend, **params):
+
+def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
+                     weighted=False):
+    """The mean or sum of an integer-label row loss (weighted: of each row's loss times a weight),
+    as cross_entropy(reduction=..., weights=...): under differentiation its forward also writes the
+    logits' gradient (pre-scaled), so the backward does not read the logits again (on Hopper,
+    cross_entropy_hopper reads them once)."""
+    fn = _reduced(loss_fn, reduce, log_probability, weighted)
+
+    def replace(logits, labels, *weights, backend, **params):
         labels = _labels_as_read(labels, labels_as, logits.shape[-1])
-        loss = kernels.cross_entropy(logits, labels, z_loss=params.get("z_loss", 0.0), reduction=reduce.__name__,
-                                     backend=backend)
+        # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
+        loss = kernels.cross_entropy(logits, labels, z_loss=params.get("z_loss", 0.0),
+                                     reduction="sum" if weighted else reduce.__name__, backend=backend,
+                                     weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
+        if weighted and reduce is mean:
+            loss = loss / labels.size
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels).dtype)
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *weights).dtype)
+
+    if weighted:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
+        dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
+
+    def example(dtypes):
+        dtype, weights_dtype = dtypes if weighted else (dtypes, None)
+        logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
+        kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
+        return (logits, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),)
+                                   if weighted else ())
+    rows = f"{name}{' * weights' if weighted else ''}"
     return Pattern(
-        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({name})", op="cross_entropy", fn=fn,
-        dtypes=dtypes,
-        example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
-        params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8), check=_check,
+        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows})", op="cross_entropy", fn=fn,
+        dtypes=dtypes, example=example,
+        params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8),
+        check=lambda match, params: _check_reduced(match, params, weighted),
         replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
         extends=f"cross_entropy/{name}")
 
 
-# Each integer-label row loss's mean and sum over every row (one-hot targets keep the row loss and
+# Each integer-label row loss's mean and sum over every row, plain or weighted per row (a padding
+# mask: sum(loss * mask) / sum(mask), the division left to XLA; one-hot targets keep the row loss and
 # XLA's reduction), traced only for programs where the row loss is found. A reduction over some
-# axes only, or of the losses scaled first, keeps the row loss.
-PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param)
+# axes only, or of the losses scaled by a constant first, keeps the row loss.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, weighted)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if labels_as != ONE_HOT
-             for reduce in (mean, sum)]
+             for weighted in (False, True) for reduce in (mean, sum)]

@@ -358,6 +358,44 @@ def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot
 _ce.defvjp(_ce_fwd, _ce_bwd)
 
 
+def row_weights(labels, ignore_index, reduction, weights):
+    """Each row's factor in the reduced loss, float32 (see cross_entropy's weights): _row_scale's
+    without weights; else the weights, 0 on ignored rows, over their sum for "mean" (0 where the
+    sum is 0)."""
+    valid, scale = _row_scale(labels, ignore_index, reduction)
+    if weights is None:
+        return scale
+    weights = weights.reshape(labels.shape).astype(jnp.float32) * valid
+    if reduction != "mean":
+        return weights
+    total = jnp.sum(weights)
+    return weights / jnp.where(total == 0, 1.0, total)
+
+
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config):
+    """sum(loss * weights) over the rows; differentiated, the forward also writes dx (scaled by each
+    row's weight), and the weights' gradient is the rows' losses."""
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)
+    loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+    return jnp.sum(loss * weights)
+
+
+def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config):
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True)
+    loss, _, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+    return jnp.sum(loss * weights), (dx, loss)
+
+
+def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, residuals, g):
+    dx, loss = residuals
+    return (dx * g.astype(dx.dtype)).astype(dx.dtype), None, loss * g
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
 # --------------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------------
@@ -378,7 +416,7 @@ def int32_labels(labels, ignore_index=None):
     return jnp.asarray(labels).astype(jnp.int32)
 
 
-def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op="cross_entropy"):
+def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op="cross_entropy", weights=None):
     """Raises for a bad argument; returns (label_smoothing, z_loss) as Python floats."""
     if not hasattr(logits, "dtype") or not hasattr(logits, "shape"):
         raise TypeError(f"{op}: logits must be a jax or numpy array; got {type(logits).__name__}")
@@ -405,11 +443,21 @@ def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op=
         raise number_error(op, "z_loss", "a non-negative number", z_loss)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}; got {reduction!r}")
+    check_weights(op, labels, weights)
     return smoothing, z
 
 
+def check_weights(op, labels, weights):
+    """Raises unless weights is None or a float array of labels' shape."""
+    if weights is not None and not (hasattr(weights, "dtype") and jnp.issubdtype(weights.dtype, jnp.floating)
+                                    and tuple(weights.shape) == tuple(labels.shape)):
+        raise ValueError(f"{op}: weights must be None or a float array of labels' shape {tuple(labels.shape)}; "
+                         f"got {getattr(weights, 'dtype', type(weights).__name__)} "
+                         f"{tuple(getattr(weights, 'shape', ()))}")
+
+
 def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, reduction: str = "mean", backend: str | None = None):
+                  z_loss: float = 0.0, reduction: str = "mean", weights=None, backend: str | None = None):
     """Softmax cross-entropy of `logits` [..., V] against integer `labels` [...], float32 math.
 
     ignore_index: rows with this label add 0 to the loss and get zero gradients; "mean" divides by
@@ -418,16 +466,31 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     label_smoothing: the target puts 1 - e on the label and e / V on every class (optax's form).
     z_loss: adds z * logsumexp(logits)^2 per row (PaLM's auxiliary loss).
     reduction: "mean", "sum" or "none" (a float32 loss per row, shaped like labels).
+    weights: a float per row (labels' shape), such as a padding mask: "none" returns weights * loss,
+        "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0; ignored
+        rows weigh 0). Given here rather than applied to reduction="none"'s rows, the gradient is
+        still made in the forward pass.
     """
-    label_smoothing, z_loss = _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+    label_smoothing, z_loss = _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction,
+                                     weights=weights)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels, ignore_index)
+    if weights is not None and reduction != "none":
+        if backend == "xla" or logits.size == 0:
+            rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none")
+            return jnp.sum(rows * row_weights(labels, ignore_index, reduction, weights))
+        n_cols = logits.shape[-1]
+        return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1),
+                             row_weights(labels, ignore_index, reduction, weights).reshape(-1), ignore_index,
+                             label_smoothing, z_loss, backend, default_config(n_cols, backend))
     if backend == "xla" or logits.size == 0:
-        return reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
-    n_cols = logits.shape[-1]
-    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, label_smoothing,
-              z_loss, reduction, backend, default_config(n_cols, backend))
-    return out.reshape(labels.shape) if reduction == "none" else out
+        out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+    else:
+        n_cols = logits.shape[-1]
+        out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, label_smoothing,
+                  z_loss, reduction, backend, default_config(n_cols, backend))
+        out = out.reshape(labels.shape) if reduction == "none" else out
+    return out if weights is None else out * weights  # (reduction "none")
 
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,

@@ -202,11 +202,7 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", wei
                          f"axis); got {tuple(labels.shape)}")
     if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
         raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
-    if weights is not None and not (hasattr(weights, "dtype") and jnp.issubdtype(weights.dtype, jnp.floating)
-                                    and tuple(weights.shape) == tuple(labels.shape)):
-        raise ValueError(f"{op}: weights must be None or a float array of labels' shape {tuple(labels.shape)}; "
-                         f"got {getattr(weights, 'dtype', type(weights).__name__)} "
-                         f"{tuple(getattr(weights, 'shape', ()))}")
+    ce.check_weights(op, labels, weights)
 
 
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
@@ -250,14 +246,7 @@ def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, 
 
 def _row_weights(labels, options: Options, reduction, weights):
     """Each row's factor in the reduced loss (see linear_cross_entropy's weights), float32."""
-    valid, scale = ce._row_scale(labels, options.ignore_index, reduction)
-    if weights is None:
-        return scale
-    weights = weights.reshape(labels.shape).astype(jnp.float32) * valid
-    if reduction != "mean":
-        return weights
-    total = jnp.sum(weights)
-    return weights / jnp.where(total == 0, 1.0, total)
+    return ce.row_weights(labels, options.ignore_index, reduction, weights)
 
 
 def _reference_rows(h, w, labels, options: Options):
