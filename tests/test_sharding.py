@@ -177,5 +177,11 @@ def test_patterns_match_over_sharded_arguments(mesh):
     nothing does not stop a pattern from matching."""
     logits = jax.device_put(_normal(np.random.default_rng(3), (8, 37), jnp.bfloat16), NamedSharding(mesh, P("data")))
     labels = jax.device_put(jnp.arange(8, dtype=jnp.int32), NamedSharding(mesh, P("data")))
-    report = xkern.explain(lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean())(logits, labels)
-    assert [m.pattern for m in report.matches if m.op == "cross_entropy"] == ["cross_entropy/optax_integer_labels"]
+    loss = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+    report = xkern.explain(loss)(logits, labels)
+    assert [m.pattern for m in report.matches if m.op == "cross_entropy"] == ["cross_entropy/mean(optax_integer_labels)"]
+    # the mean over rows split across devices, and its gradient (made in the forward), as jax.jit's
+    value_and_grad = lambda f: jax.jit(jax.value_and_grad(f))(logits, labels)
+    (got, dgot), (want, dwant) = value_and_grad(xkern.optimize(loss)), value_and_grad(loss)
+    np.testing.assert_allclose(got, want, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(dgot, np.float32), np.asarray(dwant, np.float32), atol=2e-3)
