@@ -563,7 +563,15 @@ def test_shared_memory_kernel_on_hopper(shape, options, dtype, monkeypatch):
         close(got, want, jnp.float16)
         assert dgot.dtype == dtype
         close(dgot, dwant, dtype)
-    assert len(launches) == 2  # the kernel ran, once per reduction
+    # row weights (a padding mask with zeros, and fractions): each row's dx scaled in the kernel
+    weights = jnp.asarray(np.random.default_rng(6).choice([0.0, 0.5, 1.0], labels.shape), jnp.float32)
+    f = lambda impl: jax.jit(jax.value_and_grad(lambda x: impl(x, weights)))
+    ours = lambda x, w: xkern.ops.cross_entropy(x, labels, reduction="sum", weights=w, **kw)
+    ref = lambda x, w: jnp.sum(ce.reference(x, labels, reduction="none", **kw) * w)
+    (got, dgot), (want, dwant) = f(ours)(logits), f(ref)(logits.astype(jnp.float32))
+    close(got, want, jnp.float16)
+    close(dgot, dwant, dtype)
+    assert len(launches) == 3  # the kernel ran, once per reduction and once weighted
 
 
 @pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")
