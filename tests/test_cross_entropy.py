@@ -459,8 +459,8 @@ def test_mean_or_sum_over_every_row_takes_the_reduction_and_over_some_axes_the_r
 
 def test_padding_masked_sums_take_the_weights():
     """sum(rows * mask) (/ sum(mask) by XLA) and mean(rows * mask): cross_entropy with the mask as
-    its weights, the gradient from the forward; a mask in the logits' half precision too. A mask
-    by where keeps the row loss. Values and gradients (logits and mask) as jax.jit's."""
+    its weights, the gradient from the forward; a mask in the logits' half precision too. Values and
+    gradients (logits and mask) as jax.jit's."""
     import optax
     logits, labels = make((2, 5, 300), jnp.bfloat16, seed=12)
     mask = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape), jnp.float32)
@@ -469,8 +469,7 @@ def test_padding_masked_sums_take_the_weights():
                              "sum(optax_integer_labels+upcast * weights)"),
              "mean of masked": (lambda x, y, m: jnp.mean(up(x, y) * m), "mean(optax_integer_labels+upcast * weights)"),
              "bf16 mask": (lambda x, y, m: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)
-                                                   * m.astype(jnp.bfloat16)), "sum(optax_integer_labels * weights)"),
-             "where": (lambda x, y, m: jnp.sum(jnp.where(m > 0, up(x, y), 0.0)), "optax_integer_labels+upcast")}
+                                                   * m.astype(jnp.bfloat16)), "sum(optax_integer_labels * weights)")}
     for name, (f, pattern) in cases.items():
         report = xkern.explain(f)(logits, labels, mask)
         assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], name
@@ -480,7 +479,38 @@ def test_padding_masked_sums_take_the_weights():
         for got, want in zip(grads(xkern.optimize(f)), grads(f)):
             close(got, want, jnp.bfloat16)
         kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask))
-        assert ("cross_entropy_bwd" in kernels) == (name == "where"), name
+        assert "cross_entropy_bwd" not in kernels, name
+
+
+def test_losses_masked_by_where_as_jax_jit_nan_rows_included():
+    """where(labels != -100, rows, 0) summed (HF's padding, / the count by XLA) or averaged, and a
+    mask of its own: where_masked_sum, the gradient from the forward. A masked row holding NaN adds
+    0 to the loss, and its gradient is jax.jit's: NaN where the softmax is (0 * NaN), else 0."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.bfloat16, seed=13)
+    labels = labels.at[0, 1].set(-100).at[1, 3].set(-100)
+    logits = logits.at[0, 1, 7].set(jnp.nan)  # in a masked row
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    cases = {"HF's -100": (lambda x, y: jnp.sum(jnp.where(y != -100, up(x, y), 0.0)) / jnp.sum(y != -100),
+                           "sum(where(mask, optax_integer_labels+upcast, 0))"),
+             "mean, an int 0": (lambda x, y: jnp.mean(jnp.where(y != -100, up(x, y), 0)),
+                                "mean(where(mask, optax_integer_labels+upcast, 0))"),
+             "bf16 rows": (lambda x, y: jnp.sum(jnp.where(
+                 y >= 0, optax.softmax_cross_entropy_with_integer_labels(x, y), 0.0)),
+                 "sum(where(mask, optax_integer_labels, 0))")}
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], name
+        got, want = xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels)
+        assert np.isfinite(np.float32(got)), name
+        close(got, want, jnp.bfloat16)
+        dgot = np.asarray(jax.grad(xkern.optimize(f))(logits, labels), np.float32)
+        dwant = np.asarray(jax.grad(f)(logits, labels), np.float32)
+        np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
+        assert np.isnan(dgot[0, 1]).any() and not np.isnan(dgot[1]).any(), name
+        np.testing.assert_allclose(np.nan_to_num(dgot), np.nan_to_num(dwant), rtol=1e-2, atol=2e-3)  # (bf16)
+        kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels))
+        assert "cross_entropy_bwd" not in kernels, name
 
 
 def test_near_misses_are_not_rewritten():

@@ -411,68 +411,81 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, ex
 # The loss reduced: cross_entropy(reduction="mean" / "sum")
 # --------------------------------------------------------------------------------------------------
 
-def _reduced(loss_fn, reduce, log_probability, weighted):
-    """reduce(loss_fn(logits, labels)), negated for log-probabilities; weighted: each row's loss
-    times a weight first (a padding mask), the weights the pattern's last input."""
-    def pattern(logits, labels, *weights, **params):
+WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
+
+
+def _reduced(loss_fn, reduce, log_probability, masked):
+    """reduce(loss_fn(logits, labels)), negated for log-probabilities; masked: each row's loss times
+    a weight first (a padding mask: WEIGHTS), or kept where a boolean mask is true (WHERE), the mask
+    the pattern's last input."""
+    def pattern(logits, labels, *mask, **params):
         rows = loss_fn(logits, labels, **params)
-        out = reduce(rows * weights[0] if weighted else rows)
+        if masked:
+            rows = rows * mask[0] if masked == WEIGHTS else jnp.where(mask[0], rows, 0.0)
+        out = reduce(rows)
         return -out if log_probability else out
-    rows = f"{loss_fn.__name__}{' * weights' if weighted else ''}"
+    rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
+            WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows})"
     return pattern
 
 
-def _check_reduced(match, params, weighted) -> str | None:
-    if weighted:
-        labels, weights = match.input_avals[1:3]
-        if weights.size != labels.size or not jnp.issubdtype(weights.dtype, jnp.floating):
-            return f"the losses are multiplied by {weights.dtype}{list(weights.shape)}, not a float weight per row"
+def _check_reduced(match, params, masked) -> str | None:
+    if masked:
+        labels, mask = match.input_avals[1:3]
+        kind = jnp.floating if masked == WEIGHTS else jnp.bool_
+        if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
+            return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
     return _check(match, params)
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
-                     weighted=False):
-    """The mean or sum of an integer-label row loss (weighted: of each row's loss times a weight),
-    as cross_entropy(reduction=..., weights=...): under differentiation its forward also writes the
-    logits' gradient (pre-scaled), so the backward does not read the logits again (on Hopper,
-    cross_entropy_hopper reads them once)."""
-    fn = _reduced(loss_fn, reduce, log_probability, weighted)
+                     masked=None):
+    """The mean or sum of an integer-label row loss (masked: of each row's loss times a weight, or
+    where a mask is true), as cross_entropy(reduction=..., weights=...) or where_masked_sum: under
+    differentiation its forward also writes the logits' gradient (pre-scaled), so the backward does
+    not read the logits again (on Hopper, cross_entropy_hopper reads them once)."""
+    fn = _reduced(loss_fn, reduce, log_probability, masked)
 
-    def replace(logits, labels, *weights, backend, **params):
+    def replace(logits, labels, *mask, backend, **params):
         labels = _labels_as_read(labels, labels_as, logits.shape[-1])
-        # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
-        loss = kernels.cross_entropy(logits, labels, z_loss=params.get("z_loss", 0.0),
-                                     reduction="sum" if weighted else reduce.__name__, backend=backend,
-                                     weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
-        if weighted and reduce is mean:
+        options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
+        if masked == WHERE:
+            loss = kernels.where_masked_sum(logits, labels, mask[0], **options)
+        else:
+            weights = mask[0].reshape(labels.shape).astype(jnp.float32) if masked else None
+            # (mean of the masked rows divides by the rows, not by the mask's sum: a sum over n)
+            loss = kernels.cross_entropy(logits, labels, reduction="sum" if masked else reduce.__name__,
+                                         weights=weights, **options)
+        if masked and reduce is mean:
             loss = loss / labels.size
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *weights).dtype)
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *mask).dtype)
 
-    if weighted:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
+    if masked == WEIGHTS:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if weighted else (dtypes, None)
+        dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         return (logits, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),)
-                                   if weighted else ())
-    rows = f"{name}{' * weights' if weighted else ''}"
+                                   if masked else ())
+    rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
     return Pattern(
         name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows})", op="cross_entropy", fn=fn,
         dtypes=dtypes, example=example,
         params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8),
-        check=lambda match, params: _check_reduced(match, params, weighted),
+        check=lambda match, params: _check_reduced(match, params, masked),
         replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
         extends=f"cross_entropy/{name}")
 
 
-# Each integer-label row loss's mean and sum over every row, plain or weighted per row (a padding
-# mask: sum(loss * mask) / sum(mask), the division left to XLA; one-hot targets keep the row loss and
-# XLA's reduction), traced only for programs where the row loss is found. A reduction over some
-# axes only, or of the losses scaled by a constant first, keeps the row loss.
-PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, weighted)
+# Each integer-label row loss's mean and sum over every row: plain, weighted per row (a padding
+# mask: sum(loss * mask) / sum(mask), the division left to XLA) or masked by where (HF's -100
+# labels: where(labels != -100, loss, 0)); one-hot targets keep the row loss and XLA's reduction.
+# Traced only for programs where the row loss is found. A reduction over some axes only, or of the
+# losses scaled by a constant first, keeps the row loss.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if labels_as != ONE_HOT
-             for weighted in (False, True) for reduce in (mean, sum)]
+             for masked in (None, WEIGHTS, WHERE) for reduce in (mean, sum)]

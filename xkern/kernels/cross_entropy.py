@@ -372,23 +372,33 @@ def row_weights(labels, ignore_index, reduction, weights):
     return weights / jnp.where(total == 0, 1.0, total)
 
 
-@L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config):
-    """sum(loss * weights) over the rows; differentiated, the forward also writes dx (scaled by each
-    row's weight), and the weights' gradient is the rows' losses."""
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)
-    loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+def _sum(loss, weights, zero_where_unweighted):
+    """sum(loss * weights); zero_where_unweighted: rows of weight 0 add 0 even where their loss is
+    not finite, as where(mask, loss, 0) does (loss * 0 would be NaN there)."""
+    if zero_where_unweighted:
+        return jnp.sum(jnp.where(weights != 0, loss * weights, 0.0))
     return jnp.sum(loss * weights)
 
 
-def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config):
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted=False):
+    """sum(loss * weights) over the rows (see _sum); differentiated, the forward also writes dx
+    (scaled by each row's weight: NaN * 0 where a row of weight 0 is not finite, as jax.jit's
+    gradient of either form), and the weights' gradient is the rows' losses."""
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)
+    loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+    return _sum(loss, weights, zero_where_unweighted)
+
+
+def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config,
+                      zero_where_unweighted=False):
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True)
     loss, _, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
-    return jnp.sum(loss * weights), (dx, loss)
+    return _sum(loss, weights, zero_where_unweighted), (dx, loss)
 
 
-def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, residuals, g):
+def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, residuals, g):
     dx, loss = residuals
     return (dx * g.astype(dx.dtype)).astype(dx.dtype), None, loss * g
 
@@ -491,6 +501,21 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
                   z_loss, reduction, backend, default_config(n_cols, backend))
         out = out.reshape(labels.shape) if reduction == "none" else out
     return out if weights is None else out * weights  # (reduction "none")
+
+
+def where_masked_sum(logits, labels, mask, *, z_loss: float = 0.0, backend: str | None = None):
+    """sum(where(mask, loss, 0)) over the rows (mask: a bool per row), as programs mask padding after
+    the loss (where(labels != -100, loss, 0)), the gradient made in the forward pass: jax.jit's
+    value and gradient, a masked row's gradient NaN where its logits make the softmax NaN (0 * NaN
+    in jax.jit's backward). What the patterns replace such programs with."""
+    backend = L.resolve_backend(backend)
+    logits, labels = jnp.asarray(logits), int32_labels(labels)
+    mask = jnp.asarray(mask).reshape(labels.shape)
+    if backend == "xla" or logits.size == 0:
+        return jnp.sum(jnp.where(mask, reference(logits, labels, z_loss=z_loss, reduction="none"), 0.0))
+    n_cols = logits.shape[-1]
+    return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1), mask.reshape(-1).astype(jnp.float32), None,
+                         0.0, float(z_loss), backend, default_config(n_cols, backend), True)
 
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
