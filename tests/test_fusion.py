@@ -302,8 +302,10 @@ def test_cost_model_follows_the_h200_measurements():
     assert not plan.fusions and "matmul's product" in plan.declined[0].reason
 
 
+# (sin's argument clamped: after v * v twice it reached 1376, where float32's rounding of the argument
+# alone, 1.2e-4, moved sin by more than the tolerance, in XLA as in the kernel)
 OPS = [lambda v: jnp.exp(-jnp.abs(v)), jnp.tanh, jax.nn.sigmoid, jnp.abs, lambda v: v * 1.5, lambda v: v + 0.25,
-       lambda v: jnp.maximum(v, 0.1), jnp.sin, lambda v: v * v]
+       lambda v: jnp.maximum(v, 0.1), lambda v: jnp.sin(jnp.minimum(jnp.maximum(v, -10.0), 10.0)), lambda v: v * v]
 
 
 @settings(max_examples=15, deadline=None)
