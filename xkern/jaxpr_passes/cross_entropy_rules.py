@@ -2,8 +2,9 @@
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
 program's dtype where the program computed in half precision); its mean or sum over every row (or
 that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
-weights=...), whose forward also writes the logits' gradient when the program is differentiated
-(so the backward never reads the logits: on Hopper they are read once).
+weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, whose
+forwards also write the logits' gradient when the program is differentiated (so the backward never
+reads the logits: on Hopper they are read once).
 
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
