@@ -39,7 +39,46 @@ def cases(on_gpu: bool) -> list[Case]:
                                          ("cross_entropy none, weighted", per_row, 2 * n, "fwd+bwd")):
             out.append(Case(name, (rows, vocab), "bfloat16", mode, wrap(xkern.ops.cross_entropy),
                             wrap(reference), make, nbytes, 2e-2))
-    return out + linear_cases(on_gpu)
+    return out + loss_cases(on_gpu) + linear_cases(on_gpu)
+
+
+def _losses_as_written() -> dict:
+    """The loss as programs write it, each a scalar of (logits, labels): what the patterns take whole."""
+    import optax
+    rows = optax.softmax_cross_entropy_with_integer_labels
+    one_hot_rows = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, x.shape[-1]))
+    padding = lambda y: (y % 8 != 7).astype(jnp.float32)  # (every 8th row padding)
+    losses = {
+        "optax integer labels, mean": lambda x, y: rows(x, y).mean(),
+        "integer labels, padding-masked mean": lambda x, y: jnp.sum(rows(x, y) * padding(y)) / jnp.sum(padding(y)),
+        "integer labels, where-masked over the count": lambda x, y: jnp.sum(
+            jnp.where(y % 8 != 7, rows(x, y), 0.0)) / jnp.sum(y % 8 != 7),
+        "one-hot target, mean": lambda x, y: one_hot_rows(x, y).mean(),
+        "one-hot target, padding-masked mean": lambda x, y: jnp.sum(one_hot_rows(x, y) * padding(y)) / jnp.sum(
+            padding(y)),
+        "smoothed one-hot target (0.1), mean": lambda x, y: optax.softmax_cross_entropy(
+            x, optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.1)).mean(),
+    }
+    if importlib.util.find_spec("flax") is not None:  # HF's Flax examples: flax's onehot
+        from flax.training.common_utils import onehot
+        losses["flax onehot (HF run_mlm_flax), masked sum"] = lambda x, y: jnp.sum(
+            optax.softmax_cross_entropy(x, onehot(y, x.shape[-1])) * jnp.where(y > 0, 1.0, 0.0))
+    return losses
+
+
+def loss_cases(on_gpu: bool) -> list[Case]:
+    """Value and gradient of the logits of each loss as written, xkern.jit against jax.jit."""
+    if importlib.util.find_spec("optax") is None:  # (a test dependency only)
+        return []
+    rows, vocab = (8192, 128256) if on_gpu else (64, 1000)
+
+    def make(key):
+        kx, kl = jax.random.split(key)
+        return jax.random.normal(kx, (rows, vocab), jnp.bfloat16) * 2, jax.random.randint(kl, (rows,), 0, vocab)
+    return [Case(f"loss as written: {name}", (rows, vocab), "bfloat16", "fwd+bwd",
+                 xkern.jit(jax.value_and_grad(loss)), jax.jit(jax.value_and_grad(loss)), make, 2 * rows * vocab * 2,
+                 2e-2)
+            for name, loss in _losses_as_written().items()]
 
 
 def linear_cases(on_gpu: bool) -> list[Case]:

@@ -24,6 +24,15 @@ def make(shape, dtype, seed=0, ignore=None):
     return logits, jnp.asarray(labels, jnp.int32)
 
 
+def dx_scales(closed_jaxpr, size):
+    """The multiplications of arrays of `size` elements by anything but the literal 1 (jax.grad's
+    cotangent, which XLA folds away): a scale applied to a forward's dx after it, one more pass."""
+    from jax.extend.core import Literal
+    return [eqn for eqn in closed_jaxpr.jaxpr.eqns if eqn.primitive.name == "mul"
+            and any(v.aval.size == size for v in eqn.outvars)
+            and not any(isinstance(v, Literal) and float(v.val) == 1.0 for v in eqn.invars)]
+
+
 def close(got, want, dtype, scale=None):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape
@@ -247,6 +256,62 @@ def test_one_hot_cross_entropy_with_z_loss_is_the_program_edge_rows_included(smo
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("smoothing,z", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-2)])
+def test_one_hot_weighted_sums_are_the_program_edge_rows_included(smoothing, z):
+    """one_hot_cross_entropy(weights=w), what a one-hot loss's mean or masked sum becomes: sum(loss
+    * w), NaN where the program's is, its gradients (logits, from the forward; weights) the
+    program's, rows of weight 0 and labels out of range included."""
+    inf, nan = jnp.inf, jnp.nan
+    x, _ = make((9, 300), jnp.float32, seed=14)
+    y = jnp.array([0, 2, 299, 1, 0, 3, 300, -1, 7], jnp.int32)
+    w = jnp.asarray(np.random.default_rng(4).uniform(0, 1, 9), jnp.float32).at[2].set(0.0)
+    program = lambda x, y, w: jnp.sum(w * (_smoothed_program(x, y, smoothing) + z * jnp.square(
+        jax.nn.logsumexp(x, -1))))
+    kernel = lambda x, y, w: ce.one_hot_cross_entropy(x, y, label_smoothing=smoothing, z_loss=z, weights=w)
+    close(kernel(x, y, w), program(x, y, w), jnp.float32)
+    grads = lambda f, x: jax.grad(f, (0, 2))(x, y, w)
+    for got, want in zip(grads(kernel, x), grads(program, x)):
+        close(got, want, jnp.float32)
+    # edge rows: -inf beside the label (a NaN loss unsmoothed, the gradient finite), -inf at a row of
+    # weight 0, +inf and NaN (NaN gradients on their rows)
+    x = x.at[1, 7].set(-inf).at[2, 8].set(-inf).at[4, 250].set(inf).at[5, 3].set(nan)
+    got, want = kernel(x, y, w), program(x, y, w)
+    assert np.isnan(got) and np.isnan(want)
+    got, want = grads(kernel, x)[0], grads(program, x)[0]
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert not np.isnan(got[1]).any() and np.isnan(got[4]).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert kernel_names(jax.make_jaxpr(jax.grad(kernel))(x, y, w)) == ["cross_entropy_fwd"]
+    with pytest.raises(ValueError, match="weights must be None or a float array of labels' shape"):
+        ce.one_hot_cross_entropy(x, y, weights=w[:3])
+
+
+def test_one_hot_losses_reduced_take_the_weights():
+    """HF's Flax examples: softmax_cross_entropy(logits, one_hot) * mask, summed and over the mask's
+    sum, or a token count given: one_hot_cross_entropy with the mask over the divisor as its weights,
+    the gradient from the forward and final; a label out of range too. Values and gradients as
+    jax.jit's."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.bfloat16, seed=15)
+    labels = labels.at[0, 1].set(-1)
+    mask = jnp.asarray(np.random.default_rng(5).integers(0, 2, labels.shape), jnp.float32)
+    rows = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, x.shape[-1]))
+    cases = {"masked mean": (lambda x, y, m, n: jnp.sum(rows(x, y) * m) / jnp.sum(m),
+                             "sum(one_hot*log_softmax * weights) / d"),
+             "over a count": (lambda x, y, m, n: jnp.sum(rows(x, y)) / n, "sum(one_hot*log_softmax) / d"),
+             "masked sum": (lambda x, y, m, n: jnp.sum(rows(x, y) * m), "sum(one_hot*log_softmax * weights)")}
+    count = jnp.float32(7.0)
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels, mask, count)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], name
+        close(xkern.jit(f)(logits, labels, mask, count), jax.jit(f)(logits, labels, mask, count), jnp.bfloat16)
+        grads = lambda g: jax.grad(g, (0, 2, 3))(logits, labels, mask, count)
+        for got, want in zip(grads(xkern.optimize(f)), grads(f)):
+            close(got, want, jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask, count)
+        assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size), name
+
+
 def test_one_hot_cross_entropy_over_chunks_finds_each_non_finite_logit(monkeypatch):
     """Rows of 300 in chunks of 64 (four whole chunks, then 44): -inf in a whole chunk, in the last
     one, only at the label (loss +inf), at the label and elsewhere (NaN), +inf in the last chunk."""
@@ -322,9 +387,15 @@ def test_bad_input_names_the_argument():
 
 def _spellings():
     import optax
+    from flax.training.common_utils import onehot
 
     take = lambda a, y: jnp.take_along_axis(a, y[..., None], axis=-1)
     return {
+        # HF's Flax examples: flax's onehot, plain (run_clm_flax) or smoothed with on = 1 - e and
+        # off = e / (V - 1) (run_summarization_flax)
+        "flax_onehot*log_softmax": lambda x, y: optax.softmax_cross_entropy(x, onehot(y, x.shape[-1])).mean(),
+        "flax_onehot*log_softmax+upcast": lambda x, y: jnp.sum(optax.softmax_cross_entropy(
+            x.astype(jnp.float32), onehot(y, x.shape[-1], on_value=0.9, off_value=0.1 / (x.shape[-1] - 1)))),
         "optax_integer_labels": lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean(),
         "optax_integer_labels+upcast": lambda x, y: jnp.sum(
             optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)),
@@ -338,7 +409,7 @@ def _spellings():
             jax.nn.one_hot(y, x.shape[-1]) * jax.nn.log_softmax(x.astype(jnp.float32)), axis=-1)),
         "one_hot(dtype=logits')*log_softmax": lambda x, y: optax.softmax_cross_entropy(
             x, jax.nn.one_hot(y, x.shape[-1], dtype=x.dtype)).mean(),
-        "sum(one_hot*log_softmax)+upcast": lambda x, y: -jnp.mean(jnp.sum(
+        "sum_classes(one_hot*log_softmax)+upcast": lambda x, y: -jnp.mean(jnp.sum(
             jax.nn.log_softmax(x.astype(jnp.float32)) * jax.nn.one_hot(y, x.shape[-1]), axis=-1)),
         "-take_along_axis(x-logsumexp)+upcast": lambda x, y: jnp.mean(-take(
             (lambda z: z - jax.nn.logsumexp(z, -1, keepdims=True))(x.astype(jnp.float32)), y)[..., 0]),
@@ -368,9 +439,9 @@ def _spellings():
     }
 
 
-# The spellings above whose whole loss is the mean or sum of the row losses (integer labels): taken
-# with their reduction, so that the gradient comes out of the forward (the others: a row loss, the
-# rest XLA's). -sum(0.5 * rows) and one-hot targets keep the row loss.
+# The spellings above whose whole loss is the mean or sum of the row losses: taken with their
+# reduction, so that the gradient comes out of the forward (the others: a row loss, the rest XLA's).
+# -sum(0.5 * rows) keeps the row loss.
 REDUCED = {"optax_integer_labels": "mean(optax_integer_labels)",
            "optax_integer_labels+upcast": "sum(optax_integer_labels+upcast)",
            "logsumexp-take_along_axis": "mean(logsumexp-take_along_axis)",
@@ -380,7 +451,15 @@ REDUCED = {"optax_integer_labels": "mean(optax_integer_labels)",
            "-take_along_axis(log_softmax)+z*logsumexp^2+upcast":
                "sum(-take_along_axis(log_softmax)+z*logsumexp^2+upcast)",
            "-take_along_axis(x-logsumexp)+z*logsumexp^2": "mean(-take_along_axis(x-logsumexp)+z*logsumexp^2)",
-           "optax_integer_labels+z*logsumexp^2+upcast": "mean(optax_integer_labels+z*logsumexp^2+upcast)"}
+           "optax_integer_labels+z*logsumexp^2+upcast": "mean(optax_integer_labels+z*logsumexp^2+upcast)",
+           **{spelling: f"{reduce}({spelling})" for reduce, spellings in {
+               "mean": ["one_hot*log_softmax", "one_hot(dtype=logits')*log_softmax",
+                        "smooth_labels(one_hot)*log_softmax+upcast", "one_hot*(x-logsumexp)+z*logsumexp^2+upcast"],
+               "sum": ["one_hot*log_softmax+upcast", "one_hot*(x-logsumexp)", "smooth_labels(one_hot)*log_softmax",
+                       "one_hot*log_softmax+z*logsumexp^2"],
+               "-mean": ["sum_classes(one_hot*log_softmax)+upcast"]}.items() for spelling in spellings},
+           "flax_onehot*log_softmax": "mean(flax_onehot*log_softmax)",
+           "flax_onehot*log_softmax+upcast": "sum(flax_onehot*log_softmax+upcast)"}
 
 
 @pytest.mark.parametrize("spelling", list(_spellings()))
@@ -398,6 +477,38 @@ def test_patterns_match_and_equal_jax_jit(spelling):
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
     close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels), jax.jit(jax.grad(f))(logits, labels),
           jnp.bfloat16)
+
+
+def test_hf_flax_example_losses_are_found():
+    """HF's Flax examples' losses, flax's onehot targets: run_mlm_flax's sum of the rows times the
+    mask of labels > 0 (reduced: the gradient from the forward); run_summarization_flax's smoothed
+    target (on = 1 - e, off = e / (V - 1)) less its normalizing constant, times the padding mask,
+    summed (the row loss: the constant comes between it and the mask). Values and gradients as
+    jax.jit's, a label out of range (onehot's row of zeros) included."""
+    import optax
+    from flax.training.common_utils import onehot
+    logits, labels = make((2, 6, 41), jnp.bfloat16, seed=16)
+    labels = labels.at[0, 0].set(0).at[1, 2].set(41)
+    mask = jnp.asarray(np.random.default_rng(8).integers(0, 2, labels.shape), jnp.float32)
+
+    def mlm(x, y, padding):
+        label_mask = jnp.where(y > 0, 1.0, 0.0)
+        return jnp.sum(optax.softmax_cross_entropy(x, onehot(y, x.shape[-1])) * label_mask)
+
+    def summarization(x, y, padding, smoothing=0.1):
+        vocab, confidence = x.shape[-1], 1.0 - smoothing
+        low_confidence = (1.0 - confidence) / (vocab - 1)
+        constant = -(confidence * jnp.log(confidence) + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+        soft_labels = onehot(y, vocab, on_value=confidence, off_value=low_confidence)
+        return jnp.sum((optax.softmax_cross_entropy(x, soft_labels) - constant) * padding)
+
+    for f, pattern in ((mlm, "sum(flax_onehot*log_softmax * weights)"), (summarization, "flax_onehot*log_softmax")):
+        report = xkern.explain(f)(logits, labels, mask)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"]
+        close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.bfloat16)
+        # (against the program on float32 logits: jax.jit's bf16 softmax gradient is 2% off near 1)
+        close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels, mask),
+              jax.jit(jax.grad(f))(logits.astype(jnp.float32), labels, mask), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("spelling", ["-log_softmax[rows, labels]", "log_softmax[rows, labels]+upcast",
@@ -458,16 +569,19 @@ def test_mean_or_sum_over_every_row_takes_the_reduction_and_over_some_axes_the_r
 
 
 def test_padding_masked_sums_take_the_weights():
-    """sum(rows * mask) (/ sum(mask) by XLA) and mean(rows * mask): cross_entropy with the mask as
-    its weights, the gradient from the forward; a mask in the logits' half precision too. Values and
-    gradients (logits and mask) as jax.jit's."""
+    """sum(rows * mask) / sum(mask) and mean(rows * mask): cross_entropy with the mask as its
+    weights, the division folded into them, the gradient from the forward and final (not scaled
+    again); a mask in the logits' half precision too. Values and gradients (logits and mask) as
+    jax.jit's."""
     import optax
     logits, labels = make((2, 5, 300), jnp.bfloat16, seed=12)
     mask = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape), jnp.float32)
     up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
     cases = {"masked mean": (lambda x, y, m: jnp.sum(up(x, y) * m) / jnp.sum(m),
-                             "sum(optax_integer_labels+upcast * weights)"),
+                             "sum(optax_integer_labels+upcast * weights) / d"),
              "mean of masked": (lambda x, y, m: jnp.mean(up(x, y) * m), "mean(optax_integer_labels+upcast * weights)"),
+             "over a scalar": (lambda x, y, m: jnp.sum(up(x, y)) / (1.0 + jnp.sum(m)),
+                               "sum(optax_integer_labels+upcast) / d"),
              "bf16 mask": (lambda x, y, m: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)
                                                    * m.astype(jnp.bfloat16)), "sum(optax_integer_labels * weights)")}
     for name, (f, pattern) in cases.items():
@@ -478,13 +592,14 @@ def test_padding_masked_sums_take_the_weights():
         grads = lambda g: jax.grad(g, (0, 2))(logits, labels, mask)
         for got, want in zip(grads(xkern.optimize(f)), grads(f)):
             close(got, want, jnp.bfloat16)
-        kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask))
-        assert "cross_entropy_bwd" not in kernels, name
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
+        assert "cross_entropy_bwd" not in kernel_names(grad_jaxpr), name
+        assert not dx_scales(grad_jaxpr, logits.size), name
 
 
 def test_losses_masked_by_where_as_jax_jit_nan_rows_included():
-    """where(labels != -100, rows, 0) summed (HF's padding, / the count by XLA) or averaged, and a
-    mask of its own: where_masked_sum, the gradient from the forward. A masked row holding NaN adds
+    """where(labels != -100, rows, 0) summed (HF's padding, over the count) or averaged, and a
+    mask of its own: where_masked_sum, the gradient from the forward, the scales folded into it. A masked row holding NaN adds
     0 to the loss, and its gradient is jax.jit's: NaN where the softmax is (0 * NaN), else 0."""
     import optax
     logits, labels = make((2, 5, 300), jnp.bfloat16, seed=13)
@@ -492,7 +607,7 @@ def test_losses_masked_by_where_as_jax_jit_nan_rows_included():
     logits = logits.at[0, 1, 7].set(jnp.nan)  # in a masked row
     up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
     cases = {"HF's -100": (lambda x, y: jnp.sum(jnp.where(y != -100, up(x, y), 0.0)) / jnp.sum(y != -100),
-                           "sum(where(mask, optax_integer_labels+upcast, 0))"),
+                           "sum(where(mask, optax_integer_labels+upcast, 0)) / d"),
              "mean, an int 0": (lambda x, y: jnp.mean(jnp.where(y != -100, up(x, y), 0)),
                                 "mean(where(mask, optax_integer_labels+upcast, 0))"),
              "bf16 rows": (lambda x, y: jnp.sum(jnp.where(
@@ -509,8 +624,9 @@ def test_losses_masked_by_where_as_jax_jit_nan_rows_included():
         np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
         assert np.isnan(dgot[0, 1]).any() and not np.isnan(dgot[1]).any(), name
         np.testing.assert_allclose(np.nan_to_num(dgot), np.nan_to_num(dwant), rtol=1e-2, atol=2e-3)  # (bf16)
-        kernels = kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels))
-        assert "cross_entropy_bwd" not in kernels, name
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels)
+        assert "cross_entropy_bwd" not in kernel_names(grad_jaxpr), name
+        assert not dx_scales(grad_jaxpr, logits.size), name
 
 
 def test_near_misses_are_not_rewritten():
@@ -546,8 +662,9 @@ def test_near_misses_are_not_rewritten():
 
 
 def test_shared_memory_kernel_takes_the_rows_where_it_wins():
-    """cross_entropy_hopper's kernel (Hopper): 16-bit integer-label problems whose dx the forward
-    writes, rows of 3 to 14 * 4 / 3 chunks of 8192, a multiple of 8 wide; nothing else."""
+    """cross_entropy_hopper's kernel (Hopper): 16-bit problems (integer labels or one-hot targets)
+    whose dx the forward writes, rows of 3 to 14 * 4 / 3 chunks of 8192, a multiple of 8 wide;
+    nothing else."""
     from xkern.kernels import cross_entropy_hopper as hopper
     consts = ce._consts(128256, None, 0.1, 1e-4, write_dx=True)
     assert hopper.applies(128256, 2, consts) and hopper.applies(32000, 2, consts)
@@ -557,7 +674,7 @@ def test_shared_memory_kernel_takes_the_rows_where_it_wins():
     assert not hopper.applies(128257, 2, consts)  # (rows 2 bytes past a multiple of 16: no TMA)
     assert not hopper.applies(128256, 4, consts)  # float32
     assert not hopper.applies(128256, 2, {**consts, "WRITE_DX": False})  # reduction "none"
-    assert not hopper.applies(128256, 2, {**consts, "ONE_HOT": True})
+    assert hopper.applies(128256, 2, {**consts, "ONE_HOT": True})  # one-hot targets, their loss reduced
     assert hopper.config(128256)["N_CHUNKS"] == 14 and hopper.config(50304)["N_CHUNKS"] == 6
 
 
@@ -634,3 +751,40 @@ def test_shared_memory_kernel_edge_rows_on_hopper(monkeypatch):
         want_rows = ce.reference(x.astype(jnp.float32), labels, reduction="none", **kw)
         np.testing.assert_array_equal(np.isnan(per_row), np.isnan(want_rows))
     assert len(launches) == 4
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")
+@pytest.mark.parametrize("smoothing,z", [(0.0, 0.0), (0.1, 0.0), (0.0, 1e-3), (0.1, 1e-3)])
+def test_shared_memory_kernel_one_hot_edge_rows_on_hopper(smoothing, z, monkeypatch):
+    """One-hot targets (one_hot_cross_entropy with weights, what a one-hot loss's mean or masked sum
+    becomes), rows of 20000: each row's loss alone, and the gradient of them all, as the program's:
+    a -inf logit at the label alone (loss +inf), beside it (NaN unsmoothed), in the tail, labels out
+    of range (a row of zeros), +inf and NaN."""
+    launches = _gluon_launches(monkeypatch)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((12, 20000)).astype(np.float32)
+    x[1, 5] = -np.inf                        # at the label alone
+    x[2, 19000] = -np.inf                    # in the tail, beside the label
+    x[3] = -np.inf                           # every logit
+    x[4, 9000] = np.inf                      # +inf in the second chunk
+    x[6, 17000] = np.nan                     # NaN in the tail
+    x[7, 0], x[7, 18000] = 1e30, -1e30       # far apart
+    x[8] += -1e4                             # large, all negative
+    x[9, 100] = -np.inf                      # beside a label out of range
+    x[10, 7] = x[10, 15000] = -np.inf        # at the label and in the tail
+    x[11, 16384] = 30.0                      # the max, first of the tail
+    x = jnp.asarray(x, jnp.bfloat16)
+    y = jnp.asarray([3, 5, 10, 0, 9000, 20000, 17000, 0, 12, -1, 7, 16384], jnp.int32)
+    w = jnp.asarray(rng.uniform(0.5, 1.0, 12), jnp.float32)
+    kernel = lambda a, y, w: ce.one_hot_cross_entropy(a, y, label_smoothing=smoothing, z_loss=z, weights=w)
+    z_term = lambda a: z * jnp.square(jax.nn.logsumexp(a.astype(jnp.float32), -1)) if z else 0.0  # (0 * 1e60: NaN)
+    program = lambda a, y, w: jnp.sum(w * (_smoothed_program(a, y, smoothing) + z_term(a)))
+    one_row = jax.jit(jax.value_and_grad(kernel))  # (differentiated: the forward that writes dx, the kernel's)
+    for i in range(12):
+        got, want = one_row(x[i:i + 1], y[i:i + 1], w[i:i + 1])[0], program(x[i:i + 1], y[i:i + 1], w[i:i + 1])
+        assert np.isnan(got) == np.isnan(want) and (np.isnan(got) or np.isclose(got, want, rtol=2e-3)), (i, got, want)
+    dgot = np.asarray(jax.jit(jax.grad(kernel))(x, y, w), np.float32)
+    dwant = np.asarray(jax.grad(program)(x.astype(jnp.float32), y, w), np.float32)
+    np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
+    np.testing.assert_allclose(dgot, dwant, rtol=1e-2, atol=1e-2)  # (bf16 dx: 2^-8 relative)
+    assert len(launches) == 2

@@ -251,8 +251,8 @@ def _spellings():
             nn.Embed(*t.shape).apply({"params": {"embedding": t}}, h, method="attend").astype(jnp.float32), y).mean(),
         "sum(one_hot_in_logits_dtype_log_softmax(matmul_transposed))": lambda h, t, y: jnp.sum(-jnp.sum(
             jax.nn.one_hot(y, t.shape[0], dtype=h.dtype) * jax.nn.log_softmax(h @ t.T), -1)),
-        # a padding mask: the masked mean, its division left to XLA
-        "sum(optax_integer_labels_upcast(jnp_matmul) * weights)": lambda h, w, y: jnp.sum(
+        # a padding mask: the masked mean, its division folded into the weights
+        "sum(optax_integer_labels_upcast(jnp_matmul) * weights) / d": lambda h, w, y: jnp.sum(
             optax.softmax_cross_entropy_with_integer_labels((h @ w).astype(jnp.float32), y) * (y != 3)) / jnp.sum(y != 3),
         "-sum(log_softmax_at_label(lax_dot_general) * weights)": lambda h, w, y: -jnp.sum(jnp.take_along_axis(
             jax.nn.log_softmax(dense(h, w)), y[..., None], -1) * (y != 3)[..., None].astype(h.dtype)),

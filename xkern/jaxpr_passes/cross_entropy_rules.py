@@ -114,6 +114,28 @@ def _smoothing_of(match, n_cols: int, example_cols: int) -> float:
     return 1.0 - keep  # inconsistent literals: the exact trace will not match, and says so
 
 
+def flax_onehot_log_softmax(logits, labels, smoothing):
+    """optax.softmax_cross_entropy(logits, flax.training.common_utils.onehot(labels, V, on, off)): HF's
+    Flax examples' loss, where they smooth on = 1 - s and off = s / (V - 1), the kernels' smoothing
+    e = off * V (on = 1 - e + e / V); plain, on = 1 and off = 0."""
+    from flax.training import common_utils
+    n_cols = logits.shape[-1]
+    target = common_utils.onehot(labels, n_cols, on_value=1.0 - smoothing + smoothing / n_cols,
+                                 off_value=smoothing / n_cols)
+    return -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+
+
+def _on_off_smoothing_of(match, n_cols: int, example_cols: int) -> float:
+    """The smoothing e of a matched flax onehot target, read off its on and off values (as
+    _smoothing_of: one that gives both back, else one the exact trace will decline)."""
+    example_off = SMOOTHING_EXAMPLE / example_cols
+    on, off = literal_at(match, 1.0 - SMOOTHING_EXAMPLE + example_off), literal_at(match, example_off)
+    for e in (off * n_cols, (1.0 - on) * n_cols / max(n_cols - 1, 1)):
+        if np.float32(1.0 - e + e / n_cols) == np.float32(on) and np.float32(e / n_cols) == np.float32(off):
+            return e
+    return off * n_cols
+
+
 Z_LOSS_EXAMPLE = 3.71e-4  # likewise for a z-loss's weight
 
 
@@ -156,12 +178,15 @@ def _params_of(param: str | None, vocab, example_cols: int):
     (the z-loss's weight); vocab(match) is the matched logits' width."""
     if param == "smoothing":
         return lambda match: {"smoothing": _smoothing_of(match, vocab(match), example_cols)}
+    if param == "on_off":  # (the same param, read off flax's onehot)
+        return lambda match: {"smoothing": _on_off_smoothing_of(match, vocab(match), example_cols)}
     if param == "z_loss":
         return lambda match: {"z_loss": literal_at(match, Z_LOSS_EXAMPLE)}
     return lambda match: {}
 
 
-EXAMPLE_PARAMS = {None: {}, "smoothing": {"smoothing": SMOOTHING_EXAMPLE}, "z_loss": {"z_loss": Z_LOSS_EXAMPLE}}
+EXAMPLE_PARAMS = {None: {}, "smoothing": {"smoothing": SMOOTHING_EXAMPLE}, "on_off": {"smoothing": SMOOTHING_EXAMPLE},
+                  "z_loss": {"z_loss": Z_LOSS_EXAMPLE}}
 
 
 def one_hot_log_probability(logits, labels):
@@ -260,8 +285,8 @@ TAKE, ONE_HOT, INDEXING = "take_along_axis", "one_hot", "indexing"
 def _spelling(name, fn, cast_to_input=True, log_probability=False, labels_as=TAKE, param=None, dtypes=ALL,
               upcast_too=True) -> list[tuple]:
     """A row loss as (name, fn, dtypes, cast to the input dtype, log-probability, labels as, its param:
-    None, "smoothing" or "z_loss"), and (upcast_too) the same on half-precision logits upcast to
-    float32 first."""
+    None, "smoothing", "on_off" (a smoothing read off a target's on and off values) or "z_loss"), and
+    (upcast_too) the same on half-precision logits upcast to float32 first."""
     rows = [(name, fn, dtypes, cast_to_input, log_probability, labels_as, param)]
     if upcast_too:
         rows.append((f"{name}+upcast", upcast(fn), HALF, False, log_probability, labels_as, param))
@@ -276,7 +301,7 @@ _ROW_LOSSES = [
     *_spelling("one_hot*log_softmax", one_hot_log_softmax, False, labels_as=ONE_HOT),
     *_spelling("one_hot(dtype=logits')*log_softmax", one_hot_in_logits_dtype_log_softmax, labels_as=ONE_HOT,
                dtypes=HALF, upcast_too=False),
-    *_spelling("sum(one_hot*log_softmax)", one_hot_log_probability, False, True, ONE_HOT),
+    *_spelling("sum_classes(one_hot*log_softmax)", one_hot_log_probability, False, True, ONE_HOT),
     # log_softmax written out, x - logsumexp(x, keepdims=True)
     *_spelling("-take_along_axis(x-logsumexp)", minus_log_probability_at_label),
     *_spelling("one_hot*(x-logsumexp)", one_hot_log_probabilities, False, labels_as=ONE_HOT),
@@ -297,6 +322,9 @@ _ROW_LOSSES = [
     *_spelling("log_softmax[rows, labels]", log_softmax_indexed, log_probability=True, labels_as=INDEXING),
     *_spelling("logsumexp-logits[rows, labels]", logsumexp_minus_indexed, labels_as=INDEXING),
 ]
+if importlib.util.find_spec("flax") is not None:  # (as optax: a test dependency)
+    _ROW_LOSSES += _spelling("flax_onehot*log_softmax", flax_onehot_log_softmax, False, labels_as=ONE_HOT,
+                             param="on_off")
 if importlib.util.find_spec("optax") is not None:  # optax is optional: a test dependency
     _ROW_LOSSES += _spelling("optax_integer_labels", optax_integer_labels)
     _ROW_LOSSES += _spelling("optax_integer_labels+z*logsumexp^2", optax_integer_labels_z_loss, param="z_loss")
@@ -328,20 +356,24 @@ def einsum_transposed(h, table):
 TRANSPOSED = (matmul_transposed, einsum_transposed)
 
 
-def _linear(loss_fn, project, reduce, log_probability, weighted):
+def _linear(loss_fn, project, reduce, log_probability, weighted, divided=False):
     """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; weighted: each row's
-    loss times a weight first (a padding mask), the weights the pattern's last input."""
-    def pattern(h, w, labels, *weights, **params):
+    loss times a weight first (a padding mask), the weights the pattern's fourth input; divided:
+    then over a scalar, its last input."""
+    def pattern(h, w, labels, *rest, **params):
         rows = loss_fn(project(h, w), labels, **params)
-        out = reduce(rows * weights[0] if weighted else rows)
-        return -out if log_probability else out
+        out = reduce(rows * rest[0] if weighted else rows)
+        out = -out if log_probability else out
+        return out / rest[-1] if divided else out
     rows = f"{loss_fn.__name__}({project.__name__}){' * weights' if weighted else ''}"
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows})"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}"
     return pattern
 
 
-def _check_linear(match, params, transposed) -> str | None:
-    h, w, labels, *weights = match.input_avals
+def _check_linear(match, params, transposed, divided) -> str | None:
+    h, w, labels, *weights = match.input_avals[:-1] if divided else match.input_avals
+    if divided and match.input_avals[-1].shape != ():
+        return f"the reduced loss is divided by a {list(match.input_avals[-1].shape)} array, not a scalar"
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
@@ -353,25 +385,27 @@ def _check_linear(match, params, transposed) -> str | None:
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", param=None, weighted=False, extends=None):
+                    labels_as="take_along_axis", param=None, weighted=False, divided=False, extends=None):
+    """Its reduction's scales folded into the rows' weights, as _reduced_pattern's."""
     transposed = project in TRANSPOSED
-    fn = _linear(loss_fn, project, reduce, log_probability, weighted)
+    fn = _linear(loss_fn, project, reduce, log_probability, weighted, divided)
 
-    def replace(h, w, labels, *weights, backend, **params):
+    def replace(h, w, labels, *rest, backend, **params):
         # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
-        reduction = "sum" if weighted else reduce.__name__
-        options = dict(reduction=reduction, transpose_w=transposed, backend=backend,
-                       weights=weights[0].reshape(labels.shape).astype(jnp.float32) if weighted else None)
+        scale = 1.0 / labels.size if reduce is mean and (weighted or divided) else 1.0
+        scale = scale / rest[-1].astype(jnp.float32) if divided else scale
+        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if weighted else 1.0
+        options = dict(reduction="sum" if weighted or divided else reduce.__name__, transpose_w=transposed,
+                       backend=backend,
+                       weights=jnp.broadcast_to(weights * scale, labels.shape) if weighted or divided else None)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
         else:  # take_along_axis and indexing count negative labels from the end; indexing clamps
             labels = _labels_as_read(labels, labels_as, w.shape[0 if transposed else 1])
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
-        if weighted and reduce is mean:
-            loss = loss / labels.size
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), h, w, labels, *weights).dtype)
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype)
 
     if weighted:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
@@ -381,12 +415,17 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         h, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        return (h, w, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ())
+        weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ()
+        if not divided:
+            return (h, w, labels) + weights
+        undivided = _linear(loss_fn, project, reduce, log_probability, weighted)  # (the divisor in its dtype)
+        out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), h, w, labels, *weights)
+        return (h, w, labels) + weights + (jax.ShapeDtypeStruct((), out.dtype),)
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=_params_of(param, vocab, 16),
-        check=lambda match, params: _check_linear(match, params, transposed),
+        check=lambda match, params: _check_linear(match, params, transposed, divided),
         replace=replace, example_params=EXAMPLE_PARAMS[param],
         requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
@@ -400,12 +439,14 @@ def sum(loss):  # noqa: A001 (the reduction's name)
 
 
 # Each row loss above, its mean or sum over each projection, plain or weighted per row (a padding
-# mask: sum(loss * mask) / sum(mask), the division left to XLA): traced for a program only when the
-# row loss itself is found in it (Pattern.extends), so the ~430 patterns cost start-up time by the
-# 16 of the loss a program holds.
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, extends=f"cross_entropy/{name}")
+# mask), each sum also over a scalar (sum(loss * mask) / sum(mask)), the scales folded into the rows'
+# weights: traced for a program only when the row loss itself is found in it (Pattern.extends), so
+# the ~890 patterns cost start-up time by the 24 of the loss a program holds.
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, divided=divided,
+                             extends=f"cross_entropy/{name}")
              for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
-             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]
+             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
+             for divided in ((False, True) if reduce is sum else (False,))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -415,53 +456,66 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, ex
 WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
 
 
-def _reduced(loss_fn, reduce, log_probability, masked):
+def _reduced(loss_fn, reduce, log_probability, masked, divided=False):
     """reduce(loss_fn(logits, labels)), negated for log-probabilities; masked: each row's loss times
     a weight first (a padding mask: WEIGHTS), or kept where a boolean mask is true (WHERE), the mask
-    the pattern's last input."""
-    def pattern(logits, labels, *mask, **params):
+    the pattern's third input; divided: then over a scalar, the pattern's last input (the mask's
+    sum, a token count)."""
+    def pattern(logits, labels, *rest, **params):
         rows = loss_fn(logits, labels, **params)
         if masked:
-            rows = rows * mask[0] if masked == WEIGHTS else jnp.where(mask[0], rows, 0.0)
+            rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
         out = reduce(rows)
-        return -out if log_probability else out
+        out = -out if log_probability else out
+        return out / rest[-1] if divided else out
     rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
             WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows})"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}"
     return pattern
 
 
-def _check_reduced(match, params, masked) -> str | None:
+def _check_reduced(match, params, masked, divided) -> str | None:
     if masked:
         labels, mask = match.input_avals[1:3]
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
         if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
             return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
+    if divided and match.input_avals[-1].shape != ():
+        return f"the reduced loss is divided by a {list(match.input_avals[-1].shape)} array, not a scalar"
     return _check(match, params)
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
-                     masked=None):
-    """The mean or sum of an integer-label row loss (masked: of each row's loss times a weight, or
-    where a mask is true), as cross_entropy(reduction=..., weights=...) or where_masked_sum: under
-    differentiation its forward also writes the logits' gradient (pre-scaled), so the backward does
-    not read the logits again (on Hopper, cross_entropy_hopper reads them once)."""
-    fn = _reduced(loss_fn, reduce, log_probability, masked)
+                     masked=None, divided=False):
+    """The mean or sum of a row loss (masked: of each row's loss times a weight, or where a mask is
+    true; divided: then over a scalar), as cross_entropy(reduction=..., weights=...),
+    where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its forward also writes the logits' gradient, scaled
+    (on Hopper, cross_entropy_hopper reads the logits once). Every scale of the reduction is folded
+    into the rows' weights: one left after the kernel would be the cotangent of its sum, and the
+    backward would scale dx by it, one more pass over the logits' size (jax.grad's own cotangent,
+    the constant 1, XLA folds away)."""
+    fn = _reduced(loss_fn, reduce, log_probability, masked, divided)
 
-    def replace(logits, labels, *mask, backend, **params):
-        labels = _labels_as_read(labels, labels_as, logits.shape[-1])
+    def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
+        scale = 1.0 / labels.size if reduce is mean and (masked or divided or labels_as == ONE_HOT) else 1.0
+        scale = scale / rest[-1].astype(jnp.float32) if divided else scale
+        if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
+            weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
+            loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
+                                                 weights=jnp.broadcast_to(weights * scale, labels.shape), **options)
+            return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype)
+        labels = _labels_as_read(labels, labels_as, logits.shape[-1])
         if masked == WHERE:
-            loss = kernels.where_masked_sum(logits, labels, mask[0], **options)
+            loss = kernels.where_masked_sum(logits, labels, rest[0], scale=scale, **options)
+        elif masked or divided:
+            weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
+            loss = kernels.cross_entropy(logits, labels, reduction="sum", **options,
+                                         weights=jnp.broadcast_to(weights * scale, labels.shape))
         else:
-            weights = mask[0].reshape(labels.shape).astype(jnp.float32) if masked else None
-            # (mean of the masked rows divides by the rows, not by the mask's sum: a sum over n)
-            loss = kernels.cross_entropy(logits, labels, reduction="sum" if masked else reduce.__name__,
-                                         weights=weights, **options)
-        if masked and reduce is mean:
-            loss = loss / labels.size
+            loss = kernels.cross_entropy(logits, labels, reduction=reduce.__name__, **options)
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *mask).dtype)
+        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype)
 
     if masked == WEIGHTS:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
@@ -470,23 +524,31 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        return (logits, labels) + ((jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),)
-                                   if masked else ())
+        mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
+        if not divided:
+            return (logits, labels) + mask
+        # the divisor in the reduced loss's dtype, which programs divide it by (a count converted to it)
+        undivided = _reduced(loss_fn, reduce, log_probability, masked)
+        out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), logits, labels, *mask)
+        return (logits, labels) + mask + (jax.ShapeDtypeStruct((), out.dtype),)
     rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
     return Pattern(
-        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows})", op="cross_entropy", fn=fn,
+        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}",
+        op="cross_entropy", fn=fn,
         dtypes=dtypes, example=example,
         params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8),
-        check=lambda match, params: _check_reduced(match, params, masked),
+        check=lambda match, params: _check_reduced(match, params, masked, divided),
         replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
         extends=f"cross_entropy/{name}")
 
 
 # Each integer-label row loss's mean and sum over every row: plain, weighted per row (a padding
-# mask: sum(loss * mask) / sum(mask), the division left to XLA) or masked by where (HF's -100
-# labels: where(labels != -100, loss, 0)); one-hot targets keep the row loss and XLA's reduction.
-# Traced only for programs where the row loss is found. A reduction over some axes only, or of the
-# losses scaled by a constant first, keeps the row loss.
-PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked)
-             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if labels_as != ONE_HOT
-             for masked in (None, WEIGHTS, WHERE) for reduce in (mean, sum)]
+# mask) or masked by where (HF's -100 labels: where(labels != -100, loss, 0)); each sum also over a
+# scalar (sum(loss * mask) / sum(mask), a token count), the division folded into the rows' weights.
+# One-hot targets too (HF's Flax examples: softmax_cross_entropy(logits, onehot) * mask, summed),
+# but for where. Traced only for programs where the row loss is found. A reduction over some axes only, or of the losses scaled by a constant first,
+# keeps the row loss.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, divided)
+             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
+             for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE)) for reduce in (mean, sum)
+             for divided in ((False, True) if reduce is sum else (False,))]

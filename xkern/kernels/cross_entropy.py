@@ -381,24 +381,25 @@ def _sum(loss, weights, zero_where_unweighted):
 
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
-def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted=False,
+                  one_hot=False):
     """sum(loss * weights) over the rows (see _sum); differentiated, the forward also writes dx
     (scaled by each row's weight: NaN * 0 where a row of weight 0 is not finite, as jax.jit's
     gradient of either form), and the weights' gradient is the rows' losses."""
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot)
     loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return _sum(loss, weights, zero_where_unweighted)
 
 
 def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config,
-                      zero_where_unweighted=False):
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True)
+                      zero_where_unweighted=False, one_hot=False):
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot)
     loss, _, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return _sum(loss, weights, zero_where_unweighted), (dx, loss)
 
 
-def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, residuals, g):
+def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, one_hot, residuals, g):
     dx, loss = residuals
     return (dx * g.astype(dx.dtype)).astype(dx.dtype), None, loss * g
 
@@ -503,22 +504,25 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     return out if weights is None else out * weights  # (reduction "none")
 
 
-def where_masked_sum(logits, labels, mask, *, z_loss: float = 0.0, backend: str | None = None):
-    """sum(where(mask, loss, 0)) over the rows (mask: a bool per row), as programs mask padding after
-    the loss (where(labels != -100, loss, 0)), the gradient made in the forward pass: jax.jit's
-    value and gradient, a masked row's gradient NaN where its logits make the softmax NaN (0 * NaN
-    in jax.jit's backward). What the patterns replace such programs with."""
+def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, backend: str | None = None):
+    """sum(where(mask, loss, 0)) * scale over the rows (mask: a bool per row; scale: a scalar, such
+    as 1 / the count of true rows), as programs mask padding after the loss (where(labels != -100,
+    loss, 0)), the gradient made in the forward pass: jax.jit's value and gradient, a masked row's
+    gradient NaN where its logits make the softmax NaN (0 * NaN in jax.jit's backward). The scale
+    is each kept row's weight, so the forward's dx is final. What the patterns replace such programs
+    with."""
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     mask = jnp.asarray(mask).reshape(labels.shape)
+    weights = jnp.where(mask, jnp.asarray(scale, jnp.float32), 0.0)
     if backend == "xla" or logits.size == 0:
-        return jnp.sum(jnp.where(mask, reference(logits, labels, z_loss=z_loss, reduction="none"), 0.0))
+        return jnp.sum(jnp.where(mask, reference(logits, labels, z_loss=z_loss, reduction="none") * weights, 0.0))
     n_cols = logits.shape[-1]
-    return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1), mask.reshape(-1).astype(jnp.float32), None,
+    return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1), weights.reshape(-1), None,
                          0.0, float(z_loss), backend, default_config(n_cols, backend), True)
 
 
-def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
+def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, weights=None,
                           backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
@@ -526,18 +530,24 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     row's loss NaN (0 * inf), and its gradient is the softmax's. What the patterns replace such
     programs with; for new code, `cross_entropy` says what it means. label_smoothing e: the target
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
-    everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label."""
-    label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy")
+    everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label.
+    weights: a float per row (labels' shape): then sum(loss * weights) over the rows (a mean: 1 / n
+    each), the gradient made in the forward pass."""
+    label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy",
+                                     weights=weights)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     n_cols = logits.shape[-1]
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
         x = logits.astype(jnp.float32)
-        return -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
-    out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), None, label_smoothing, z_loss, "none",
-              backend, default_config(n_cols, backend), True)
-    return out.reshape(labels.shape)
+        rows = -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
+        return rows if weights is None else jnp.sum(rows * weights.astype(jnp.float32))
+    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    if weights is not None:
+        return _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing, z_loss,
+                             backend, config, False, True)
+    return _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True).reshape(labels.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -566,12 +576,16 @@ def aot_cases():
                 yield (f"{tag}/bwd", _bwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "lse_ptr": "*fp32",
                         "g_ptr": "*fp32", "n_rows": "i32", "dx_ptr": f"*{dtype}"}, config)
-    # cross_entropy_hopper's kernel (Hopper only): 14 chunks and a tail, and 6 chunks with every option
+    # cross_entropy_hopper's kernel (Hopper only): 14 chunks and a tail, 6 chunks with every option;
+    # one-hot targets with a tail kept, and with 3 chunks, smoothed, with z-loss
     for dtype, n_cols, options in (("bf16", 128256, {}),
                                    ("fp16", 50304, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True,
-                                                    "IGNORE_INDEX": -100})):
+                                                    "IGNORE_INDEX": -100}),
+                                   ("bf16", 128256, {"ONE_HOT": True}),
+                                   ("bf16", 32000, {"ONE_HOT": True, "SMOOTHING": 0.1, "Z_LOSS": 1e-4})):
         consts = {**_consts(n_cols, None, 0.0, 0.0, write_dx=True), **options}
-        name = f"cross_entropy/{dtype}/n{n_cols}{'/options' if options else ''}/lse_dx"
+        kind = ("/one_hot" if "ONE_HOT" in options else "") + ("/options" if set(options) - {"ONE_HOT"} else "")
+        name = f"cross_entropy/{dtype}/n{n_cols}{kind}/lse_dx"
         yield (name, cross_entropy_hopper.lse_dx,
                {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
                 "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},

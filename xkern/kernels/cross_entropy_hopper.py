@@ -23,8 +23,8 @@ instruction issue as much as memory: about 16 instructions per logit (two exps, 
 and sum, dx's two fmas, conversions) over 16 warps; 8 warps took 1.54 ms, the chunk loops unrolled
 (an instruction cache overflow) 4.9, a running max per row of a chunk (shuffles each chunk) 4.9.
 
-Integer labels (ignore_index, label smoothing, z-loss) at 16 bits, rows a multiple of 8 wide
-(TMA's 16-byte strides) between MIN_COLS and MAX_COLS, where it wins; everything else keeps
+Integer labels (ignore_index, label smoothing, z-loss) or one-hot targets at 16 bits, rows a
+multiple of 8 wide (TMA's 16-byte strides) between MIN_COLS and MAX_COLS, where it wins; the rest keeps
 cross_entropy._fwd, as does the interpreter (which cannot run Gluon), so tests check this kernel by
 compiling it for sm_90 (and on a GPU, by value). The formulas and the handling of rows that are not
 finite are cross_entropy._fwd's and _write_dx_row's, with the running max kept per thread (over its
@@ -78,13 +78,30 @@ def _online_lse(x, m, ref, s):
 
 
 @gluon.jit
-def _tail_lse(tail, cols, m, ref, s, total, SMOOTHING: gl.constexpr, N_COLS: gl.constexpr):
-    """_online_lse over a block of the tail (its lanes past the row hold -inf), and its sum."""
+def _tail_lse(tail, cols, m, ref, s, total, lowest, SMOOTHING: gl.constexpr, FIND_NEG_INF: gl.constexpr,
+              N_COLS: gl.constexpr):
+    """_online_lse over a block of the tail (its lanes past the row hold -inf), its sum and its
+    lowest value (FIND_NEG_INF)."""
     x = tail.to(gl.float32)
     m, ref, s = _online_lse(x, m, ref, s)
     if SMOOTHING != 0.0:
         total += gl.sum(gl.where(cols < N_COLS, x, 0.0), 2)
-    return m, ref, s, total
+    if FIND_NEG_INF:
+        lowest = gl.minimum(lowest, gl.min(gl.where(cols < N_COLS, x, float("inf")), 2))
+    return m, ref, s, total, lowest
+
+
+@gluon.jit
+def _neg_inf_beside(x_ptr, base, label, N_COLS: gl.constexpr):
+    """Whether the row holds -inf anywhere but at the label (read again, in blocks of 2 logits a
+    thread, so that it needs few registers beside the tail kept in them: only for a row whose
+    label's logit is -inf, rare)."""
+    cols = gl.arange(0, 2 * 32 * gl.num_warps(), gl.BlockedLayout([2], [32], [gl.num_warps()], [0]))
+    found = gl.zeros_like(cols)
+    for start in range(0, N_COLS, cols.shape[0]):
+        x = gl.load(x_ptr + base + start + cols, mask=start + cols < N_COLS, other=0.0)
+        found |= ((x == -float("inf")) & (start + cols != label)).to(gl.int32)
+    return gl.max(found, 0) > 0
 
 
 @gluon.jit
@@ -97,12 +114,15 @@ def _combine(m, ref, s):
 
 
 @gluon.jit
-def _dx(x, cols, label, shift, log_sum2, scale, hit, miss, valid):
-    """_write_dx_row's dx for logits x at columns cols (integer labels), with the row's constants
-    folded (one fma for the exponent, one for the result): log_sum2 = log_sum * LOG2E, scale =
-    factor * (1 + 2 Z_LOSS lse), hit / miss = the target at the label / elsewhere, times factor."""
+def _dx(x, cols, label, shift, log_sum2, scale, hit, miss, valid, ONE_HOT: gl.constexpr):
+    """_write_dx_row's dx for logits x at columns cols, with the row's constants folded (one fma for
+    the exponent, one for the result): log_sum2 = log_sum * LOG2E, scale = factor * (the target's
+    mass + 2 Z_LOSS lse), hit / miss = the target at the label / elsewhere, times factor. 0 where
+    the row is not valid; ONE_HOT: factor is 0 there instead, so dx = softmax * 0, NaN where the
+    softmax is, as the one-hot program's gradient."""
     p = gl.exp2((x - shift) * LOG2E - log_sum2)
-    return gl.where(valid, p * scale + gl.where(cols == label, -hit, -miss), 0.0)
+    dx = p * scale + gl.where(cols == label, -hit, -miss)
+    return dx if ONE_HOT else gl.where(valid, dx, 0.0)
 
 
 @gluon.jit
@@ -121,8 +141,11 @@ def _loader(desc, bufs, ready, empty, n_rows, N_CHUNKS: gl.constexpr):
 @gluon.jit
 def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty,
           N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
-          IGNORE_INDEX: gl.constexpr, N_CHUNKS: gl.constexpr):
-    """The compute warps: each row's loss and lse from its chunks (then its tail), then its dx."""
+          IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, N_CHUNKS: gl.constexpr):
+    """The compute warps: each row's loss and lse from its chunks (then its tail), then its dx.
+    ONE_HOT: cross_entropy._fwd's one-hot targets (a label out of range a row of zeros; unsmoothed,
+    a logit of -inf beside the label makes the loss NaN, found by a running min, one more
+    instruction a logit)."""
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     # a chunk as [boxes, 32, 8]: each thread holds 8 consecutive logits (16 bytes) of each of its rows
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
@@ -133,13 +156,17 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
     RESIDENT: gl.constexpr = N_CHUNKS * CHUNK
     TAIL: gl.constexpr = N_COLS - RESIDENT
     KEEP_TAIL: gl.constexpr = TAIL <= 2 * CHUNK  # (16 registers a thread, at 16 warps)
+    FIND_NEG_INF: gl.constexpr = ONE_HOT and SMOOTHING == 0.0
     it = 0
     for row in range(gl.program_id(0), n_rows, gl.num_programs(0)):
         j0 = it * N_CHUNKS  # the ring's count of chunks before this row's
         base = row.to(gl.int64) * N_COLS
         label = gl.load(labels_ptr + row)
         in_range = (label >= 0) & (label < N_COLS)
-        valid = (label != IGNORE_INDEX) | (not HAS_IGNORE)
+        if ONE_HOT:  # (cross_entropy._row_valid's)
+            valid = in_range | (SMOOTHING != 0.0) | (Z_LOSS != 0.0)
+        else:
+            valid = (label != IGNORE_INDEX) | (not HAS_IGNORE)
         picked = gl.load(x_ptr + base + gl.where(in_range, label, 0)).to(gl.float32)
         # the tail: up to 2 blocks of CHUNK loaded now and kept for dx, else streamed (and read again)
         tail = gl.load(x_ptr + base + RESIDENT + cols, mask=RESIDENT + cols < N_COLS, other=-float("inf"))
@@ -152,6 +179,7 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
         ref = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
         s = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
         total = gl.zeros([CHUNK_BOXES, 32], gl.float32, part_layout)
+        lowest = gl.full([CHUNK_BOXES, 32], float("inf"), gl.float32, part_layout)
         for c in range(N_CHUNKS):  # (not unrolled: 14 chunks' code, twice, overflowed the instruction cache)
             slot = (j0 + c) % SLOTS
             mbarrier.wait(ready.index(slot), ((j0 + c) // SLOTS) & 1)
@@ -159,31 +187,53 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += gl.sum(x, 2)
+            if FIND_NEG_INF:
+                lowest = gl.minimum(lowest, gl.min(x, 2))
         if KEEP_TAIL:
             if TAIL > 0:
-                m, ref, s, total = _tail_lse(tail, RESIDENT + cols, m, ref, s, total, SMOOTHING, N_COLS)
+                m, ref, s, total, lowest = _tail_lse(tail, RESIDENT + cols, m, ref, s, total, lowest, SMOOTHING,
+                                                     FIND_NEG_INF, N_COLS)
             if TAIL > CHUNK:
-                m, ref, s, total = _tail_lse(tail2, RESIDENT + CHUNK + cols, m, ref, s, total, SMOOTHING, N_COLS)
+                m, ref, s, total, lowest = _tail_lse(tail2, RESIDENT + CHUNK + cols, m, ref, s, total, lowest,
+                                                     SMOOTHING, FIND_NEG_INF, N_COLS)
         else:
             for start in range(RESIDENT, N_COLS, CHUNK):
                 x = tail
                 nxt = start + CHUNK + cols
                 tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=-float("inf"))  # (the next, in flight)
-                m, ref, s, total = _tail_lse(x, start + cols, m, ref, s, total, SMOOTHING, N_COLS)
+                m, ref, s, total, lowest = _tail_lse(x, start + cols, m, ref, s, total, lowest, SMOOTHING,
+                                                     FIND_NEG_INF, N_COLS)
         shift, log_sum = _combine(m, ref, s)
         lse = shift + log_sum
         picked = gl.where(in_range, picked, float("nan"))
         loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
+        if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # out of range: the smoothing's mass, the z-loss
+            loss = gl.where(in_range, loss, SMOOTHING * lse + Z_LOSS * lse * lse)
         if SMOOTHING != 0.0:
             loss -= SMOOTHING / N_COLS * gl.sum(gl.sum(total, 1), 0)
-        gl.store(loss_ptr + row, gl.where(valid, loss, 0.0))
+        loss = gl.where(valid, loss, 0.0)
+        if FIND_NEG_INF:  # cross_entropy._fwd's: 0 * inf is NaN wherever a logit is not finite
+            not_finite = (log_sum != log_sum) | (log_sum == float("inf"))
+            if gl.min(gl.min(lowest, 1), 0) == -float("inf"):
+                not_finite |= (picked != -float("inf")) | ~in_range
+                if (picked == -float("inf")) & in_range:
+                    not_finite |= _neg_inf_beside(x_ptr, base, label, N_COLS)
+            loss = gl.where(not_finite, float("nan"), loss)
+        gl.store(loss_ptr + row, loss)
         gl.store(lse_ptr + 2 * row, shift)
         gl.store(lse_ptr + 2 * row + 1, log_sum)
 
         # dx: each chunk from shared memory, its slot then freed for the loader's next row
         factor = gl.load(row_scale_ptr + row)
         log_sum2 = gl.where(log_sum == float("inf"), float("nan"), log_sum) * LOG2E  # (a row holding +inf: NaN)
-        scale = factor * (1.0 + 2.0 * Z_LOSS * lse) if Z_LOSS != 0.0 else factor
+        if ONE_HOT:  # (see _dx)
+            factor = gl.where(valid, factor, 0.0)
+        if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # the target's mass: SMOOTHING out of range
+            scale = factor * (gl.where(in_range, 1.0, SMOOTHING) + 2.0 * Z_LOSS * lse)
+        elif Z_LOSS != 0.0:
+            scale = factor * (1.0 + 2.0 * Z_LOSS * lse)
+        else:
+            scale = factor
         hit = (1.0 - SMOOTHING + SMOOTHING / N_COLS) * factor  # (the smoothing's e / N_COLS on every class)
         miss = SMOOTHING / N_COLS * factor
         if not KEEP_TAIL:
@@ -192,22 +242,22 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
             slot = (j0 + c) % SLOTS
             x = chunks.index(slot).load(layout).to(gl.float32)
             mbarrier.arrive(empty.index(slot), count=1)  # (after every warp's read: the arrive syncs them)
-            dx = _dx(x, cols, label - c * CHUNK, shift, log_sum2, scale, hit, miss, valid)
+            dx = _dx(x, cols, label - c * CHUNK, shift, log_sum2, scale, hit, miss, valid, ONE_HOT)
             gl.store(dx_ptr + base + c * CHUNK + cols, dx.to(dtype))
         if KEEP_TAIL:  # (its lanes past the row hold -inf: their dx, not stored, is finite)
             if TAIL > 0:
-                dx = _dx(tail.to(gl.float32), cols, label - RESIDENT, shift, log_sum2, scale, hit, miss, valid)
+                dx = _dx(tail.to(gl.float32), cols, label - RESIDENT, shift, log_sum2, scale, hit, miss, valid, ONE_HOT)
                 gl.store(dx_ptr + base + RESIDENT + cols, dx.to(dtype), mask=RESIDENT + cols < N_COLS)
             if TAIL > CHUNK:
                 at = RESIDENT + CHUNK
-                dx = _dx(tail2.to(gl.float32), cols, label - at, shift, log_sum2, scale, hit, miss, valid)
+                dx = _dx(tail2.to(gl.float32), cols, label - at, shift, log_sum2, scale, hit, miss, valid, ONE_HOT)
                 gl.store(dx_ptr + base + at + cols, dx.to(dtype), mask=at + cols < N_COLS)
         else:
             for start in range(RESIDENT, N_COLS, CHUNK):
                 x = tail.to(gl.float32)
                 nxt = start + CHUNK + cols
                 tail = gl.load(x_ptr + base + nxt, mask=nxt < N_COLS, other=0.0)
-                dx = _dx(x, cols, label - start, shift, log_sum2, scale, hit, miss, valid)
+                dx = _dx(x, cols, label - start, shift, log_sum2, scale, hit, miss, valid, ONE_HOT)
                 gl.store(dx_ptr + base + start + cols, dx.to(dtype), mask=start + cols < N_COLS)
         it += 1
 
@@ -217,12 +267,12 @@ def lse_dx(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr,
            N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
            IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, WRITE_DX: gl.constexpr, N_CHUNKS: gl.constexpr,
            GLUON: gl.constexpr):
-    """cross_entropy._fwd with WRITE_DX and integer labels: loss [n_rows], lse [n_rows, 2] (shift,
+    """cross_entropy._fwd with WRITE_DX: loss [n_rows], lse [n_rows, 2] (shift,
     log of the sum of exp(x - shift)) and dx [n_rows, N_COLS] of logits x [n_rows, N_COLS] (16-bit),
     dx scaled by row_scale. Grid: at most one program per SM (its shared memory), each taking every
     num_programs-th row. N_CHUNKS: the chunks of a row kept in shared memory (N_COLS // CHUNK at most).
-    (ONE_HOT, WRITE_DX: cross_entropy's constexprs, here False and True.)"""
-    gl.static_assert(WRITE_DX and not ONE_HOT, "cross_entropy_hopper.lse_dx: integer labels, dx written")
+    (WRITE_DX: cross_entropy's constexpr, here True.)"""
+    gl.static_assert(WRITE_DX, "cross_entropy_hopper.lse_dx: dx written")
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     box_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
@@ -236,7 +286,7 @@ def lse_dx(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr,
         mbarrier.init(empty.index(c), count=1)
     gl.warp_specialize([
         (_rows, (x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty, N_COLS,
-                 SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX, N_CHUNKS)),
+                 SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX, ONE_HOT, N_CHUNKS)),
         (_loader, (desc, bufs, ready, empty, n_rows, N_CHUNKS)),
     ], [1], [24])
 
@@ -264,10 +314,8 @@ MAX_COLS = SLOTS.value * CHUNK.value * 4 // 3
 
 def applies(n_cols: int, itemsize: int, consts: dict) -> bool:
     """Whether the problem is this kernel's (consts: cross_entropy's constexprs): 16-bit logits,
-    integer labels, dx written, rows a multiple of 8 wide (TMA's 16-byte strides) between MIN_COLS
-    and MAX_COLS."""
-    return (itemsize == 2 and not consts["ONE_HOT"] and consts["WRITE_DX"] and n_cols % 8 == 0
-            and MIN_COLS <= n_cols <= MAX_COLS)
+    dx written, rows a multiple of 8 wide (TMA's 16-byte strides) between MIN_COLS and MAX_COLS."""
+    return itemsize == 2 and consts["WRITE_DX"] and n_cols % 8 == 0 and MIN_COLS <= n_cols <= MAX_COLS
 
 
 def launch_fwd(x2, labels, row_scale, consts: dict, backend: str, aliases=None):
