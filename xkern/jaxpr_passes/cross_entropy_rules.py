@@ -2,15 +2,18 @@
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
 program's dtype where the program computed in half precision); its mean or sum over every row (or
 that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
-weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, whose
-forwards also write the logits' gradient when the program is differentiated (so the backward never
-reads the logits: on Hopper they are read once).
+weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, each sum also
+over a scalar (the mask's sum, a token count), one-hot targets' too by one_hot_cross_entropy(weights=
+...). Their forwards also write the logits' gradient when the program is differentiated (so the
+backward never reads the logits: on Hopper they are read once), with every scale of the reduction
+in it (a scale left after the kernel would rescale the gradient in one more pass).
 
 With the final projection: the mean or sum of any of these over logits = h @ w (jnp's matmul / dot /
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
-losses times a weight each (a padding mask). Each row loss's 16 such patterns are traced only for
+losses times a weight each (a padding mask), each sum also over a scalar. Each row loss's 24 such
+patterns (and 8 of its reductions) are traced only for
 programs where that row loss is found (`Pattern.extends`), and the row losses only for programs
 holding what they all do (`_requires`).
 
@@ -489,8 +492,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
                      masked=None, divided=False):
     """The mean or sum of a row loss (masked: of each row's loss times a weight, or where a mask is
     true; divided: then over a scalar), as cross_entropy(reduction=..., weights=...),
-    where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its forward also writes the logits' gradient, scaled
-    (on Hopper, cross_entropy_hopper reads the logits once). Every scale of the reduction is folded
+    where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its forward also
+    writes the logits' gradient, scaled (on Hopper, cross_entropy_hopper reads the logits once).
+    Every scale of the reduction is folded
     into the rows' weights: one left after the kernel would be the cotangent of its sum, and the
     backward would scale dx by it, one more pass over the logits' size (jax.grad's own cotangent,
     the constant 1, XLA folds away)."""
@@ -534,21 +538,21 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
     return Pattern(
         name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}",
-        op="cross_entropy", fn=fn,
-        dtypes=dtypes, example=example,
+        op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
         params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8),
         check=lambda match, params: _check_reduced(match, params, masked, divided),
         replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
         extends=f"cross_entropy/{name}")
 
 
-# Each integer-label row loss's mean and sum over every row: plain, weighted per row (a padding
-# mask) or masked by where (HF's -100 labels: where(labels != -100, loss, 0)); each sum also over a
-# scalar (sum(loss * mask) / sum(mask), a token count), the division folded into the rows' weights.
-# One-hot targets too (HF's Flax examples: softmax_cross_entropy(logits, onehot) * mask, summed),
-# but for where. Traced only for programs where the row loss is found. A reduction over some axes only, or of the losses scaled by a constant first,
-# keeps the row loss.
+# Each row loss's mean and sum over every row: plain, weighted per row (a padding mask) or masked
+# by where (HF's -100 labels: where(labels != -100, loss, 0); integer labels only); each sum also
+# over a scalar (sum(loss * mask) / sum(mask), a token count), the division folded into the rows'
+# weights. One-hot targets too (HF's Flax examples: softmax_cross_entropy(logits, onehot) * mask,
+# summed). Traced only for programs where the row loss is found. A reduction over some axes only,
+# or of the losses scaled by a constant first, keeps the row loss.
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, divided)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
-             for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE)) for reduce in (mean, sum)
+             for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
+             for reduce in (mean, sum)
              for divided in ((False, True) if reduce is sum else (False,))]
