@@ -1263,7 +1263,7 @@ def candidates(kernel: str, head_dim: int, backend: str, gpu: str | None = None,
             gluon = [attention_hopper.config(head_dim)]
         if kernel == "dkdv" and hopper and attention_hopper.applies_bwd(head_dim, itemsize, unmasked_keys,
                                                                         unmasked_queries, causal_square, capped):
-            gluon = [attention_hopper.bwd_config()]  # dq too: no dq kernel runs after it
+            gluon = [attention_hopper.bwd_config(head_dim)]  # dq too: no dq kernel runs after it
     every = split + gluon + [L.Config.of(BLOCK_M=t[0], BLOCK_N=t[1], BLOCK_D=block_d, num_warps=t[2], num_stages=t[3],
                                  WS=t[3] if len(t) > 4 else 0) for t in tiles]
     size = lambda c: shared_bytes(kernel, c, itemsize, mask, bias, gpu)

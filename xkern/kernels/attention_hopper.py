@@ -36,7 +36,8 @@ GQA 32/8 524 against 456-476. Loading lse and delta by TMA with q and do, rather
 consumer at the start of its step (a global load's latency, before its first exp), gained 4-8%
 more (session 33, same run: 513 / 447 / 533 against 493 / 430 / 494 for plain / causal / GQA).
 Without the dq reductions (dq then wrong, its product and store kept) the kernel gave 549 / 469 /
-563 in that run: the 8.6 GB of float32 adds into L2 at s4096 cost 6-7%.
+563 in that run: the 8.6 GB of float32 adds into L2 at s4096 cost 6-7%. Head dims 64 and 128 (at 64
+after the Triton forward: 417 against the two kernels' 371, cuDNN 420).
 
 Hopper only (wgmma): the interpreter cannot run Gluon, so on a CPU the same problems take the
 Triton kernels, and tests check these by compiling them for sm_90 (and on a GPU, by value).
@@ -70,7 +71,7 @@ BLOCK_M = 128  # query rows per program (64 per consumer warpgroup)
 # 64-key score tiles keep the rest within its 240.
 FWD_BLOCK_N = {128: 128, 256: 64}
 BLOCK_N = FWD_BLOCK_N[128]
-HEAD_DIM = 128  # the backward's one head dim
+HEAD_DIM = 128
 STAGES = 2  # k/v buffers: q and two stages of k and v take 160 KB of the 227 KB (192 KB at head dim 256)
 # Registers per thread at launch: 12 warps (4 asked: one consumer warpgroup; the other and the
 # loader's warp round up to two more) x 32 threads x 168 fit the SM's 65536; the partitions then
@@ -304,9 +305,13 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
 
 BWD_BLOCK_M = 64  # query rows per step (a q and a do block in the ring)
 BWD_BLOCK_N = BLOCK_N  # keys per program (64 per consumer warpgroup)
-# q/do/lse/delta ring, k, v, two dS^T and two dQ halves: 194 KB of the 227 KB at 2 stages (3 measured
-# the same, in sessions 32 and 33)
+# q/do/lse/delta ring, k, v, two dS^T and two dQ halves: 194 KB of the 227 KB at 2 stages at head dim
+# 128, 113 KB at 64 (3 measured the same, in sessions 32 and 33 at 128, and at 64 in session 35)
 BWD_STAGES = 2
+# At 256 one warpgroup's dk and dv would need 256 registers. At 64 (session 35, b4 s4096 h32, same
+# run, with the Triton forward): 417 TFLOP/s forward+backward against the Triton pair's 371 (cuDNN
+# 420), causal 340 against 330 (cuDNN 368).
+BWD_HEAD_DIMS = (64, 128)
 
 
 @gluon.jit
@@ -494,20 +499,22 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
 bwd.xkern_maxnreg = MAXNREG
 
 
-def bwd_config() -> L.Config:
+def bwd_config(head_dim: int = HEAD_DIM) -> L.Config:
     """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
     which then launches no dq kernel)."""
-    return L.Config.of(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=HEAD_DIM, STAGES=BWD_STAGES, GLUON=1,
+    return L.Config.of(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1,
                        num_warps=4, num_stages=BWD_STAGES)
 
 
 def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
                 capped: bool) -> bool:
-    """Whether the backward takes the problem: where the forward does (its 128-key and 128-row
-    blocks are the backward's 128-key block) at head dim 128, and without masking the query count a
-    multiple of BWD_BLOCK_M too."""
-    return (head_dim == HEAD_DIM and applies(head_dim, itemsize, unmasked_keys, causal_square, capped)
-            and (unmasked_keys == 0 or (unmasked_queries > 0 and unmasked_queries % BWD_BLOCK_M == 0)))
+    """Whether the backward takes the problem: head dim 64 or 128, 16-bit, no soft cap, and either
+    no masking at all with a key count BWD_BLOCK_N divides and a query count BWD_BLOCK_M divides, or
+    causal alone with as many queries as keys, a multiple of BWD_BLOCK_N."""
+    return (head_dim in BWD_HEAD_DIMS and itemsize == 2 and not capped
+            and ((unmasked_keys > 0 and unmasked_keys % BWD_BLOCK_N == 0 and unmasked_queries > 0
+                  and unmasked_queries % BWD_BLOCK_M == 0)
+                 or (causal_square > 0 and causal_square % BWD_BLOCK_N == 0)))
 
 
 def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str):
@@ -519,7 +526,7 @@ def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str
     sk, kv_heads = k.shape[1], k.shape[2]
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(q.shape, jnp.float32)]
-    cfg = bwd_config()
+    cfg = bwd_config(q.shape[-1])
     dk, dv, dq = L.launch(bwd, q, k, v, do, lse, delta, sq, sk, kernel="attention_bwd_dkdv", out_shapes=outs,
                           grid=(sk // cfg["BLOCK_N"], b * kv_heads), config=cfg, backend=backend, zeroed=(2,),
                           constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
