@@ -50,6 +50,7 @@ def _losses_as_written() -> dict:
     padding = lambda y: (y % 8 != 7).astype(jnp.float32)  # (every 8th row padding)
     losses = {
         "optax integer labels, mean": lambda x, y: rows(x, y).mean(),
+        "optax integer labels, mean / 4 (gradient accumulation)": lambda x, y: rows(x, y).mean() / 4,
         "integer labels, padding-masked mean": lambda x, y: jnp.sum(rows(x, y) * padding(y)) / jnp.sum(padding(y)),
         "integer labels, where-masked over the count": lambda x, y: jnp.sum(
             jnp.where(y % 8 != 7, rows(x, y), 0.0)) / jnp.sum(y % 8 != 7),

@@ -556,7 +556,7 @@ def test_mean_or_sum_over_every_row_takes_the_reduction_and_over_some_axes_the_r
     rows = optax.softmax_cross_entropy_with_integer_labels
     cases = {"mean": (lambda x, y: rows(x, y).mean(), "mean(optax_integer_labels)"),
              "sum": (lambda x, y: jnp.sum(rows(x, y)), "sum(optax_integer_labels)"),
-             "sum / 7": (lambda x, y: rows(x, y).sum() / 7.0, "sum(optax_integer_labels)"),
+             "sum / 7": (lambda x, y: rows(x, y).sum() / 7.0, "sum(optax_integer_labels) / c"),
              "mean over axis 0": (lambda x, y: rows(x, y).mean(axis=0), "optax_integer_labels"),
              "sum over axis 1": (lambda x, y: jnp.sum(rows(x, y), axis=1), "optax_integer_labels"),
              "sum of 0.5 * rows": (lambda x, y: jnp.sum(0.5 * rows(x, y)), "optax_integer_labels")}
@@ -596,6 +596,42 @@ def test_padding_masked_sums_take_the_weights():
         grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
         assert "cross_entropy_bwd" not in kernel_names(grad_jaxpr), name
         assert not dx_scales(grad_jaxpr, logits.size), name
+
+
+def test_reduced_losses_scaled_by_constants_fold_the_scale():
+    """A reduced loss times or over a constant (a gradient accumulation's step count, a loss's
+    weight): the constant goes into the rows' weights with the reduction's, so the forward's
+    gradient is final (left to XLA, it would scale dx in one more pass); masked, by where, one-hot
+    targets and negated log-probabilities too. Values and gradients as jax.jit's; a scale of inf is
+    declined, saying why."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.bfloat16, seed=17)
+    mask = jnp.asarray(np.random.default_rng(9).integers(0, 2, labels.shape), jnp.float32)
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    lsm = lambda x, y: jnp.take_along_axis(jax.nn.log_softmax(x.astype(jnp.float32)), y[..., None], -1)
+    one_hot = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, x.shape[-1]))
+    cases = {"mean / 4": (lambda x, y, m: up(x, y).mean() / 4, "mean(optax_integer_labels+upcast) / c"),
+             "0.5 * sum": (lambda x, y, m: 0.5 * jnp.sum(up(x, y)), "sum(optax_integer_labels+upcast) * c"),
+             "masked sum / 8": (lambda x, y, m: jnp.sum(up(x, y) * m) / 8.0,
+                                "sum(optax_integer_labels+upcast * weights) / c"),
+             "where, mean * 3": (lambda x, y, m: jnp.mean(jnp.where(m > 0, up(x, y), 0.0)) * 3.0,
+                                 "mean(where(mask, optax_integer_labels+upcast, 0)) * c"),
+             "-mean(log p) * 2": (lambda x, y, m: -jnp.mean(lsm(x, y)) * 2.0,
+                                  "-mean(take_along_axis(log_softmax)+upcast) * c"),
+             "one-hot mean * 0.25": (lambda x, y, m: one_hot(x, y).mean() * 0.25, "mean(one_hot*log_softmax) * c")}
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels, mask)
+        found = [m.pattern for m in report.matches if m.pattern.startswith("cross")]
+        assert found == [f"cross_entropy/{pattern}"], (name, found)
+        close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.bfloat16)
+        close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels, mask),
+              jax.jit(jax.grad(f))(logits.astype(jnp.float32), labels, mask), jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
+        assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size), name
+    f = lambda x, y: up(x, y).mean() * jnp.inf
+    report = xkern.explain(f)(logits, labels)
+    assert "scaled by inf" in str(report), report
+    close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
 
 
 def test_losses_masked_by_where_as_jax_jit_nan_rows_included():

@@ -459,67 +459,77 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, di
 WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
 
 
-def _reduced(loss_fn, reduce, log_probability, masked, divided=False):
+DIVIDED, TIMES_C, OVER_C = "/ d", "* c", "/ c"  # a reduced loss then over a scalar input, or times / over a literal
+SCALE_EXAMPLE = 0.713  # such a literal, traced with this distinctive value and read back
+
+
+def _reduced(loss_fn, reduce, log_probability, masked, post=None):
     """reduce(loss_fn(logits, labels)), negated for log-probabilities; masked: each row's loss times
     a weight first (a padding mask: WEIGHTS), or kept where a boolean mask is true (WHERE), the mask
-    the pattern's third input; divided: then over a scalar, the pattern's last input (the mask's
-    sum, a token count)."""
-    def pattern(logits, labels, *rest, **params):
+    the pattern's third input; post: then over a scalar, the pattern's last input (DIVIDED: the
+    mask's sum, a token count), or times or over a constant `scale` (TIMES_C, OVER_C: a gradient
+    accumulation's step count, a loss's weight)."""
+    def pattern(logits, labels, *rest, scale=None, **params):
         rows = loss_fn(logits, labels, **params)
         if masked:
             rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
         out = reduce(rows)
         out = -out if log_probability else out
-        return out / rest[-1] if divided else out
+        if post in (DIVIDED, OVER_C):
+            return out / (rest[-1] if post == DIVIDED else scale)
+        return out * scale if post == TIMES_C else out
     rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
             WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
-def _check_reduced(match, params, masked, divided) -> str | None:
+def _check_reduced(match, params, masked, post) -> str | None:
     if masked:
         labels, mask = match.input_avals[1:3]
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
         if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
             return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
-    if divided and match.input_avals[-1].shape != ():
+    if post == DIVIDED and match.input_avals[-1].shape != ():
         return f"the reduced loss is divided by a {list(match.input_avals[-1].shape)} array, not a scalar"
-    return _check(match, params)
+    if post in (TIMES_C, OVER_C) and not (np.isfinite(params["scale"]) and (post == TIMES_C or params["scale"] != 0)):
+        return f"the reduced loss is scaled by {params['scale']} ({post}): the kernels take a finite factor"
+    return _check(match, {n: v for n, v in params.items() if n != "scale"})
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
-                     masked=None, divided=False):
+                     masked=None, post=None):
     """The mean or sum of a row loss (masked: of each row's loss times a weight, or where a mask is
-    true; divided: then over a scalar), as cross_entropy(reduction=..., weights=...),
-    where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its forward also
-    writes the logits' gradient, scaled (on Hopper, cross_entropy_hopper reads the logits once).
-    Every scale of the reduction is folded
-    into the rows' weights: one left after the kernel would be the cotangent of its sum, and the
-    backward would scale dx by it, one more pass over the logits' size (jax.grad's own cotangent,
-    the constant 1, XLA folds away)."""
-    fn = _reduced(loss_fn, reduce, log_probability, masked, divided)
+    true; post: then over a scalar, or times or over a constant), as cross_entropy(reduction=...,
+    weights=...), where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its
+    forward also writes the logits' gradient, scaled (on Hopper, cross_entropy_hopper reads the
+    logits once). Every scale of the reduction is folded into the rows' weights: one left after the
+    kernel would be the cotangent of its sum, and the backward would scale dx by it, one more pass
+    over the logits' size (jax.grad's own cotangent, the constant 1, XLA folds away)."""
+    fn = _reduced(loss_fn, reduce, log_probability, masked, post)
 
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
-        scale = 1.0 / labels.size if reduce is mean and (masked or divided or labels_as == ONE_HOT) else 1.0
-        scale = scale / rest[-1].astype(jnp.float32) if divided else scale
+        scale = 1.0 / labels.size if reduce is mean and (masked or post or labels_as == ONE_HOT) else 1.0
+        if post == DIVIDED:
+            scale = scale / rest[-1].astype(jnp.float32)
+        elif post:
+            scale = scale * params["scale"] if post == TIMES_C else scale / params["scale"]
+        out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
+        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked and masked != WHERE else 1.0
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
-            weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
                                                  weights=jnp.broadcast_to(weights * scale, labels.shape), **options)
-            return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype)
+            return loss.astype(out_dtype)
         labels = _labels_as_read(labels, labels_as, logits.shape[-1])
         if masked == WHERE:
             loss = kernels.where_masked_sum(logits, labels, rest[0], scale=scale, **options)
-        elif masked or divided:
-            weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
+        elif masked or post:
             loss = kernels.cross_entropy(logits, labels, reduction="sum", **options,
                                          weights=jnp.broadcast_to(weights * scale, labels.shape))
         else:
             loss = kernels.cross_entropy(logits, labels, reduction=reduce.__name__, **options)
-        # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype)
+        return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
 
     if masked == WEIGHTS:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
@@ -529,30 +539,33 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
-        if not divided:
+        if post != DIVIDED:
             return (logits, labels) + mask
         # the divisor in the reduced loss's dtype, which programs divide it by (a count converted to it)
         undivided = _reduced(loss_fn, reduce, log_probability, masked)
         out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), logits, labels, *mask)
         return (logits, labels) + mask + (jax.ShapeDtypeStruct((), out.dtype),)
     rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
+    params_of = _params_of(param, lambda match: match.input_avals[0].shape[-1], 8)
+    literal = post in (TIMES_C, OVER_C)
     return Pattern(
-        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}",
+        name=f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}",
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
-        params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8),
-        check=lambda match, params: _check_reduced(match, params, masked, divided),
-        replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
-        extends=f"cross_entropy/{name}")
+        params_of=(lambda match: {**params_of(match), "scale": literal_at(match, SCALE_EXAMPLE)}) if literal else params_of,
+        check=lambda match, params: _check_reduced(match, params, masked, post),
+        replace=replace, example_params={**EXAMPLE_PARAMS[param], **({"scale": SCALE_EXAMPLE} if literal else {})},
+        requires=_requires(labels_as), extends=f"cross_entropy/{name}")
 
 
 # Each row loss's mean and sum over every row: plain, weighted per row (a padding mask) or masked
-# by where (HF's -100 labels: where(labels != -100, loss, 0); integer labels only); each sum also
-# over a scalar (sum(loss * mask) / sum(mask), a token count), the division folded into the rows'
-# weights. One-hot targets too (HF's Flax examples: softmax_cross_entropy(logits, onehot) * mask,
-# summed). Traced only for programs where the row loss is found. A reduction over some axes only,
-# or of the losses scaled by a constant first, keeps the row loss.
-PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, divided)
+# by where (HF's -100 labels: where(labels != -100, loss, 0); integer labels only); each then also
+# times or over a constant, and each sum over a scalar (sum(loss * mask) / sum(mask), a token
+# count), those scales folded into the rows' weights. One-hot targets too (HF's Flax examples:
+# softmax_cross_entropy(logits, onehot) * mask, summed). Traced only for programs where the row loss
+# is found. A reduction over some axes only, or of the losses scaled by a constant first, keeps the
+# row loss.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
-             for divided in ((False, True) if reduce is sum else (False,))]
+             for post in (None, TIMES_C, OVER_C) + ((DIVIDED,) if reduce is sum else ())]
