@@ -598,9 +598,10 @@ def test_padding_masked_sums_take_the_weights():
         assert not dx_scales(grad_jaxpr, logits.size), name
 
 
-def test_reduced_losses_scaled_by_constants_fold_the_scale():
+def test_reduced_losses_scaled_fold_the_scale():
     """A reduced loss times or over a constant (a gradient accumulation's step count, a loss's
-    weight): the constant goes into the rows' weights with the reduction's, so the forward's
+    weight), or times a scalar (a dynamic loss scale): it goes into the rows' weights with the
+    reduction's, so the forward's
     gradient is final (left to XLA, it would scale dx in one more pass); masked, by where, one-hot
     targets and negated log-probabilities too. Values and gradients as jax.jit's; a scale of inf is
     declined, saying why."""
@@ -618,7 +619,9 @@ def test_reduced_losses_scaled_by_constants_fold_the_scale():
                                  "mean(where(mask, optax_integer_labels+upcast, 0)) * c"),
              "-mean(log p) * 2": (lambda x, y, m: -jnp.mean(lsm(x, y)) * 2.0,
                                   "-mean(take_along_axis(log_softmax)+upcast) * c"),
-             "one-hot mean * 0.25": (lambda x, y, m: one_hot(x, y).mean() * 0.25, "mean(one_hot*log_softmax) * c")}
+             "one-hot mean * 0.25": (lambda x, y, m: one_hot(x, y).mean() * 0.25, "mean(one_hot*log_softmax) * c"),
+             # a dynamic loss scale (jmp's, for float16 training): a scalar the program is given
+             "mean * scale": (lambda x, y, m: up(x, y).mean() * jnp.sum(m), "mean(optax_integer_labels+upcast) * d")}
     for name, (f, pattern) in cases.items():
         report = xkern.explain(f)(logits, labels, mask)
         found = [m.pattern for m in report.matches if m.pattern.startswith("cross")]

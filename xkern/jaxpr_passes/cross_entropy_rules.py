@@ -459,16 +459,17 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, di
 WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
 
 
-DIVIDED, TIMES_C, OVER_C = "/ d", "* c", "/ c"  # a reduced loss then over a scalar input, or times / over a literal
+# a reduced loss then over or times a scalar input, or times or over a literal
+DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
 SCALE_EXAMPLE = 0.713  # such a literal, traced with this distinctive value and read back
 
 
 def _reduced(loss_fn, reduce, log_probability, masked, post=None):
     """reduce(loss_fn(logits, labels)), negated for log-probabilities; masked: each row's loss times
     a weight first (a padding mask: WEIGHTS), or kept where a boolean mask is true (WHERE), the mask
-    the pattern's third input; post: then over a scalar, the pattern's last input (DIVIDED: the
-    mask's sum, a token count), or times or over a constant `scale` (TIMES_C, OVER_C: a gradient
-    accumulation's step count, a loss's weight)."""
+    the pattern's third input; post: then over or times a scalar, the pattern's last input
+    (DIVIDED: the mask's sum, a token count; TIMES_D: a dynamic loss scale), or times or over a
+    constant `scale` (TIMES_C, OVER_C: a gradient accumulation's step count, a loss's weight)."""
     def pattern(logits, labels, *rest, scale=None, **params):
         rows = loss_fn(logits, labels, **params)
         if masked:
@@ -477,7 +478,7 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None):
         out = -out if log_probability else out
         if post in (DIVIDED, OVER_C):
             return out / (rest[-1] if post == DIVIDED else scale)
-        return out * scale if post == TIMES_C else out
+        return out * (rest[-1] if post == TIMES_D else scale) if post else out
     rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
             WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
@@ -490,8 +491,8 @@ def _check_reduced(match, params, masked, post) -> str | None:
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
         if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
             return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
-    if post == DIVIDED and match.input_avals[-1].shape != ():
-        return f"the reduced loss is divided by a {list(match.input_avals[-1].shape)} array, not a scalar"
+    if post in (DIVIDED, TIMES_D) and match.input_avals[-1].shape != ():
+        return f"the reduced loss is scaled by a {list(match.input_avals[-1].shape)} array ({post}), not a scalar"
     if post in (TIMES_C, OVER_C) and not (np.isfinite(params["scale"]) and (post == TIMES_C or params["scale"] != 0)):
         return f"the reduced loss is scaled by {params['scale']} ({post}): the kernels take a finite factor"
     return _check(match, {n: v for n, v in params.items() if n != "scale"})
@@ -511,8 +512,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
         scale = 1.0 / labels.size if reduce is mean and (masked or post or labels_as == ONE_HOT) else 1.0
-        if post == DIVIDED:
-            scale = scale / rest[-1].astype(jnp.float32)
+        if post in (DIVIDED, TIMES_D):
+            scale = scale / rest[-1].astype(jnp.float32) if post == DIVIDED else scale * rest[-1].astype(jnp.float32)
         elif post:
             scale = scale * params["scale"] if post == TIMES_C else scale / params["scale"]
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
@@ -539,9 +540,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
-        if post != DIVIDED:
+        if post not in (DIVIDED, TIMES_D):
             return (logits, labels) + mask
-        # the divisor in the reduced loss's dtype, which programs divide it by (a count converted to it)
+        # the scalar in the reduced loss's dtype, which programs scale it by (a count converted to it)
         undivided = _reduced(loss_fn, reduce, log_probability, masked)
         out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), logits, labels, *mask)
         return (logits, labels) + mask + (jax.ShapeDtypeStruct((), out.dtype),)
@@ -559,8 +560,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
 
 # Each row loss's mean and sum over every row: plain, weighted per row (a padding mask) or masked
 # by where (HF's -100 labels: where(labels != -100, loss, 0); integer labels only); each then also
-# times or over a constant, and each sum over a scalar (sum(loss * mask) / sum(mask), a token
-# count), those scales folded into the rows' weights. One-hot targets too (HF's Flax examples:
+# times or over a constant, or times a scalar (a dynamic loss scale), and each sum over a scalar
+# (sum(loss * mask) / sum(mask), a token count), those scales folded into the rows' weights. One-hot targets too (HF's Flax examples:
 # softmax_cross_entropy(logits, onehot) * mask, summed). Traced only for programs where the row loss
 # is found. A reduction over some axes only, or of the losses scaled by a constant first, keeps the
 # row loss.
@@ -568,4 +569,4 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
-             for post in (None, TIMES_C, OVER_C) + ((DIVIDED,) if reduce is sum else ())]
+             for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
