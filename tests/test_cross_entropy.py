@@ -703,14 +703,14 @@ def test_near_misses_are_not_rewritten():
 
 def test_shared_memory_kernel_takes_the_rows_where_it_wins():
     """cross_entropy_hopper's kernel (Hopper): 16-bit problems (integer labels or one-hot targets)
-    whose dx the forward writes, rows of 3 to 14 * 4 / 3 chunks of 8192, a multiple of 8 wide;
-    nothing else."""
+    whose dx the forward writes, rows of 3 chunks of 8192 or more (past 16, overflowing through the
+    ring), a multiple of 8 wide; nothing else."""
     from xkern.kernels import cross_entropy_hopper as hopper
     consts = ce._consts(128256, None, 0.1, 1e-4, write_dx=True)
     assert hopper.applies(128256, 2, consts) and hopper.applies(32000, 2, consts)
-    assert hopper.applies(3 * 8192, 2, consts) and hopper.applies(152912, 2, consts)  # (14 * 8192 * 4 / 3: 152917)
-    assert not hopper.applies(3 * 8192 - 8, 2, consts) and not hopper.applies(152920, 2, consts)
-    assert not hopper.applies(256000, 2, consts) and not hopper.applies(16384, 2, consts)
+    assert hopper.applies(3 * 8192, 2, consts) and hopper.applies(152920, 2, consts)
+    assert not hopper.applies(3 * 8192 - 8, 2, consts) and not hopper.applies(16384, 2, consts)
+    assert hopper.applies(256000, 2, consts) and hopper.applies(1 << 20, 2, consts)
     assert not hopper.applies(128257, 2, consts)  # (rows 2 bytes past a multiple of 16: no TMA)
     assert not hopper.applies(128256, 4, consts)  # float32
     assert not hopper.applies(128256, 2, {**consts, "WRITE_DX": False})  # reduction "none"
@@ -734,10 +734,12 @@ def _gluon_launches(monkeypatch):
                                                  ((133, 8200), "all", jnp.bfloat16),
                                                  ((2, 70, 50000), "ignore", jnp.float16),
                                                  ((140, 128256), "all", jnp.bfloat16),
-                                                 ((40, 139368), "all", jnp.bfloat16)],
+                                                 ((40, 139368), "all", jnp.bfloat16),
+                                                 ((140, 256000), "all", jnp.bfloat16)],
                          ids=["one chunk, rows past the SMs", "a tail of 8", "3-D, 6 chunks and a tail",
                               "14 chunks and a tail of 2 blocks, two rows a program",
-                              "a tail of 3 blocks (streamed, then read again)"])
+                              "3 chunks overflowing through the ring, a tail of 104",
+                              "17 chunks overflowing, a tail of 2048 (Gemma's rows), two rows a program"])
 def test_shared_memory_kernel_on_hopper(shape, options, dtype, monkeypatch):
     """cross_entropy_hopper (rows kept in shared memory): loss and gradient against the float32
     reference for both reductions that write dx in the forward."""

@@ -577,11 +577,12 @@ def aot_cases():
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "lse_ptr": "*fp32",
                         "g_ptr": "*fp32", "n_rows": "i32", "dx_ptr": f"*{dtype}"}, config)
     # cross_entropy_hopper's kernel (Hopper only): 14 chunks and a tail, 6 chunks with every option;
-    # one-hot targets with a tail kept, and with 3 chunks, smoothed, with z-loss
+    # one-hot targets with a tail kept, 17 chunks overflowing through the ring, and 3 chunks,
+    # one-hot, smoothed, with z-loss
     for dtype, n_cols, options in (("bf16", 128256, {}),
                                    ("fp16", 50304, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True,
                                                     "IGNORE_INDEX": -100}),
-                                   ("bf16", 128256, {"ONE_HOT": True}),
+                                   ("bf16", 128256, {"ONE_HOT": True}), ("bf16", 256000, {}),
                                    ("bf16", 32000, {"ONE_HOT": True, "SMOOTHING": 0.1, "Z_LOSS": 1e-4})):
         consts = {**_consts(n_cols, None, 0.0, 0.0, write_dx=True), **options}
         kind = ("/one_hot" if "ONE_HOT" in options else "") + ("/options" if set(options) - {"ONE_HOT"} else "")
