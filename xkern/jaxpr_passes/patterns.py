@@ -417,13 +417,16 @@ class Registry:
 
     def by_anchor_in(self, graph: Graph, live) -> dict:
         """by_anchor for this program: the families its primitives allow, then those extending a
-        pattern that matches in it (structurally, the cheap evidence)."""
+        pattern that matches in it (structurally, the cheap evidence), and so on while the families
+        added extend patterns found in turn (a row loss, its reduction, the reduction scaled)."""
         primitives = frozenset(graph.eqns[i].primitive.name for i in live)
         by_anchor = self.by_anchor_for(primitives)
         extended = {key[1] for key in self.gated if key[1] is not None and key[0] <= primitives}
-        if not extended:
-            return by_anchor
-        return self.by_anchor_for(primitives, found_in(graph, live, by_anchor, extended))
+        found = frozenset()
+        while more := found_in(graph, live, by_anchor, extended - found):
+            found |= more
+            by_anchor = self.by_anchor_for(primitives, found)
+        return by_anchor
 
     def build_all(self) -> "Registry":
         """Every pattern, gated or not, traced into one registry (to check them all together, e.g.
