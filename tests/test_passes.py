@@ -465,6 +465,25 @@ def test_duplicate_patterns_are_rejected():
                 assert P.found_in(graph, range(len(graph.eqns)), everything.by_anchor, {pattern.extends}), pattern.name
 
 
+def test_families_extend_in_turn_and_only_where_found():
+    """Pattern.extends chains: a program holding a cross-entropy's mean over a constant traces its
+    row loss's families (the reductions), then the scaled forms of the reduction found (the mean's),
+    and not those of reductions it does not hold (a masked sum's): start-up time by what is there."""
+    import optax
+    fresh = P.registry.__wrapped__()  # (a registry of its own: nothing traced yet)
+    loss = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean() / 4
+    from xkern.jaxpr_passes.canonicalize import canonicalize
+    closed = canonicalize(jax.make_jaxpr(loss)(jnp.zeros((4, 8)), jnp.zeros((4,), jnp.int32)))  # (as planned)
+    graph = P.Graph(closed.jaxpr, closed.consts)
+    by_anchor = fresh.by_anchor_in(graph, range(len(graph.eqns)))
+    extended = {key[1] for key in fresh.built}
+    assert {"cross_entropy/optax_integer_labels", "cross_entropy/mean(optax_integer_labels)"} <= extended
+    assert "cross_entropy/sum(optax_integer_labels * weights)" not in extended
+    names = {pattern.name for entries in by_anchor.values() for pattern, _ in entries}
+    assert "cross_entropy/mean(optax_integer_labels) / c" in names
+    assert "cross_entropy/sum(optax_integer_labels * weights) / d" not in names
+
+
 def test_constant_values_are_evaluated_only_when_the_program_fixes_them():
     """graph.constant_value: a value computed from literals and closed-over constants alone is
     evaluated (under tracing too); one that reads an input, or is too large, is not."""
