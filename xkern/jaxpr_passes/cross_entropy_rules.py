@@ -360,24 +360,65 @@ def einsum_transposed(h, table):
 TRANSPOSED = (matmul_transposed, einsum_transposed)
 
 
-def _linear(loss_fn, project, reduce, log_probability, weighted, divided=False):
+# How a reduced loss may be scaled after its reduction: over or times a scalar input (the mask's sum,
+# a token count; a dynamic loss scale), or times or over a literal (a gradient accumulation's step
+# count, a loss's weight), traced with a distinctive value and read back
+DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
+SCALE_EXAMPLE = 0.713
+
+
+def _post(out, post, rest, scale=None):
+    """out scaled as `post` says (None: as it is), by the pattern's last input or the literal scale."""
+    if post in (DIVIDED, OVER_C):
+        return out / (rest[-1] if post == DIVIDED else scale)
+    return out * (rest[-1] if post == TIMES_D else scale) if post else out
+
+
+def _reduction_scale(reduce, n_rows, folded, post, rest, params):
+    """Each row's factor in a reduction whose scales go into the rows' weights (folded: the mean's
+    1 / n too, else the kernels take it): one left after the kernel would be the cotangent of its
+    sum, and the backward would scale dx by it, one more pass over the logits' size."""
+    scale = 1.0 / n_rows if reduce is mean and folded else 1.0
+    if post in (DIVIDED, TIMES_D):
+        d = rest[-1].astype(jnp.float32)
+        return scale / d if post == DIVIDED else scale * d
+    if post in (TIMES_C, OVER_C):
+        return scale * params["scale"] if post == TIMES_C else scale / params["scale"]
+    return scale
+
+
+def _scalar_reason(match, post) -> str | None:
+    if post in (DIVIDED, TIMES_D) and match.input_avals[-1].shape != ():
+        return f"the reduced loss is scaled by a {list(match.input_avals[-1].shape)} array ({post}), not a scalar"
+    return None
+
+
+def _scalar_example(post, unscaled, param, *avals) -> tuple:
+    """The example of a scalar input (DIVIDED, TIMES_D): in the reduced loss's dtype, which programs
+    scale it by (a count converted to it); else nothing."""
+    if post not in (DIVIDED, TIMES_D):
+        return ()
+    out = jax.eval_shape(functools.partial(unscaled, **EXAMPLE_PARAMS[param]), *avals)
+    return (jax.ShapeDtypeStruct((), out.dtype),)
+
+
+def _linear(loss_fn, project, reduce, log_probability, weighted, post=None):
     """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; weighted: each row's
-    loss times a weight first (a padding mask), the weights the pattern's fourth input; divided:
-    then over a scalar, its last input."""
+    loss times a weight first (a padding mask), the weights the pattern's fourth input; post
+    (DIVIDED or None): then over a scalar, its last input."""
     def pattern(h, w, labels, *rest, **params):
         rows = loss_fn(project(h, w), labels, **params)
         out = reduce(rows * rest[0] if weighted else rows)
-        out = -out if log_probability else out
-        return out / rest[-1] if divided else out
+        return _post(-out if log_probability else out, post, rest)
     rows = f"{loss_fn.__name__}({project.__name__}){' * weights' if weighted else ''}"
-    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){' / d' if divided else ''}"
+    pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
-def _check_linear(match, params, transposed, divided) -> str | None:
-    h, w, labels, *weights = match.input_avals[:-1] if divided else match.input_avals
-    if divided and match.input_avals[-1].shape != ():
-        return f"the reduced loss is divided by a {list(match.input_avals[-1].shape)} array, not a scalar"
+def _check_linear(match, params, transposed, post) -> str | None:
+    if reason := _scalar_reason(match, post):
+        return reason
+    h, w, labels, *weights = match.input_avals[:-1] if post else match.input_avals
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
@@ -389,19 +430,18 @@ def _check_linear(match, params, transposed, divided) -> str | None:
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", param=None, weighted=False, divided=False, extends=None):
+                    labels_as="take_along_axis", param=None, weighted=False, post=None, extends=None):
     """Its reduction's scales folded into the rows' weights, as _reduced_pattern's."""
     transposed = project in TRANSPOSED
-    fn = _linear(loss_fn, project, reduce, log_probability, weighted, divided)
+    fn = _linear(loss_fn, project, reduce, log_probability, weighted, post)
 
     def replace(h, w, labels, *rest, backend, **params):
-        # mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n
-        scale = 1.0 / labels.size if reduce is mean and (weighted or divided) else 1.0
-        scale = scale / rest[-1].astype(jnp.float32) if divided else scale
+        # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
+        folded = weighted or post
+        scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if weighted else 1.0
-        options = dict(reduction="sum" if weighted or divided else reduce.__name__, transpose_w=transposed,
-                       backend=backend,
-                       weights=jnp.broadcast_to(weights * scale, labels.shape) if weighted or divided else None)
+        options = dict(reduction="sum" if folded else reduce.__name__, transpose_w=transposed, backend=backend,
+                       weights=jnp.broadcast_to(weights * scale, labels.shape) if folded else None)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
@@ -420,16 +460,13 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ()
-        if not divided:
-            return (h, w, labels) + weights
-        undivided = _linear(loss_fn, project, reduce, log_probability, weighted)  # (the divisor in its dtype)
-        out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), h, w, labels, *weights)
-        return (h, w, labels) + weights + (jax.ShapeDtypeStruct((), out.dtype),)
+        unscaled = _linear(loss_fn, project, reduce, log_probability, weighted)
+        return (h, w, labels) + weights + _scalar_example(post, unscaled, param, h, w, labels, *weights)
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=_params_of(param, vocab, 16),
-        check=lambda match, params: _check_linear(match, params, transposed, divided),
+        check=lambda match, params: _check_linear(match, params, transposed, post),
         replace=replace, example_params=EXAMPLE_PARAMS[param],
         requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
@@ -446,11 +483,11 @@ def sum(loss):  # noqa: A001 (the reduction's name)
 # mask), each sum also over a scalar (sum(loss * mask) / sum(mask)), the scales folded into the rows'
 # weights: traced for a program only when the row loss itself is found in it (Pattern.extends), so
 # the ~890 patterns cost start-up time by the 24 of the loss a program holds.
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, divided=divided,
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, post=post,
                              extends=f"cross_entropy/{name}")
              for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
-             for divided in ((False, True) if reduce is sum else (False,))]
+             for post in ((None, DIVIDED) if reduce is sum else (None,))]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -458,11 +495,6 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, di
 # --------------------------------------------------------------------------------------------------
 
 WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
-
-
-# a reduced loss then over or times a scalar input, or times or over a literal
-DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
-SCALE_EXAMPLE = 0.713  # such a literal, traced with this distinctive value and read back
 
 
 def _reduced(loss_fn, reduce, log_probability, masked, post=None):
@@ -476,10 +508,7 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None):
         if masked:
             rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
         out = reduce(rows)
-        out = -out if log_probability else out
-        if post in (DIVIDED, OVER_C):
-            return out / (rest[-1] if post == DIVIDED else scale)
-        return out * (rest[-1] if post == TIMES_D else scale) if post else out
+        return _post(-out if log_probability else out, post, rest, scale)
     rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
             WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
@@ -492,11 +521,9 @@ def _check_reduced(match, params, masked, post) -> str | None:
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
         if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
             return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
-    if post in (DIVIDED, TIMES_D) and match.input_avals[-1].shape != ():
-        return f"the reduced loss is scaled by a {list(match.input_avals[-1].shape)} array ({post}), not a scalar"
     if post in (TIMES_C, OVER_C) and not (np.isfinite(params["scale"]) and (post == TIMES_C or params["scale"] != 0)):
         return f"the reduced loss is scaled by {params['scale']} ({post}): the kernels take a finite factor"
-    return _check(match, {n: v for n, v in params.items() if n != "scale"})
+    return _scalar_reason(match, post) or _check(match, {n: v for n, v in params.items() if n != "scale"})
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
@@ -512,11 +539,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
 
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
-        scale = 1.0 / labels.size if reduce is mean and (masked or post or labels_as == ONE_HOT) else 1.0
-        if post in (DIVIDED, TIMES_D):
-            scale = scale / rest[-1].astype(jnp.float32) if post == DIVIDED else scale * rest[-1].astype(jnp.float32)
-        elif post:
-            scale = scale * params["scale"] if post == TIMES_C else scale / params["scale"]
+        scale = _reduction_scale(reduce, labels.size, masked or post or labels_as == ONE_HOT, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked and masked != WHERE else 1.0
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
@@ -541,20 +564,18 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
-        if post not in (DIVIDED, TIMES_D):
-            return (logits, labels) + mask
-        # the scalar in the reduced loss's dtype, which programs scale it by (a count converted to it)
-        undivided = _reduced(loss_fn, reduce, log_probability, masked)
-        out = jax.eval_shape(functools.partial(undivided, **EXAMPLE_PARAMS[param]), logits, labels, *mask)
-        return (logits, labels) + mask + (jax.ShapeDtypeStruct((), out.dtype),)
+        unscaled = _reduced(loss_fn, reduce, log_probability, masked)
+        return (logits, labels) + mask + _scalar_example(post, unscaled, param, logits, labels, *mask)
     rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
     params_of = _params_of(param, lambda match: match.input_avals[0].shape[-1], 8)
     literal = post in (TIMES_C, OVER_C)
+    if literal:  # (the scale read off the program too)
+        params_of = lambda match, row_params=params_of: {**row_params(match), "scale": literal_at(match, SCALE_EXAMPLE)}
     reduced = f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows})"
     return Pattern(
         name=f"{reduced}{f' {post}' if post else ''}",
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
-        params_of=(lambda match: {**params_of(match), "scale": literal_at(match, SCALE_EXAMPLE)}) if literal else params_of,
+        params_of=params_of,
         check=lambda match, params: _check_reduced(match, params, masked, post),
         replace=replace, example_params={**EXAMPLE_PARAMS[param], **({"scale": SCALE_EXAMPLE} if literal else {})},
         # (a scaled reduction: traced only for programs where the reduction is found)
@@ -564,10 +585,10 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
 # Each row loss's mean and sum over every row: plain, weighted per row (a padding mask) or masked
 # by where (HF's -100 labels: where(labels != -100, loss, 0); integer labels only); each then also
 # times or over a constant, or times a scalar (a dynamic loss scale), and each sum over a scalar
-# (sum(loss * mask) / sum(mask), a token count), those scales folded into the rows' weights. One-hot targets too (HF's Flax examples:
-# softmax_cross_entropy(logits, onehot) * mask, summed). Traced only for programs where the row loss
-# is found. A reduction over some axes only, or of the losses scaled by a constant first, keeps the
-# row loss.
+# (sum(loss * mask) / sum(mask), a token count), those scales folded into the rows' weights.
+# One-hot targets too (HF's Flax examples: softmax_cross_entropy(logits, onehot) * mask, summed).
+# Traced only for programs where the row loss is found. A reduction over some axes only, or of the
+# losses scaled by a constant first, keeps the row loss.
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
