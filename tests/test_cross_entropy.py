@@ -482,10 +482,10 @@ def test_patterns_match_and_equal_jax_jit(spelling):
 
 def test_hf_flax_example_losses_are_found():
     """HF's Flax examples' losses, flax's onehot targets: run_mlm_flax's sum of the rows times the
-    mask of labels > 0 (reduced: the gradient from the forward); run_summarization_flax's smoothed
-    target (on = 1 - e, off = e / (V - 1)) less its normalizing constant, times the padding mask,
-    summed (the row loss: the constant comes between it and the mask). Values and gradients as
-    jax.jit's, a label out of range (onehot's row of zeros) included."""
+    mask of labels > 0; run_summarization_flax's smoothed target (on = 1 - e, off = e / (V - 1))
+    less its normalizing constant, times the padding mask, summed: each reduced, its gradient from
+    the forward. Values and gradients (logits and mask) as jax.jit's, a label out of range
+    (onehot's row of zeros) included."""
     import optax
     from flax.training.common_utils import onehot
     logits, labels = make((2, 6, 41), jnp.bfloat16, seed=16)
@@ -503,13 +503,18 @@ def test_hf_flax_example_losses_are_found():
         soft_labels = onehot(y, vocab, on_value=confidence, off_value=low_confidence)
         return jnp.sum((optax.softmax_cross_entropy(x, soft_labels) - constant) * padding)
 
-    for f, pattern in ((mlm, "sum(flax_onehot*log_softmax * weights)"), (summarization, "flax_onehot*log_softmax")):
+    for f, pattern in ((mlm, "sum(flax_onehot*log_softmax * weights)"),
+                       (summarization, "sum((flax_onehot*log_softmax - c) * weights)")):
         report = xkern.explain(f)(logits, labels, mask)
         assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"]
         close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.bfloat16)
         # (against the program on float32 logits: jax.jit's bf16 softmax gradient is 2% off near 1)
-        close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels, mask),
-              jax.jit(jax.grad(f))(logits.astype(jnp.float32), labels, mask), jnp.bfloat16)
+        grads = lambda g, x: jax.jit(jax.grad(g, (0, 2)))(x, labels, mask)
+        for got, want in zip(grads(xkern.optimize(f), logits), grads(f, logits.astype(jnp.float32))):
+            close(got, want, jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
+        assert [k for k in kernel_names(grad_jaxpr) if k.startswith("cross")] == ["cross_entropy_fwd"]
+        assert not dx_scales(grad_jaxpr, logits.size)
 
 
 @pytest.mark.parametrize("spelling", ["-log_softmax[rows, labels]", "log_softmax[rows, labels]+upcast",
@@ -635,6 +640,42 @@ def test_reduced_losses_scaled_fold_the_scale():
     report = xkern.explain(f)(logits, labels)
     assert "scaled by inf" in str(report), report
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
+
+
+def test_losses_shifted_by_a_scalar_are_reduced():
+    """Every row's loss minus a scalar, then masked and reduced, `(loss - c) * weights` (Flax's WMT
+    and lm1b examples: c the smoothed targets' entropy, computed in the program; or a scalar given):
+    the reduction with c's share subtracted after, its gradient from the forward, final. Integer
+    labels, one-hot targets smoothed by optax, masked or not, a mean, over the weights' sum or a
+    count; values and gradients (logits, mask, c) as jax.jit's. A shift per row is not a scalar:
+    the row loss only."""
+    import optax
+    logits, labels = make((2, 5, 300), jnp.bfloat16, seed=21)
+    mask = jnp.asarray(np.random.default_rng(11).integers(0, 2, labels.shape), jnp.float32)
+    c = jnp.float32(0.37)
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    smoothed = lambda x, y: optax.softmax_cross_entropy(x, optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.1))
+    entropy = lambda v, e=0.1: -((1 - e) * jnp.log(1 - e) + (v - 1) * e / (v - 1) * jnp.log(e / (v - 1)))
+    cases = {"wmt, over the weights' sum": (lambda x, y, m, c: jnp.sum((smoothed(x, y) - entropy(x.shape[-1])) * m)
+                                            / jnp.sum(m), "sum((smooth_labels(one_hot)*log_softmax - c) * weights) / d"),
+             "mean, c given": (lambda x, y, m, c: jnp.mean(up(x, y) - c), "mean((optax_integer_labels+upcast - c))"),
+             "masked sum / 8": (lambda x, y, m, c: jnp.sum((up(x, y) - c) * m) / 8.0,
+                                "sum((optax_integer_labels+upcast - c) * weights) / c")}
+    for name, (f, pattern) in cases.items():
+        report = xkern.explain(f)(logits, labels, mask, c)
+        found = [m.pattern for m in report.matches if m.pattern.startswith("cross")]
+        assert found == [f"cross_entropy/{pattern}"], (name, found)
+        close(xkern.jit(f)(logits, labels, mask, c), jax.jit(f)(logits, labels, mask, c), jnp.bfloat16)
+        grads = lambda g, x: jax.jit(jax.grad(g, (0, 2, 3)))(x, labels, mask, c)
+        for got, want in zip(grads(xkern.optimize(f), logits), grads(f, logits.astype(jnp.float32))):
+            close(got, want, jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask, c)
+        assert [k for k in kernel_names(grad_jaxpr) if k.startswith("cross")] == ["cross_entropy_fwd"], name
+        assert not dx_scales(grad_jaxpr, logits.size), name
+    per_row = lambda x, y, m, c: jnp.sum((up(x, y) - c * m) * m)
+    report = xkern.explain(per_row)(logits, labels, mask, c)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == ["cross_entropy/optax_integer_labels+upcast"]
+    close(xkern.jit(per_row)(logits, labels, mask, c), jax.jit(per_row)(logits, labels, mask, c), jnp.float32)
 
 
 def test_losses_masked_by_where_as_jax_jit_nan_rows_included():

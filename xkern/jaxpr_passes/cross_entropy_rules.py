@@ -4,7 +4,8 @@ program's dtype where the program computed in half precision); its mean or sum o
 that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
 weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, each sum also
 over a scalar (the mask's sum, a token count), one-hot targets' too by one_hot_cross_entropy(weights=
-...). Their forwards also write the logits' gradient when the program is differentiated (so the
+...), each row's loss less a scalar first or not (`(loss - c) * weights`: c's share is subtracted
+after the kernel). Their forwards also write the logits' gradient when the program is differentiated (so the
 backward never reads the logits: on Hopper they are read once), with every scale of the reduction
 in it (a scale left after the kernel would rescale the gradient in one more pass).
 
@@ -497,25 +498,37 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, po
 WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
 
 
-def _reduced(loss_fn, reduce, log_probability, masked, post=None):
-    """reduce(loss_fn(logits, labels)), negated for log-probabilities; masked: each row's loss times
+def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False):
+    """reduce(loss_fn(logits, labels)), negated for log-probabilities; shifted: each row's loss minus
+    a scalar first, the input after the mask (Flax's WMT example and HF's summarization subtract the
+    smoothed targets' entropy, `loss - normalizing_constant`); masked: each row's loss times
     a weight first (a padding mask: WEIGHTS), or kept where a boolean mask is true (WHERE), the mask
     the pattern's third input; post: then over or times a scalar, the pattern's last input
     (DIVIDED: the mask's sum, a token count; TIMES_D: a dynamic loss scale), or times or over a
     constant `scale` (TIMES_C, OVER_C: a gradient accumulation's step count, a loss's weight)."""
     def pattern(logits, labels, *rest, scale=None, **params):
         rows = loss_fn(logits, labels, **params)
+        if shifted:
+            rows = rows - rest[1 if masked else 0]
         if masked:
             rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
         out = reduce(rows)
         return _post(-out if log_probability else out, post, rest, scale)
-    rows = {None: loss_fn.__name__, WEIGHTS: f"{loss_fn.__name__} * weights",
-            WHERE: f"where(mask, {loss_fn.__name__}, 0)"}[masked]
+    rows = _rows_name(loss_fn.__name__, masked, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
-def _check_reduced(match, params, masked, post) -> str | None:
+def _rows_name(loss: str, masked, shifted: bool) -> str:
+    loss = f"({loss} - c)" if shifted else loss
+    return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)"}[masked]
+
+
+def _check_reduced(match, params, masked, post, shifted) -> str | None:
+    if shifted and (match.input_avals[3 if masked else 2].shape != ()
+                    or not jnp.issubdtype(match.input_avals[3 if masked else 2].dtype, jnp.floating)):
+        shift = match.input_avals[3 if masked else 2]
+        return f"the losses are shifted by {shift.dtype}{list(shift.shape)}, not a float scalar"
     if masked:
         labels, mask = match.input_avals[1:3]
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
@@ -527,33 +540,39 @@ def _check_reduced(match, params, masked, post) -> str | None:
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
-                     masked=None, post=None):
+                     masked=None, post=None, shifted=False):
     """The mean or sum of a row loss (masked: of each row's loss times a weight, or where a mask is
     true; post: then over a scalar, or times or over a constant), as cross_entropy(reduction=...,
     weights=...), where_masked_sum or one_hot_cross_entropy(weights=...): under differentiation its
     forward also writes the logits' gradient, scaled (on Hopper, cross_entropy_hopper reads the
     logits once). Every scale of the reduction is folded into the rows' weights: one left after the
     kernel would be the cotangent of its sum, and the backward would scale dx by it, one more pass
-    over the logits' size (jax.grad's own cotangent, the constant 1, XLA folds away)."""
-    fn = _reduced(loss_fn, reduce, log_probability, masked, post)
+    over the logits' size (jax.grad's own cotangent, the constant 1, XLA folds away). A shift c of
+    every row's loss adds -c times the rows' summed factors, which the gradient of the logits
+    does not see."""
+    fn = _reduced(loss_fn, reduce, log_probability, masked, post, shifted)
 
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
-        scale = _reduction_scale(reduce, labels.size, masked or post or labels_as == ONE_HOT, post, rest, params)
+        folded = masked or post or shifted or labels_as == ONE_HOT
+        scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked and masked != WHERE else 1.0
+        factors = jnp.broadcast_to(weights * scale, labels.shape)  # each row's, in the reduced loss
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
-                                                 weights=jnp.broadcast_to(weights * scale, labels.shape), **options)
-            return loss.astype(out_dtype)
-        labels = _labels_as_read(labels, labels_as, logits.shape[-1])
-        if masked == WHERE:
-            loss = kernels.where_masked_sum(logits, labels, rest[0], scale=scale, **options)
-        elif masked or post:
-            loss = kernels.cross_entropy(logits, labels, reduction="sum", **options,
-                                         weights=jnp.broadcast_to(weights * scale, labels.shape))
+                                                 weights=factors, **options)
+        elif masked == WHERE:
+            loss = kernels.where_masked_sum(logits, _labels_as_read(labels, labels_as, logits.shape[-1]), rest[0],
+                                            scale=scale, **options)
+        elif folded:
+            loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
+                                         reduction="sum", weights=factors, **options)
         else:
-            loss = kernels.cross_entropy(logits, labels, reduction=reduce.__name__, **options)
+            loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
+                                         reduction=reduce.__name__, **options)
+        if shifted:
+            loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
         return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
 
     if masked == WEIGHTS:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
@@ -564,9 +583,12 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
-        unscaled = _reduced(loss_fn, reduce, log_probability, masked)
+        if shifted:  # (a scalar of the row losses' dtype)
+            rows = jax.eval_shape(functools.partial(loss_fn, **EXAMPLE_PARAMS[param]), logits, labels)
+            mask += (jax.ShapeDtypeStruct((), rows.dtype),)
+        unscaled = _reduced(loss_fn, reduce, log_probability, masked, shifted=shifted)
         return (logits, labels) + mask + _scalar_example(post, unscaled, param, logits, labels, *mask)
-    rows = {None: name, WEIGHTS: f"{name} * weights", WHERE: f"where(mask, {name}, 0)"}[masked]
+    rows = _rows_name(name, masked, shifted)
     params_of = _params_of(param, lambda match: match.input_avals[0].shape[-1], 8)
     literal = post in (TIMES_C, OVER_C)
     if literal:  # (the scale read off the program too)
@@ -576,7 +598,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         name=f"{reduced}{f' {post}' if post else ''}",
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
         params_of=params_of,
-        check=lambda match, params: _check_reduced(match, params, masked, post),
+        check=lambda match, params: _check_reduced(match, params, masked, post, shifted),
         replace=replace, example_params={**EXAMPLE_PARAMS[param], **({"scale": SCALE_EXAMPLE} if literal else {})},
         # (a scaled reduction: traced only for programs where the reduction is found)
         requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}")
@@ -593,4 +615,11 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
+             for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
+# The same with every row's loss minus a scalar first, `(loss - c) * weights` (Flax's WMT and lm1b
+# examples, HF's Flax summarization: c the smoothed targets' entropy, computed in the program), for
+# row losses that are losses (a log-probability's sign would come between).
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, post, True)
+             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if not log_probability
+             for masked in (None, WEIGHTS) for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
