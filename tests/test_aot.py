@@ -72,12 +72,15 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # (attention_hopper) on sm_90, the causal diagonal included; a soft cap keeps the warp-specialized
     # Triton forward
     gluon = {r["case"] for r in results if r["kernel"] == "fwd"}
-    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/fwd" for kind in ("plain", "causal-gqa", "sinks")} | {
+    kinds = ("plain", "causal-gqa", "sinks", "exp2-split")
+    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/fwd" for kind in kinds} | {
         "attention/sm_90/d256/bf16/causal-gqa/fwd"}, gluon
     assert not any(r["case"].endswith("/causal-gqa/fwd_diagonal") for r in results)
-    # and so is the backward (dk, dv and dq in one kernel: no dq kernel, no diagonal ones)
+    # and so is the backward (dk, dv and dq in one kernel: no dq kernel, no diagonal ones); both also
+    # with half their exps by the FMA units (attention_hopper.exp2_ptx's PTX, assembled by ptxas)
     gluon = {r["case"] for r in results if r["kernel"] == "bwd"}
-    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/bwd" for kind in ("plain", "causal-gqa", "sinks")} | {
+    kinds = ("plain", "causal-gqa", "sinks", "exp2-split")
+    assert gluon == {f"attention/sm_90/d128/bf16/{kind}/bwd" for kind in kinds} | {
         "attention/sm_90/d64/bf16/causal-gqa/bwd"}, gluon
     assert not any(r["case"].startswith("attention/sm_90/d128/bf16/causal-gqa/") and "dq" in r["case"] for r in results)
     assert any(r["case"] == "attention/sm_90/d128/bf16/softcap/fwd_diagonal" for r in results)

@@ -1637,6 +1637,87 @@ def test_gluon_kernels_on_hopper(shape, options):
             close(g[i], w, jnp.bfloat16)
 
 
+def _run_exp2_ptx(ptx: str, x: np.ndarray) -> np.ndarray:
+    """attention_hopper.exp2_ptx's PTX executed on float32 inputs, one instruction at a time (numpy
+    gives each instruction's float32 result; ex2.approx as exact exp2), 4 inputs per run."""
+    def rounded_down(exact):  # add.rm: the float32 at or below the exact sum
+        near = exact.astype(np.float32)
+        return np.where(near.astype(np.float64) > exact, np.nextafter(near, np.float32(-np.inf)), near)
+
+    def value(regs, token):
+        if token.startswith("0f"):
+            return np.uint32(int(token[2:], 16)).view(np.float32)
+        return int(token) if token.isdigit() else regs[token]
+    x = x.reshape(-1, 4)
+    regs = {f"${i + 4}": x[:, i].astype(np.float32) for i in range(4)}
+    with np.errstate(invalid="ignore", over="ignore"):
+        for line in ptx.splitlines():
+            line = line.strip().rstrip(";")
+            if line in ("{", "}") or line.startswith(".reg"):
+                continue
+            op, args = line.split(None, 1)
+            out, *ins = [a.strip() for a in args.split(",")]
+            a = [value(regs, t) for t in ins]
+            if op == "max.NaN.f32":
+                regs[out] = np.where(np.isnan(a[0]), a[0], np.maximum(a[0], a[1])).astype(np.float32)
+            elif op == "add.rm.f32":
+                regs[out] = rounded_down(a[0].astype(np.float64) + np.float64(a[1]))
+            elif op in ("sub.f32", "mul.f32"):
+                f = np.subtract if op == "sub.f32" else np.multiply
+                regs[out] = f(*(np.asarray(v).view(np.float32) for v in a)).astype(np.float32)
+            elif op == "fma.rn.f32":  # (float64 holds the exact product of two float32s)
+                regs[out] = (a[0].astype(np.float64) * np.float64(a[1]) + np.float64(a[2])).astype(np.float32)
+            elif op == "mov.b32":
+                regs[out] = np.asarray(a[0]).view(np.uint32)
+            elif op == "shl.b32":
+                regs[out] = (a[0] << np.uint32(a[1])).astype(np.uint32)
+            elif op == "ex2.approx.ftz.f32":
+                regs[out] = np.exp2(a[0]).astype(np.float32)
+            else:
+                raise AssertionError(f"an instruction the test does not know: {line}")
+    return np.stack([np.asarray(regs[f"${i}"]).view(np.float32) for i in range(4)], 1).reshape(-1)
+
+
+@pytest.mark.parametrize("poly", [1, 2, 4])
+def test_exp2_split_ptx_computes_exp2(poly):
+    """The Gluon kernels' exps split between MUFU and the FMA units (attention_hopper.exp2_ptx, in
+    use where a config's EXP2 > 0): its instructions, run here in float32, give 2**x within 1e-4
+    relative for a softmax's range (x <= 0, and up to 127 above), exactly 1 at 0, 0 at -inf and
+    below -126, NaN at NaN; the first `poly` of each 4 by the polynomial, the rest by ex2."""
+    from xkern.kernels import attention_hopper as AH
+
+    ptx = AH.exp2_ptx(poly)
+    assert ptx.count("ex2.approx") == 4 - poly and ptx.count("add.rm.f32") == poly
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-126, 0, 4000), rng.uniform(-1, 1, 4000), rng.uniform(0, 127.9, 396),
+                        np.arange(-126, 1), [0.0, -0.0, -1e-30, -125.99]]).astype(np.float32)
+    x = np.concatenate([x, np.zeros(-len(x) % 4, np.float32)])
+    got = _run_exp2_ptx(ptx, x)
+    want = np.exp2(x.astype(np.float64))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=0)
+    assert np.all(got[x == 0] == 1.0)
+    edges = np.array([-np.inf, np.nan, -127.0, -126.5, -1e4, np.float32(-3.4e38)] * 4, np.float32)
+    got = _run_exp2_ptx(ptx, edges).reshape(-1, 4)[:, :poly].reshape(-1, poly)
+    by_poly = edges.reshape(-1, 4)[:, :poly]
+    assert np.all(np.isnan(got) == np.isnan(by_poly)) and np.all(got[~np.isnan(by_poly)] == 0.0)
+
+
+@pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (wgmma); the interpreter cannot run Gluon")
+@pytest.mark.parametrize("fwd_poly,bwd_poly", [(2, 0), (2, 2), (1, 1)])
+@pytest.mark.parametrize("shape,options", [((2, 192, 384, 8, 2, 128), {}),
+                                           ((3, 384, 384, 2, 1, 128), {"causal": True})], ids=["gqa", "causal mqa"])
+def test_gluon_exp2_split_on_hopper(shape, options, fwd_poly, bwd_poly, monkeypatch):
+    """attention_hopper's kernels with part of their exps by the polynomial (FWD_EXP2, BWD_EXP2 > 0):
+    values and every gradient against the float32 reference, as with ex2 alone."""
+    from xkern.kernels import attention_hopper as AH
+
+    monkeypatch.setattr(AH, "FWD_EXP2", fwd_poly)
+    monkeypatch.setattr(AH, "BWD_EXP2", bwd_poly)  # (and no tuned configs, cached with other splits)
+    monkeypatch.setattr(A, "tuned_configs", lambda q, k, st: A.default_configs(q.shape[-1], st.backend, **st.fit(q, k)))
+    ran = _bf16_against_the_reference_with_launches(shape, 23, **options)
+    assert ran["attention_fwd"].get("EXP2") == fwd_poly and ran["attention_bwd_dkdv"].get("EXP2") == bwd_poly
+
+
 # Problems whose every tuner candidate is checked on a GPU: (b, sq, sk, h, hk, d), options. The
 # masked one takes the two-loop kernels (tile lists), the others the warp-specialized ones where a
 # head dim has them, so each kernel's candidates of both kinds run.

@@ -2103,7 +2103,7 @@ def aot_cases():
     kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
     first target of each vendor also every option in float32 (the most shared memory), a causal
     mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)
-    and a causal soft cap."""
+    and a causal soft cap; and attention_hopper's kernels with their exps split (sm_90)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
@@ -2120,6 +2120,7 @@ def aot_cases():
                     [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True, "SK16": True})]
                     if target == targets[0] else []):
                 yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
+    yield from attention_hopper.aot_exp2_cases()
 
 
 def _aot_split_kv(gpu, target, limit, d, options):

@@ -66,6 +66,52 @@ def _tma_add_36(tensor_desc, coord, src, _semantic=None):
 
 _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 
+# 2**x for the scores' softmax, split between the two units that can compute it. MUFU's ex2 gives
+# 16 results a clock per SM against the tensor cores' 4096 flops: at head dim 128 the forward's two
+# products take 512 flops a score, so its exps alone need half the products' time, and at 64 all of
+# it. Of every 4 scores a thread holds, the kernels' EXP2 go instead to the FMA units (128 lanes a
+# clock, 10 instructions each): 2**floor(x) from the bits of a float add rounded down, times a cubic
+# for 2**frac(x) (relative error 8.6e-5, under a bf16 rounding's 2e-3; exactly 1 at x = 0; 0 below
+# -126 and at -inf; NaN stays NaN; x must be < 128, as a softmax's x - max <= 0 is). 0: ex2 alone.
+# Not yet measured on the H200 (benchmarks/sweep_attention_exp2.py times each split), so 0 for now.
+FWD_EXP2 = 0
+BWD_EXP2 = 0
+EXP2_PACK = gl.constexpr(4)
+_EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
+
+
+@gluon.constexpr_function
+def exp2_ptx(poly):
+    """PTX for 2**x over 4 consecutive registers ($4.. in, $0.. out): the first `poly` by the
+    polynomial, the rest by ex2.approx. (A constexpr function: its source keys Triton's cache.)"""
+    import struct
+
+    f32 = lambda x: "0f%08X" % struct.unpack("<I", struct.pack("<f", x))[0]  # a PTX float literal
+    shift = f32(12582912.0 + 127)  # 1.5 * 2**23 + 127: adding it leaves 127 + floor(x) in the low bits
+    c1, c2, c3 = map(f32, (0.6951168179512024, 0.22764484584331512, 0.07706718146800995))  # minimax, [0, 1)
+    lines = ["{", ".reg .f32 xc, r, fr, p;", ".reg .b32 e;"]
+    for i in range(4):
+        out, x = f"${i}", f"${i + 4}"
+        if i >= poly:
+            lines.append(f"ex2.approx.ftz.f32 {out}, {x};")
+            continue
+        lines += [f"max.NaN.f32 xc, {x}, {f32(-127.0)};", f"add.rm.f32 r, xc, {shift};",
+                  f"sub.f32 fr, r, {shift};", "sub.f32 fr, xc, fr;",  # frac(x), in [0, 1)
+                  f"fma.rn.f32 p, fr, {c3}, {c2};", f"fma.rn.f32 p, p, fr, {c1};", "fma.rn.f32 p, p, fr, 0f3F800000;",
+                  "mov.b32 e, r;", "shl.b32 e, e, 23;", f"mul.f32 {out}, p, e;"]  # 2**floor(x): 127 + floor as exponent
+    return "\n".join(lines + ["}"])
+
+
+@gluon.jit
+def _exp2(x, POLY: gl.constexpr):
+    """2**x of a float32 tensor, POLY of every 4 by the FMA units (see FWD_EXP2)."""
+    if POLY == 0:
+        return gl.exp2(x)
+    else:
+        return gl.inline_asm_elementwise(exp2_ptx(POLY), _EXP2_CONSTRAINTS, [x], dtype=gl.float32, is_pure=True,
+                                         pack=EXP2_PACK)
+
+
 BLOCK_M = 128  # query rows per program (64 per consumer warpgroup)
 # Keys per block, by head dim: at 256 a consumer's [64, 256] float32 output takes 128 registers, and
 # 64-key score tiles keep the rest within its 240.
@@ -124,7 +170,7 @@ def _causal_mask(s, first_row, first_col, ROWS: gl.constexpr, BLOCK_N: gl.conste
 @gluon.jit
 def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, zeros_s, first_row,
           QK_SCALE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-          p_layout: gl.constexpr, rows_o: gl.constexpr, s_layout: gl.constexpr):
+          p_layout: gl.constexpr, rows_o: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr):
     """Key block j >= 1: S_j = q k_j^T and O += P_{j-1} v_{j-1} issued together, S_j's online
     softmax while the second runs, then O rescaled to the new row maxima. Returns P_j's state."""
     stages: gl.constexpr = k_bufs.type.shape[0]
@@ -141,7 +187,7 @@ def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready
         s = _causal_mask(s, first_row, j * BLOCK_N, ROWS, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * QK_SCALE)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(s * QK_SCALE - m_new[:, None])
+    p = _exp2(s * QK_SCALE - m_new[:, None], EXP2)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index(vs), count=1)
@@ -152,7 +198,8 @@ def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready
 @gluon.jit
 def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr, lse_ptr, sink_ptr,
               n_blocks, first_row, bh, sq, h, QK_SCALE: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
-              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+              CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+              EXP2: gl.constexpr):
     """One warpgroup's ROWS query rows (q_smem, from first_row) against key blocks 0 .. n_blocks-1:
     o and its log2-domain lse, as attention._fwd_store writes them (with the row's sink, as
     attention._sink_key adds it). Every row sees a key (causal: its own), so no row is empty."""
@@ -174,17 +221,17 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
         if BLOCK_N > first_row + 1:
             s = _causal_mask(s, first_row, 0, ROWS, BLOCK_N, s_layout)
     m_i = gl.max(s, 1) * QK_SCALE
-    p = gl.exp2(s * QK_SCALE - m_i[:, None])
+    p = _exp2(s * QK_SCALE - m_i[:, None], EXP2)
     l_i = gl.sum(p, 1)
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
     # blocks wholly left of the diagonal, then those crossing it, masked
     n_full = gl.minimum(gl.maximum((first_row + 1) // BLOCK_N, 1), n_blocks) if CAUSAL else n_blocks
     for j in range(1, n_full):
         p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, False, p_layout, rows_o, s_layout)
+                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, False, p_layout, rows_o, s_layout, EXP2)
     for j in range(n_full, n_blocks):
         p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, True, p_layout, rows_o, s_layout)
+                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, True, p_layout, rows_o, s_layout, EXP2)
     last = (n_blocks - 1) % k_bufs.type.shape[0]
     p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // k_bufs.type.shape[0]) & 1)
@@ -212,11 +259,12 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
 def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
         QK_SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr, D: gl.constexpr,
         CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr):
+        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr):
     """o [batch, sq, HEADS, D] (o_ptr's dtype) and lse [batch, HEADS, sq] (log2 domain) of q
     [batch, sq, HEADS, D] and k, v [batch, sk, KV_HEADS, D] (16-bit), as attention._fwd gives them
     for problems without masking: sk a multiple of BLOCK_N; causal only with sq == sk. Grid
-    (cdiv(sq, BLOCK_M), batch * HEADS), 4 warps asked. (BLOCK_D == D and GLUON: the config's marks.)"""
+    (cdiv(sq, BLOCK_M), batch * HEADS), 4 warps asked. (BLOCK_D == D and GLUON: the config's marks;
+    EXP2: see FWD_EXP2.)"""
     if CAUSAL:
         rank, bh = _longest_first(LPT_HEADS)
         pid_m = gl.num_programs(0) - 1 - rank  # (the last query blocks see the most keys)
@@ -257,10 +305,10 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
     gl.warp_specialize([
         (_consumer, (q_smem.slice(0, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr,
                      lse_ptr, sink_ptr, n_blocks, first_row, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL, HAS_SINK, HALF,
-                     BLOCK_N)),
+                     BLOCK_N, EXP2)),
         (_consumer, (q_smem.slice(HALF, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr,
                      lse_ptr, sink_ptr, n_blocks, first_row + HALF, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL, HAS_SINK,
-                     HALF, BLOCK_N)),
+                     HALF, BLOCK_N, EXP2)),
         (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b * sk,
                    h // (HEADS // KV_HEADS) * D, n_blocks, BLOCK_N)),
     ], [4, 1], [240, 24])
@@ -272,7 +320,7 @@ fwd.xkern_maxnreg = MAXNREG  # read by launch.gluon_module and aot.compile_kerne
 def config(head_dim: int = HEAD_DIM) -> L.Config:
     """The forward's config at `head_dim` (GLUON marks it for attention._launch_fwd)."""
     return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N[head_dim], BLOCK_D=head_dim, STAGES=STAGES, GLUON=1,
-                       num_warps=4, num_stages=STAGES)
+                       EXP2=FWD_EXP2, num_warps=4, num_stages=STAGES)
 
 
 def applies(head_dim: int, itemsize: int, unmasked_keys: int, causal_square: int, capped: bool) -> bool:
@@ -340,7 +388,8 @@ def _bwd_loader(q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs
 @gluon.jit
 def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty,
               lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq, key0, half, zeros_s, zeros_q,
-              QK_SCALE: gl.constexpr, D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, a_layout: gl.constexpr):
+              QK_SCALE: gl.constexpr, D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
+              a_layout: gl.constexpr, EXP2: gl.constexpr):
     """Ring slot i (query rows start.., head h, with their lse and delta) against this warpgroup's
     64 keys from key0: dk and dv accumulate; dS^T goes to shared memory for the two warpgroups' dQ
     halves."""
@@ -356,7 +405,7 @@ def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bu
     s_t = warpgroup_mma(k_half, q_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_half, do_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     s_t = warpgroup_mma_wait(1, deps=(s_t, ))  # P^T (and dV's product) while dP^T runs
-    p_t = gl.exp2(s_t * QK_SCALE - lse[None, :])
+    p_t = _exp2(s_t * QK_SCALE - lse[None, :], EXP2)
     if MASKED:  # key j sees query i only when j <= i
         queries = start + gl.arange(0, block_m, gl.SliceLayout(0, s_layout))
         keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
@@ -386,7 +435,7 @@ def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bu
 def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs,
                   delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, half, first, n_q_blocks,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
-                  D: gl.constexpr, CAUSAL: gl.constexpr):
+                  D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr):
     """One warpgroup's 64 keys (k_half, v_half from key0) against every query block the loader
     brings, then its rows of dk (scaled) and dv."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -411,11 +460,11 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
         for m in range(0, n_masked):
             dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
                                ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq,
-                               key0, half, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, a_layout)
+                               key0, half, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, a_layout, EXP2)
         for m in range(n_masked, n_q_blocks):
             dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
                                ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq,
-                               key0, half, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, a_layout)
+                               key0, half, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, a_layout, EXP2)
     tma.store_wait(0)
     rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, gl.SliceLayout(0, o_layout))
@@ -428,12 +477,12 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
 def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr, dq_ptr,
         QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
         D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr):
+        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr):
     """dk, dv [batch, sk, KV_HEADS, D] and dq's float32 accumulator ([batch, sq, HEADS, D], zeroed
     before, unscaled) of attention over q, do [batch, sq, HEADS, D] and k, v (16-bit), given the
     forward's lse (log2 domain) and delta = rowsum(do * o) [batch, HEADS, sq]; no masking but causal
     (then sq == sk); sq a multiple of BLOCK_M, sk of BLOCK_N. Grid (sk // BLOCK_N, batch * KV_HEADS),
-    4 warps asked. (BLOCK_D == D and GLUON: the config's marks.)"""
+    4 warps asked. (BLOCK_D == D and GLUON: the config's marks; EXP2: see FWD_EXP2.)"""
     # (causal: the first key blocks, which see the most queries, first within each head; by groups of
     # heads, as the forward, lost 2% at s16384, whose 4 heads' q, do and dq overflow L2)
     pid_n = gl.program_id(0)
@@ -486,11 +535,11 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
         (_bwd_consumer, (k_smem.slice(0, HALF), v_smem.slice(0, HALF), k_smem.slice(0, HALF_D, dim=1), kv_bar,
                          ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
                          dq_bufs.index(0), b, sq, sk, hk, key0, 0, first, n_q_blocks, QK_SCALE, SCALE, HEADS,
-                         KV_HEADS, D, CAUSAL)),
+                         KV_HEADS, D, CAUSAL, EXP2)),
         (_bwd_consumer, (k_smem.slice(HALF, HALF), v_smem.slice(HALF, HALF), k_smem.slice(HALF_D, HALF_D, dim=1),
                          kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr,
                          dq_desc, dq_bufs.index(1), b, sq, sk, hk, key0 + HALF, 1, first, n_q_blocks, QK_SCALE,
-                         SCALE, HEADS, KV_HEADS, D, CAUSAL)),
+                         SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2)),
         (_bwd_loader, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b,
                        sq, hk, first, n_q_blocks, HEADS, KV_HEADS, D, BLOCK_M)),
     ], [4, 1], [240, 24])
@@ -503,7 +552,7 @@ def bwd_config(head_dim: int = HEAD_DIM) -> L.Config:
     """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
     which then launches no dq kernel)."""
     return L.Config.of(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1,
-                       num_warps=4, num_stages=BWD_STAGES)
+                       EXP2=BWD_EXP2, num_warps=4, num_stages=BWD_STAGES)
 
 
 def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
@@ -532,3 +581,16 @@ def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str
                           constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
                                       "SCALE": scale})
     return (dq * scale).astype(q.dtype), dk, dv
+
+
+def aot_exp2_cases():
+    """The forward and backward with half their exps by the polynomial (EXP2 = 2), causal GQA at head
+    dim 128, for sm_90 (attention.aot_cases yields them): its PTX must assemble."""
+    el = "*bf16"
+    consts = dict(QK_SCALE=128 ** -0.5 * 1.4426950408889634, HEADS=32, KV_HEADS=8, D=128, CAUSAL=True, EXP2=2)
+    yield ("attention/sm_90/d128/bf16/exp2-split/fwd", fwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "sink_ptr": "*fp32",
+           "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, config(128).replace(**consts, HAS_SINK=False),
+           ("sm_90",))
+    yield ("attention/sm_90/d128/bf16/exp2-split/bwd", bwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
+           "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sq": "i32", "sk": "i32", "dk_ptr": el, "dv_ptr": el,
+           "dq_ptr": "*fp32"}, bwd_config(128).replace(**consts, SCALE=128 ** -0.5), ("sm_90",))
