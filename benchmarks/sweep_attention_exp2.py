@@ -71,6 +71,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--child")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    from xkern.kernels import launch as L
+    if not L.hopper():
+        print("sweep_attention_exp2: the Gluon kernels need a Hopper GPU", file=sys.stderr)
+        return 2
     if args.child:
         print("ROWS " + json.dumps(child(args.child, args.shapes)), flush=True)
         return 0
