@@ -271,7 +271,30 @@ def _spellings():
                 jnp.squeeze(log_z, -1)))(jax.nn.logsumexp(z, -1, keepdims=True)))(dense(h, w).astype(jnp.float32))),
         "mean(logsumexp_minus_label_upcast(einsum_transposed))": lambda h, t, y: jnp.mean(
             (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32))),
+        # scaled: by a constant (gradient accumulation's steps), by a scalar (a dynamic loss scale)
+        "mean(optax_integer_labels(jnp_matmul)) / c":
+            lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean() / 4,
+        "sum(minus_log_softmax_at_label_upcast(lax_dot_general) * weights) * d": lambda h, w, y: jnp.sum(
+            -take(jax.nn.log_softmax(dense(h, w).astype(jnp.float32)), y) * (y != 3)) * jnp.sum(y > 10).astype(jnp.float32),
+        # rows less a scalar: HF's Flax summarization (flax's onehot, smoothed, less its entropy), Flax's WMT
+        "sum((flax_onehot_log_softmax(matmul_transposed) - c) * weights) / d": lambda h, t, y: _summarization(h @ t.T, y),
+        "sum((smoothed_one_hot_log_softmax_upcast(jnp_matmul) - c)) / c": lambda h, w, y: jnp.sum(optax.softmax_cross_entropy(
+            (h @ w).astype(jnp.float32), optax.smooth_labels(jax.nn.one_hot(y, w.shape[1]), 0.1))
+            - -(0.9 * jnp.log(0.9) + 0.1 * jnp.log(0.1 / w.shape[1]))) / 4,
     }
+
+
+def _summarization(logits, labels, smoothing=0.1):
+    """HF's run_summarization_flax loss: flax's onehot targets, smoothed, less their entropy, masked
+    (here labels 3 are padding), over the mask's sum."""
+    import optax
+    from flax.training.common_utils import onehot
+    vocab, confidence = logits.shape[-1], 1.0 - smoothing
+    low_confidence = (1.0 - confidence) / (vocab - 1)
+    constant = -(confidence * jnp.log(confidence) + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+    padding = (labels != 3).astype(jnp.float32)
+    loss = optax.softmax_cross_entropy(logits, onehot(labels, vocab, on_value=confidence, off_value=low_confidence))
+    return jnp.sum((loss - constant) * padding) / jnp.sum(padding)
 
 
 @pytest.mark.parametrize("spelling", list(_spellings()))

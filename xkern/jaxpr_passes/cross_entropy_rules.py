@@ -13,7 +13,9 @@ With the final projection: the mean or sum of any of these over logits = h @ w (
 einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding table's h @ table.T
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
-losses times a weight each (a padding mask), each sum also over a scalar. Each row loss's 24 such
+losses times a weight each (a padding mask), each sum also over a scalar, each also scaled by a
+constant or a given scalar (traced where the scaled reduction is found), and the rows less a scalar
+first (HF's summarization), then over a scalar or a constant. Each row loss's 24 such
 patterns and 6 reductions are traced only for programs where that row loss is found
 (`Pattern.extends`), each reduction's scaled forms (3 or 4) only where it is found, and the row
 losses only for programs holding what they all do (`_requires`): the first cross-entropy program's
@@ -366,6 +368,12 @@ TRANSPOSED = (matmul_transposed, einsum_transposed)
 # count, a loss's weight), traced with a distinctive value and read back
 DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
 SCALE_EXAMPLE = 0.713
+WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
+
+
+def _rows_name(loss: str, masked, shifted: bool) -> str:
+    loss = f"({loss} - c)" if shifted else loss
+    return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)"}[masked]
 
 
 def _post(out, post, rest, scale=None):
@@ -394,6 +402,27 @@ def _scalar_reason(match, post) -> str | None:
     return None
 
 
+def _literal_reason(post, params) -> str | None:
+    if post in (TIMES_C, OVER_C) and not (np.isfinite(params["scale"]) and (post == TIMES_C or params["scale"] != 0)):
+        return f"the reduced loss is scaled by {params['scale']} ({post}): the kernels take a finite factor"
+    return None
+
+
+def _shift_reason(shift) -> str | None:
+    if shift.shape != () or not jnp.issubdtype(shift.dtype, jnp.floating):
+        return f"the losses are shifted by {shift.dtype}{list(shift.shape)}, not a float scalar"
+    return None
+
+
+def _with_literal_scale(post, params_of, example_params):
+    """(params_of, example params) of a pattern whose reduction is scaled as `post` says: a literal
+    scale (TIMES_C, OVER_C) is read off the program, traced as SCALE_EXAMPLE."""
+    if post not in (TIMES_C, OVER_C):
+        return params_of, example_params
+    return (lambda match: {**params_of(match), "scale": literal_at(match, SCALE_EXAMPLE)},
+            {**example_params, "scale": SCALE_EXAMPLE})
+
+
 def _scalar_example(post, unscaled, param, *avals) -> tuple:
     """The example of a scalar input (DIVIDED, TIMES_D): in the reduced loss's dtype, which programs
     scale it by (a count converted to it); else nothing."""
@@ -403,23 +432,28 @@ def _scalar_example(post, unscaled, param, *avals) -> tuple:
     return (jax.ShapeDtypeStruct((), out.dtype),)
 
 
-def _linear(loss_fn, project, reduce, log_probability, weighted, post=None):
-    """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; weighted: each row's
-    loss times a weight first (a padding mask), the weights the pattern's fourth input; post
-    (DIVIDED or None): then over a scalar, its last input."""
-    def pattern(h, w, labels, *rest, **params):
+def _linear(loss_fn, project, reduce, log_probability, weighted, post=None, shifted=False):
+    """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; shifted: each row's
+    loss minus a scalar first, the input after the weights; weighted: each row's loss times a weight
+    (a padding mask), the weights the pattern's fourth input; post: then scaled as _reduced's."""
+    def pattern(h, w, labels, *rest, scale=None, **params):
         rows = loss_fn(project(h, w), labels, **params)
+        if shifted:
+            rows = rows - rest[1 if weighted else 0]
         out = reduce(rows * rest[0] if weighted else rows)
-        return _post(-out if log_probability else out, post, rest)
-    rows = f"{loss_fn.__name__}({project.__name__}){' * weights' if weighted else ''}"
+        return _post(-out if log_probability else out, post, rest, scale)
+    rows = _rows_name(f"{loss_fn.__name__}({project.__name__})", WEIGHTS if weighted else None, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
-def _check_linear(match, params, transposed, post) -> str | None:
-    if reason := _scalar_reason(match, post):
+def _check_linear(match, params, transposed, post, weighted, shifted) -> str | None:
+    if reason := _scalar_reason(match, post) or _literal_reason(post, params):
         return reason
-    h, w, labels, *weights = match.input_avals[:-1] if post else match.input_avals
+    h, w, labels = match.input_avals[:3]
+    weights = match.input_avals[3:4] if weighted else ()
+    if shifted and (reason := _shift_reason(match.input_avals[3 + weighted])):
+        return reason
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
@@ -427,28 +461,33 @@ def _check_linear(match, params, transposed, post) -> str | None:
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
     if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, jnp.floating)):
         return f"the losses are multiplied by {weights[0].dtype}{list(weights[0].shape)}, not a float weight per row"
-    return _check_params(params)
+    return _check_params({n: v for n, v in params.items() if n != "scale"})
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", param=None, weighted=False, post=None, extends=None):
-    """Its reduction's scales folded into the rows' weights, as _reduced_pattern's."""
+                    labels_as="take_along_axis", param=None, weighted=False, post=None, extends=None,
+                    shifted=False):
+    """Its reduction's scales folded into the rows' weights, and a shift's share subtracted after,
+    as _reduced_pattern's."""
     transposed = project in TRANSPOSED
-    fn = _linear(loss_fn, project, reduce, log_probability, weighted, post)
+    fn = _linear(loss_fn, project, reduce, log_probability, weighted, post, shifted)
 
     def replace(h, w, labels, *rest, backend, **params):
         # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
-        folded = weighted or post
+        folded = weighted or post or shifted
         scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if weighted else 1.0
+        factors = jnp.broadcast_to(weights * scale, labels.shape)
         options = dict(reduction="sum" if folded else reduce.__name__, transpose_w=transposed, backend=backend,
-                       weights=jnp.broadcast_to(weights * scale, labels.shape) if folded else None)
+                       weights=factors if folded else None)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
         else:  # take_along_axis and indexing count negative labels from the end; indexing clamps
             labels = _labels_as_read(labels, labels_as, w.shape[0 if transposed else 1])
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
+        if shifted:
+            loss = loss - rest[1 if weighted else 0].astype(jnp.float32) * jnp.sum(factors)
         # (-reduce of log-probabilities: the loss itself), in the program's dtype
         return loss.astype(jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype)
 
@@ -461,14 +500,18 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ()
-        unscaled = _linear(loss_fn, project, reduce, log_probability, weighted)
+        if shifted:  # (a scalar of the row losses' dtype)
+            rows = jax.eval_shape(lambda h, w, y: loss_fn(project(h, w), y, **EXAMPLE_PARAMS[param]), h, w, labels)
+            weights += (jax.ShapeDtypeStruct((), rows.dtype),)
+        unscaled = _linear(loss_fn, project, reduce, log_probability, weighted, shifted=shifted)
         return (h, w, labels) + weights + _scalar_example(post, unscaled, param, h, w, labels, *weights)
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
+    params_of, example_params = _with_literal_scale(post, _params_of(param, vocab, 16), EXAMPLE_PARAMS[param])
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
-        example=example, params_of=_params_of(param, vocab, 16),
-        check=lambda match, params: _check_linear(match, params, transposed, post),
-        replace=replace, example_params=EXAMPLE_PARAMS[param],
+        example=example, params_of=params_of,
+        check=lambda match, params: _check_linear(match, params, transposed, post, weighted, shifted),
+        replace=replace, example_params=example_params,
         requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
 
@@ -495,7 +538,6 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, po
 # The loss reduced: cross_entropy(reduction="mean" / "sum")
 # --------------------------------------------------------------------------------------------------
 
-WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
 
 
 def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False):
@@ -519,24 +561,22 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
     return pattern
 
 
-def _rows_name(loss: str, masked, shifted: bool) -> str:
-    loss = f"({loss} - c)" if shifted else loss
-    return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)"}[masked]
-
-
 def _check_reduced(match, params, masked, post, shifted) -> str | None:
-    if shifted and (match.input_avals[3 if masked else 2].shape != ()
-                    or not jnp.issubdtype(match.input_avals[3 if masked else 2].dtype, jnp.floating)):
-        shift = match.input_avals[3 if masked else 2]
-        return f"the losses are shifted by {shift.dtype}{list(shift.shape)}, not a float scalar"
+    if shifted and (reason := _shift_reason(match.input_avals[3 if masked else 2])):
+        return reason
     if masked:
         labels, mask = match.input_avals[1:3]
         kind = jnp.floating if masked == WEIGHTS else jnp.bool_
         if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
             return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
-    if post in (TIMES_C, OVER_C) and not (np.isfinite(params["scale"]) and (post == TIMES_C or params["scale"] != 0)):
-        return f"the reduced loss is scaled by {params['scale']} ({post}): the kernels take a finite factor"
-    return _scalar_reason(match, post) or _check(match, {n: v for n, v in params.items() if n != "scale"})
+    return (_literal_reason(post, params) or _scalar_reason(match, post)
+            or _check(match, {n: v for n, v in params.items() if n != "scale"}))
+
+
+def _reduced_name(name, reduce, log_probability, masked, shifted, post=None) -> str:
+    """The name of _reduced_pattern's pattern for the row loss `name`."""
+    rows = _rows_name(name, masked, shifted)
+    return f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
 
 
 def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, labels_as=TAKE, param=None,
@@ -588,18 +628,15 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
             mask += (jax.ShapeDtypeStruct((), rows.dtype),)
         unscaled = _reduced(loss_fn, reduce, log_probability, masked, shifted=shifted)
         return (logits, labels) + mask + _scalar_example(post, unscaled, param, logits, labels, *mask)
-    rows = _rows_name(name, masked, shifted)
-    params_of = _params_of(param, lambda match: match.input_avals[0].shape[-1], 8)
-    literal = post in (TIMES_C, OVER_C)
-    if literal:  # (the scale read off the program too)
-        params_of = lambda match, row_params=params_of: {**row_params(match), "scale": literal_at(match, SCALE_EXAMPLE)}
-    reduced = f"cross_entropy/{'-' if log_probability else ''}{reduce.__name__}({rows})"
+    params_of, example_params = _with_literal_scale(
+        post, _params_of(param, lambda match: match.input_avals[0].shape[-1], 8), EXAMPLE_PARAMS[param])
+    reduced = _reduced_name(name, reduce, log_probability, masked, shifted)
     return Pattern(
-        name=f"{reduced}{f' {post}' if post else ''}",
+        name=_reduced_name(name, reduce, log_probability, masked, shifted, post),
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
         params_of=params_of,
         check=lambda match, params: _check_reduced(match, params, masked, post, shifted),
-        replace=replace, example_params={**EXAMPLE_PARAMS[param], **({"scale": SCALE_EXAMPLE} if literal else {})},
+        replace=replace, example_params=example_params,
         # (a scaled reduction: traced only for programs where the reduction is found)
         requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}")
 
@@ -623,3 +660,13 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if not log_probability
              for masked in (None, WEIGHTS) for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
+# The LM head with those too: its reduction scaled by a constant or a given scalar, and its rows
+# shifted first (then as HF's summarization and Flax's WMT example divide: over a scalar or a
+# constant), each traced only where the reduced loss it holds is found.
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, post=post, shifted=shifted,
+                             extends=_reduced_name(name, reduce, rest[2], WEIGHTS if weighted else None, shifted, post))
+             for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
+             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
+             for shifted in ((False, True) if not rest[2] else (False,))
+             for post in (((None,) + ((DIVIDED, OVER_C) if reduce is sum else ())) if shifted else
+                          (TIMES_C, OVER_C, TIMES_D))]
