@@ -64,7 +64,21 @@ def _losses_as_written() -> dict:
         from flax.training.common_utils import onehot
         losses["flax onehot (HF run_mlm_flax), masked sum"] = lambda x, y: jnp.sum(
             optax.softmax_cross_entropy(x, onehot(y, x.shape[-1])) * jnp.where(y > 0, 1.0, 0.0))
+        losses["flax onehot smoothed less its entropy (Flax WMT, HF summarization), masked mean"] = \
+            lambda x, y: summarization_loss(x, y, padding(y))
     return losses
+
+
+def summarization_loss(logits, labels, padding, smoothing=0.1):
+    """Flax's WMT example and HF's run_summarization_flax: flax's onehot targets smoothed (on 1 - e,
+    off e / (V - 1)), the loss less those targets' entropy, times the padding, over its sum."""
+    import optax
+    from flax.training.common_utils import onehot
+    vocab, confidence = logits.shape[-1], 1.0 - smoothing
+    low_confidence = (1.0 - confidence) / (vocab - 1)
+    entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+    loss = optax.softmax_cross_entropy(logits, onehot(labels, vocab, on_value=confidence, off_value=low_confidence))
+    return jnp.sum((loss - entropy) * padding) / jnp.sum(padding)
 
 
 def loss_cases(on_gpu: bool) -> list[Case]:
@@ -128,8 +142,15 @@ def linear_cases(on_gpu: bool) -> list[Case]:
             picked = jnp.take_along_axis(logits, y[:, None], -1)[:, 0]
             return jnp.mean(lse - picked + 1e-4 * lse ** 2)
         return jax.value_and_grad(loss, (0, 1))(h, w)
+    def summarization_head(h, table, y, c):  # HF's Flax summarization over a tied table (its loss above)
+        return jax.value_and_grad(lambda h, table: summarization_loss(h @ table.T, y, (c > 0.1).astype(jnp.float32)),
+                                  (0, 1))(h, table)
     out.append(Case("LM head + z-loss (PaLM, z * logsumexp^2), xkern.jit", (rows, dim, vocab), "bfloat16", "fwd+bwd",
                     xkern.jit(z_loss_head), z_loss_head, make, 0, 3e-2, flops, memory=True))
+    if importlib.util.find_spec("flax") is not None:
+        out.append(Case("LM head + smoothed loss less its entropy (HF summarization), tied table, xkern.jit",
+                        (rows, dim, vocab), "bfloat16", "fwd+bwd", xkern.jit(summarization_head), summarization_head,
+                        make_tied, 0, 3e-2, flops, memory=True))
     return out + [Case("LM head + smoothed one-hot loss, tied table, xkern.jit", (rows, dim, vocab), "bfloat16",
                        "fwd+bwd", xkern.jit(one_hot_tied_head), one_hot_tied_head, make_tied, 0, 3e-2, flops,
                        memory=True),
