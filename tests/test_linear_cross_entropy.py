@@ -338,12 +338,17 @@ def test_linear_near_misses_keep_the_logits():
 def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
     """HF's convention: -100 labels, the loss taken on them as they are, then masked by `where`. The
     rows' NaN losses are masked away and their gradients are 0 under jax.jit (the gather's gradient
-    drops an index out of range); so under xkern.jit, for the row loss and the LM head alike."""
+    drops an index out of range); so under xkern.jit, for the row loss and the LM head alike. The LM
+    head's is linear_cross_entropy (no logits held), also for a mean times a constant. A dropped row
+    whose h is infinite adds 0 to the loss, as under jax.jit, and nothing to the gradients, where
+    jax.jit's are NaN (0 times the row's NaN softmax, through the matmuls into dw): as if
+    that row of h were 0."""
     import optax
     rng = np.random.default_rng(11)
     h = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((32, 50)) * 0.2, jnp.float32)
     labels = jnp.asarray(rng.integers(0, 50, (2, 8)), jnp.int32).at[1, 5:].set(-100)
+    lm_head = lambda h, w, labels: masked_mean(optax.softmax_cross_entropy_with_integer_labels(h @ w, labels), labels)
 
     def masked_mean(per_row, labels):
         kept = labels != -100
@@ -352,16 +357,28 @@ def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
     programs = {
         "row loss": (lambda logits, labels: masked_mean(-jnp.take_along_axis(
             jax.nn.log_softmax(logits), labels[..., None], -1)[..., 0], labels), (h @ w, labels)),
-        "LM head": (lambda h, w, labels: masked_mean(
-            optax.softmax_cross_entropy_with_integer_labels(h @ w, labels), labels), (h, w, labels)),
+        "LM head": (lm_head, (h, w, labels)),
+        "LM head, mean * 0.5": (lambda h, w, labels: 0.5 * jnp.mean(jnp.where(
+            labels != -100, optax.softmax_cross_entropy_with_integer_labels(h @ w, labels), 0.0)), (h, w, labels)),
+        "LM head, inf in a dropped row": (lm_head, (h.at[1, 6, 3].set(jnp.inf), w, labels)),
     }
     for name, (f, args) in programs.items():
         arrays = tuple(range(len(args) - 1))
         got = xkern.jit(jax.value_and_grad(f, arrays))(*args)
-        want = jax.jit(jax.value_and_grad(f, arrays))(*args)
+        clean = (h, *args[1:]) if "inf" in name else args  # (the row as 0: see above)
+        want = jax.jit(jax.value_and_grad(f, arrays))(*clean)
+        if "inf" in name:
+            assert np.isnan(np.asarray(jax.jit(jax.grad(f, 1))(*args))).any()  # jax.jit's dw
+            assert np.asarray(got[1][0])[1, 6].tolist() == [0.0] * h.shape[-1]
+            want = (want[0], (np.asarray(want[1][0]).copy(), want[1][1]))
+            want[1][0][1, 6] = 0.0
         for g, x in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
             assert np.isfinite(np.asarray(g)).all(), name
             close(g, x, jnp.float32)
+        if name.startswith("LM head"):
+            report = xkern.explain(f)(*args)
+            assert [m.pattern.split("/")[0] for m in report.matches if "cross_entropy" in m.pattern] == [
+                "linear_cross_entropy"], name
 
 
 @pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")

@@ -14,8 +14,10 @@ einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding t
 (flax's Embed.attend, einsum "...d,vd->...v"), the logits used nowhere else, is replaced by
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
 losses times a weight each (a padding mask), each sum also over a scalar, each also scaled by a
-constant or a given scalar (traced where the scaled reduction is found), and the rows less a scalar
-first (HF's summarization), then over a scalar or a constant. Each row loss's 24 such
+constant or a given scalar (traced where the scaled reduction is found), the rows less a scalar
+first (HF's summarization), then over a scalar or a constant, and the rows masked by `where` (HF's
+-100 labels): a row it drops is given h = 0 and label 0, so it adds 0 to the loss and the gradients
+even where its h is not finite (under jax.jit the gradients are then NaN). Each row loss's 24 such
 patterns and 6 reductions are traced only for programs where that row loss is found
 (`Pattern.extends`), each reduction's scaled forms (3 or 4) only where it is found, and the row
 losses only for programs holding what they all do (`_requires`): the first cross-entropy program's
@@ -432,51 +434,60 @@ def _scalar_example(post, unscaled, param, *avals) -> tuple:
     return (jax.ShapeDtypeStruct((), out.dtype),)
 
 
-def _linear(loss_fn, project, reduce, log_probability, weighted, post=None, shifted=False):
+def _linear(loss_fn, project, reduce, log_probability, masked, post=None, shifted=False):
     """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; shifted: each row's
-    loss minus a scalar first, the input after the weights; weighted: each row's loss times a weight
-    (a padding mask), the weights the pattern's fourth input; post: then scaled as _reduced's."""
+    loss minus a scalar first, the input after the mask; masked: each row's loss times a weight (a
+    padding mask: WEIGHTS) or kept where a boolean mask is true (WHERE), the mask the pattern's
+    fourth input; post: then scaled as _reduced's."""
     def pattern(h, w, labels, *rest, scale=None, **params):
         rows = loss_fn(project(h, w), labels, **params)
         if shifted:
-            rows = rows - rest[1 if weighted else 0]
-        out = reduce(rows * rest[0] if weighted else rows)
+            rows = rows - rest[1 if masked else 0]
+        if masked:
+            rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
+        out = reduce(rows)
         return _post(-out if log_probability else out, post, rest, scale)
-    rows = _rows_name(f"{loss_fn.__name__}({project.__name__})", WEIGHTS if weighted else None, shifted)
+    rows = _rows_name(f"{loss_fn.__name__}({project.__name__})", masked, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
-def _check_linear(match, params, transposed, post, weighted, shifted) -> str | None:
+def _check_linear(match, params, transposed, post, masked, shifted) -> str | None:
     if reason := _scalar_reason(match, post) or _literal_reason(post, params):
         return reason
     h, w, labels = match.input_avals[:3]
-    weights = match.input_avals[3:4] if weighted else ()
-    if shifted and (reason := _shift_reason(match.input_avals[3 + weighted])):
+    weights = match.input_avals[3:4] if masked else ()
+    if shifted and (reason := _shift_reason(match.input_avals[4 if masked else 3])):
         return reason
     if h.dtype not in ALL or w.dtype != h.dtype:
         return f"dtypes {h.dtype} @ {w.dtype}: linear_cross_entropy takes one float dtype for h and w"
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
             tuple(labels.shape) != tuple(h.shape[:-1]):
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
-    if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, jnp.floating)):
-        return f"the losses are multiplied by {weights[0].dtype}{list(weights[0].shape)}, not a float weight per row"
+    kind = jnp.floating if masked == WEIGHTS else jnp.bool_
+    if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, kind)):
+        return f"the losses are masked by {weights[0].dtype}{list(weights[0].shape)}, not a {masked} per row"
     return _check_params({n: v for n, v in params.items() if n != "scale"})
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
-                    labels_as="take_along_axis", param=None, weighted=False, post=None, extends=None,
+                    labels_as="take_along_axis", param=None, masked=None, post=None, extends=None,
                     shifted=False):
     """Its reduction's scales folded into the rows' weights, and a shift's share subtracted after,
-    as _reduced_pattern's."""
+    as _reduced_pattern's. Rows a `where` drops are given weight 0, label 0 and h = 0 (the program's
+    loss there may be NaN, from a label out of range or a non-finite h, and counts 0)."""
     transposed = project in TRANSPOSED
-    fn = _linear(loss_fn, project, reduce, log_probability, weighted, post, shifted)
+    fn = _linear(loss_fn, project, reduce, log_probability, masked, post, shifted)
 
     def replace(h, w, labels, *rest, backend, **params):
+        out_dtype = jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype
         # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
-        folded = weighted or post or shifted
+        folded = masked or post or shifted
         scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
-        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if weighted else 1.0
+        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
+        if masked == WHERE:
+            keep = rest[0].reshape(labels.shape)
+            h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
         options = dict(reduction="sum" if folded else reduce.__name__, transpose_w=transposed, backend=backend,
                        weights=factors if folded else None)
@@ -487,30 +498,29 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
             labels = _labels_as_read(labels, labels_as, w.shape[0 if transposed else 1])
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
         if shifted:
-            loss = loss - rest[1 if weighted else 0].astype(jnp.float32) * jnp.sum(factors)
-        # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return loss.astype(jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype)
+            loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
+        return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
 
-    if weighted:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
+    if masked == WEIGHTS:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
         dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if weighted else (dtypes, None)
+        dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
         h, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if weighted else ()
+        weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(lambda h, w, y: loss_fn(project(h, w), y, **EXAMPLE_PARAMS[param]), h, w, labels)
             weights += (jax.ShapeDtypeStruct((), rows.dtype),)
-        unscaled = _linear(loss_fn, project, reduce, log_probability, weighted, shifted=shifted)
+        unscaled = _linear(loss_fn, project, reduce, log_probability, masked, shifted=shifted)
         return (h, w, labels) + weights + _scalar_example(post, unscaled, param, h, w, labels, *weights)
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
     params_of, example_params = _with_literal_scale(post, _params_of(param, vocab, 16), EXAMPLE_PARAMS[param])
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of,
-        check=lambda match, params: _check_linear(match, params, transposed, post, weighted, shifted),
+        check=lambda match, params: _check_linear(match, params, transposed, post, masked, shifted),
         replace=replace, example_params=example_params,
         requires=_requires(labels_as) | {"dot_general"}, extends=extends)
 
@@ -527,9 +537,9 @@ def sum(loss):  # noqa: A001 (the reduction's name)
 # mask), each sum also over a scalar (sum(loss * mask) / sum(mask)), the scales folded into the rows'
 # weights: traced for a program only when the row loss itself is found in it (Pattern.extends), so
 # the ~890 patterns cost start-up time by the 24 of the loss a program holds.
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, post=post,
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked, post=post,
                              extends=f"cross_entropy/{name}")
-             for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
+             for name, loss, *rest in _ROW_LOSSES for masked in (None, WEIGHTS)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
              for post in ((None, DIVIDED) if reduce is sum else (None,))]
 
@@ -660,13 +670,16 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES if not log_probability
              for masked in (None, WEIGHTS) for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
-# The LM head with those too: its reduction scaled by a constant or a given scalar, and its rows
+# The LM head with those too: its reduction scaled by a constant or a given scalar; its rows
 # shifted first (then as HF's summarization and Flax's WMT example divide: over a scalar or a
-# constant), each traced only where the reduced loss it holds is found.
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, weighted=weighted, post=post, shifted=shifted,
-                             extends=_reduced_name(name, reduce, rest[2], WEIGHTS if weighted else None, shifted, post))
-             for name, loss, *rest in _ROW_LOSSES for weighted in (False, True)
+# constant); its rows masked by `where` (HF's -100 labels; integer labels), plain or scaled. Each
+# traced only where the reduced loss it holds is found.
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked, post=post, shifted=shifted,
+                             extends=_reduced_name(name, reduce, rest[2], masked, shifted, post))
+             for name, loss, *rest in _ROW_LOSSES for masked in (None, WEIGHTS, WHERE)
+             if masked != WHERE or rest[3] != ONE_HOT
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
-             for shifted in ((False, True) if not rest[2] else (False,))
+             for shifted in ((False, True) if not rest[2] and masked != WHERE else (False,))
              for post in (((None,) + ((DIVIDED, OVER_C) if reduce is sum else ())) if shifted else
-                          (TIMES_C, OVER_C, TIMES_D))]
+                          ((None,) if masked == WHERE else ()) + ((DIVIDED,) if masked == WHERE and reduce is sum
+                                                                 else ()) + (TIMES_C, OVER_C, TIMES_D))]
