@@ -54,6 +54,54 @@ def test_a_flax_training_step_matches_jax_jit():
             np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
 
 
+class _TiedLM(nn.Module):  # Flax's WMT / lm1b examples' layout: embeddings shared with the logits
+    vocab: int = 40
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(self.vocab, 16)
+        return embed.attend(Block()(embed(tokens)))
+
+
+def test_flax_wmt_example_loss_trains_through_the_lm_head_kernels():
+    """Flax's WMT example's training loss as it writes it (compute_weighted_cross_entropy: flax's
+    onehot targets smoothed, the loss less their entropy, times the padding weights, summed, over the
+    weights' sum) on a tied-embedding model: the LM head and the loss become linear_cross_entropy,
+    and the step equals jax.jit's."""
+    from flax.training import common_utils
+    model = _TiedLM()
+    tokens = jax.random.randint(jax.random.key(0), (2, 8), 0, 40)
+    targets = jnp.roll(tokens, -1, 1).at[:, -2:].set(0)  # 0: padding
+    params = model.init(jax.random.key(1), tokens)
+    # (smooth in the grads: Adam's first step is about the sign of each, and the attention key bias's are
+    # 0 up to rounding, 1e-8, whose signs no two programs share)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+
+    def loss(params, tokens, targets, label_smoothing=0.1):
+        logits = model.apply(params, tokens)
+        vocab_size = logits.shape[-1]
+        confidence = 1.0 - label_smoothing
+        low_confidence = (1.0 - confidence) / (vocab_size - 1)
+        normalizing_constant = -(confidence * jnp.log(confidence) +
+                                 (vocab_size - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
+        soft_targets = common_utils.onehot(targets, vocab_size, on_value=confidence, off_value=low_confidence)
+        per_token = -jnp.sum(soft_targets * nn.log_softmax(logits), axis=-1) - normalizing_constant
+        weights = jnp.where(targets > 0, 1.0, 0.0)
+        return jnp.sum(per_token * weights) / jnp.sum(weights)
+
+    def step(params, state, tokens, targets):
+        value, grads = jax.value_and_grad(loss)(params, tokens, targets)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, value
+
+    state = opt.init(params)
+    report = xkern.explain(step)(params, state, tokens, targets)
+    assert any(m.pattern.startswith("linear_cross_entropy/sum((flax_onehot") for m in report.matches), report
+    got, want = xkern.jit(step)(params, state, tokens, targets), jax.jit(step)(params, state, tokens, targets)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
+
+
 class _ScannedBlock(nn.Module):  # the scan carry convention: (carry, x) -> (carry, y)
     @nn.compact
     def __call__(self, h, _):
