@@ -642,6 +642,29 @@ def test_reduced_losses_scaled_fold_the_scale():
     close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
 
 
+def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
+    """Equinox's idiom: the loss of one example, mapped over the batch by jax.vmap (which broadcasts
+    the row maxima's zeros twice: canonicalization folds that): the row loss is found; each
+    example's masked mean stays with XLA, declined with its reason (a sum over some axes only).
+    Values and gradients as jax.jit's."""
+    import optax
+    logits, labels = make((3, 7, 300), jnp.bfloat16, seed=22)
+    mask = jnp.asarray(np.random.default_rng(12).integers(0, 2, labels.shape), jnp.float32).at[:, 0].set(1.0)
+
+    def per_example(x, y, m):
+        rows = optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+        return jnp.sum(rows * m) / jnp.sum(m)
+    f = lambda x, y, m: jnp.mean(jax.vmap(per_example)(x, y, m))
+    report = xkern.explain(f)(logits, labels, mask)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [
+        "cross_entropy/optax_integer_labels+upcast"]
+    assert any("over other axes" in d.reason for d in report.declined if d.pattern.startswith("cross")), report
+    close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.float32)
+    grads = lambda g: jax.jit(jax.grad(g, (0, 2)))(logits, labels, mask)
+    for got, want in zip(grads(xkern.optimize(f)), grads(f)):
+        close(got, want, jnp.bfloat16)
+
+
 def test_losses_shifted_by_a_scalar_are_reduced():
     """Every row's loss minus a scalar, then masked and reduced, `(loss - c) * weights` (Flax's WMT
     and lm1b examples: c the smoothed targets' entropy, computed in the program; or a scalar given):

@@ -15,7 +15,7 @@ import xkern
 from xkern import pipeline
 from xkern.jaxpr_passes import patterns as P
 from xkern.jaxpr_passes import softmax_rules
-from xkern.jaxpr_passes.canonicalize import canonicalize
+from xkern.jaxpr_passes.canonicalize import canonicalize, dce
 from xkern.kernels.launch import kernel_names
 from xkern.tuning import cost
 
@@ -173,6 +173,26 @@ def test_canonical_form_merges_repeated_elementwise_equations_and_spells_squares
     assert count("mul") == sum(e.primitive.name == "mul" for e in closed.jaxpr.eqns) - 2  # x * 2.0 once, x * x gone
     np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x, w)[0], f(x, w))
     assert canonicalize(canonical) is canonical  # already canonical: the same jaxpr back
+
+
+def test_canonical_form_broadcasts_a_constant_once():
+    """jax.vmap broadcasts a literal twice (to the example's shape, then over the batch), where the
+    unmapped program broadcasts it once: the canonical form has the one broadcast, so patterns
+    traced unmapped see a mapped program's equations."""
+    def per_example(x):  # a literal (as jax.lax.full_like writes it), and one converted (jnp.where's)
+        return jax.lax.select(jnp.isfinite(x), x, jax.lax.full_like(x, 0.0)) + jnp.where(x > 0, x, 2)
+    x = rand((4, 10)).at[1, 2].set(jnp.inf)
+    mapped = jax.make_jaxpr(jax.vmap(per_example))(x)
+    broadcasts = lambda closed: [(e.invars[0].aval.shape, e.params["shape"], e.params["broadcast_dimensions"])
+                                 for e in closed.jaxpr.eqns if e.primitive.name == "broadcast_in_dim"]
+    unmapped = dce(canonicalize(jax.make_jaxpr(per_example)(x)))
+    assert broadcasts(unmapped) == [((), (4, 10), ())] * 2
+    assert broadcasts(mapped)[:2] == [((), (10,), ()), ((10,), (4, 10), (1,))]  # (as jax.vmap writes it)
+    canonical = dce(canonicalize(mapped))
+    assert broadcasts(canonical) == broadcasts(unmapped)
+    np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x)[0],
+                                  jax.vmap(per_example)(x))
+    assert canonicalize(canonical) is canonical
 
 
 def test_outputs_and_gradients_equal_jax_jit():

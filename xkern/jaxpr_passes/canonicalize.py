@@ -4,12 +4,16 @@ and dead equations found.
 - Calls inlined: `jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation
   around its body; patterns would never see a body's equations next to their neighbours.
 - Squares: `x ** 2` and `x * x` become `square(x)` (XLA lowers all three to x * x).
+- Scalars broadcast once: a broadcast of a broadcast of a scalar becomes one broadcast of the
+  scalar (jax.vmap writes `broadcast(broadcast(0.0, [10]), [4, 10])` where the unmapped program
+  has `broadcast(0.0, [4, 10])`: a per-example loss mapped over a batch); inside shard_map, where
+  jax marks the first broadcast as varying over the mesh (pvary), the scalar is marked instead.
 - Repeated elementwise equations merged: `(h - mean) * rsqrt(mean((h - mean) ** 2) + eps)` computes
   h - mean twice as written; a template computes it once. Only elementwise ones: a repeated matmul
   or reduction merged could become an intermediate shared by two patterns (softmax(x @ w) and
   log_softmax(x @ w) would share max(x @ w)), and a pattern whose intermediate is used outside it
   is declined.
-The program is re-traced through an interpreter that does all three (source info kept).
+The program is re-traced through an interpreter that does all four (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp) are left
 alone: the rewrite recurses into them.
 """
@@ -38,6 +42,37 @@ def _squared(eqn):
     if name == "mul" and not isinstance(args[0], Literal) and args[0] is args[1]:
         return args[0]
     return None
+
+
+def _filled_from(eqn, filled: dict):
+    """(scalar, its pvary or None) where `eqn` broadcasts a broadcast of that scalar (filled: each
+    such broadcast's result -> the same), else None."""
+    if eqn.primitive.name != "broadcast_in_dim" or isinstance(eqn.invars[0], Literal):
+        return None
+    return filled.get(eqn.invars[0])
+
+
+def _note_filled(eqn, filled: dict, chain) -> None:
+    """Records `eqn`'s result if it is a broadcast of a scalar (chain: the scalar it was folded to),
+    or that broadcast marked as varying over the mesh."""
+    if eqn.primitive.name == "broadcast_in_dim" and (chain or not eqn.invars[0].aval.shape):
+        filled[eqn.outvars[0]] = chain or (eqn.invars[0], None)
+    elif (eqn.primitive.name == "pvary" and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], Literal)
+          and eqn.invars[0] in filled
+          and filled[eqn.invars[0]][1] is None):
+        filled[eqn.outvars[0]] = (filled[eqn.invars[0]][0], eqn)
+
+
+def _broadcast_scalar(eqn, chain, read, source_info) -> list:
+    """`eqn` (a broadcast of a broadcast of a scalar) as one broadcast of the scalar, marked as
+    varying where the first broadcast was."""
+    scalar, vary = chain
+    value = read(scalar)
+    if vary is not None:
+        value = bind_equation(vary.replace(invars=[scalar], outvars=vary.outvars[:1]), [value],
+                              source_info=source_info)[0]
+    return bind_equation(eqn.replace(invars=[scalar], params={**eqn.params, "broadcast_dimensions": ()}), [value],
+                         source_info=source_info)
 
 
 def _plain(value) -> bool:
@@ -70,10 +105,16 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
+    filled = {}
     for eqn in jaxpr.eqns:
         squared = _squared(eqn)
         if squared is not None:
             eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
+        chain = _filled_from(eqn, filled)
+        _note_filled(eqn, filled, chain)
+        if chain is not None:
+            env.update(zip(eqn.outvars, _broadcast_scalar(eqn, chain, read, source_info)))
+            continue
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive.name in INLINED:
             sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -95,10 +136,11 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    keys = set()
+    keys, filled = set(), {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in INLINED or _squared(eqn) is not None:
+        if eqn.primitive.name in INLINED or _squared(eqn) is not None or _filled_from(eqn, filled):
             return True
+        _note_filled(eqn, filled, None)
         key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else v for v in eqn.invars))
         if key is not None:
             if key in keys:
