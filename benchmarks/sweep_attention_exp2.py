@@ -68,6 +68,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=["0,0", "2,0", "2,2", "0,0,d64", "2,0,d64"])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a variant's process may take")
     parser.add_argument("--child")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
@@ -81,9 +82,13 @@ def main(argv: list[str]) -> int:
     rows = []
     for variant in args.variants:
         shapes = args.shapes if "d64" not in variant else [s for s in args.shapes if "x64" in s]
-        done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_attention_exp2", "--child", variant,
-                               "--shapes", *shapes], capture_output=True, text=True,
-                              env={**os.environ, "XKERN_AUTOTUNE": "0"})
+        try:
+            done = subprocess.run([sys.executable, "-m", "benchmarks.sweep_attention_exp2", "--child", variant,
+                                   "--shapes", *shapes], capture_output=True, text=True, timeout=args.timeout,
+                                  env={**os.environ, "XKERN_AUTOTUNE": "0"})
+        except subprocess.TimeoutExpired:
+            print(f"variant {variant}: no result in {args.timeout} s", flush=True)
+            continue
         found = [line[5:] for line in done.stdout.splitlines() if line.startswith("ROWS ")]
         if not found:
             print(f"variant {variant} failed:\n{done.stderr[-2000:]}", flush=True)
