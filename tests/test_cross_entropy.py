@@ -645,8 +645,9 @@ def test_reduced_losses_scaled_fold_the_scale():
 def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
     """Equinox's idiom: the loss of one example, mapped over the batch by jax.vmap (which broadcasts
     the row maxima's zeros twice: canonicalization folds that): the row loss is found; each
-    example's masked mean stays with XLA, declined with its reason (a sum over some axes only).
-    Values and gradients as jax.jit's."""
+    example's masked mean stays with XLA, declined with its reason (a sum over some axes only);
+    each example's plain mean, then the batch's, is the mean over every row, reduced. Values and
+    gradients as jax.jit's."""
     import optax
     logits, labels = make((3, 7, 300), jnp.bfloat16, seed=22)
     mask = jnp.asarray(np.random.default_rng(12).integers(0, 2, labels.shape), jnp.float32).at[:, 0].set(1.0)
@@ -663,6 +664,22 @@ def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
     grads = lambda g: jax.jit(jax.grad(g, (0, 2)))(logits, labels, mask)
     for got, want in zip(grads(xkern.optimize(f)), grads(f)):
         close(got, want, jnp.bfloat16)
+    # unmasked, each example's mean (or sum) then the batch's is the mean (sum) over every row: reduced
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    cases = {"mean_of_means(optax_integer_labels+upcast)": lambda x, y: jnp.mean(jax.vmap(
+                 lambda x, y: jnp.mean(up(x, y)))(x, y)),
+             "sum_of_sums(optax_integer_labels) * c": lambda x, y: 0.5 * jnp.sum(jax.vmap(
+                 lambda x, y: jnp.sum(optax.softmax_cross_entropy_with_integer_labels(x, y)))(x, y))}
+    for pattern, f in cases.items():
+        report = xkern.explain(f)(logits, labels)
+        found = [m.pattern for m in report.matches if m.pattern.startswith("cross")]
+        assert found == [f"cross_entropy/{pattern}"], found
+        close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.bfloat16)
+        close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels),
+              jax.jit(jax.grad(f))(logits.astype(jnp.float32), labels), jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels)
+        assert [k for k in kernel_names(grad_jaxpr) if k.startswith("cross")] == ["cross_entropy_fwd"], pattern
+        assert not dx_scales(grad_jaxpr, logits.size), pattern
 
 
 def test_losses_shifted_by_a_scalar_are_reduced():

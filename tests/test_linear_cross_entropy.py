@@ -276,6 +276,9 @@ def _spellings():
             lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean() / 4,
         "sum(minus_log_softmax_at_label_upcast(lax_dot_general) * weights) * d": lambda h, w, y: jnp.sum(
             -take(jax.nn.log_softmax(dense(h, w).astype(jnp.float32)), y) * (y != 3)) * jnp.sum(y > 10).astype(jnp.float32),
+        # a per-example loss mapped by jax.vmap (Equinox's idiom): each example's mean, then the batch's
+        "mean_of_means(optax_integer_labels(jnp_matmul))": lambda h, w, y: jnp.mean(jax.vmap(
+            lambda h, y: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ w, y)))(h, y)),
         # rows less a scalar: HF's Flax summarization (flax's onehot, smoothed, less its entropy), Flax's WMT
         "sum((flax_onehot_log_softmax(matmul_transposed) - c) * weights) / d": lambda h, t, y: _summarization(h @ t.T, y),
         "sum((smoothed_one_hot_log_softmax_upcast(jnp_matmul) - c)) / c": lambda h, w, y: jnp.sum(optax.softmax_cross_entropy(

@@ -479,18 +479,19 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     loss there may be NaN, from a label out of range or a non-finite h, and counts 0)."""
     transposed = project in TRANSPOSED
     fn = _linear(loss_fn, project, reduce, log_probability, masked, post, shifted)
+    overall = OVERALL.get(reduce, reduce)
 
     def replace(h, w, labels, *rest, backend, **params):
         out_dtype = jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype
         # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
         folded = masked or post or shifted
-        scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
+        scale = _reduction_scale(overall, labels.size, folded, post, rest, params)
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
         if masked == WHERE:
             keep = rest[0].reshape(labels.shape)
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
-        options = dict(reduction="sum" if folded else reduce.__name__, transpose_w=transposed, backend=backend,
+        options = dict(reduction="sum" if folded else overall.__name__, transpose_w=transposed, backend=backend,
                        weights=factors if folded else None)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
@@ -507,7 +508,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
 
     def example(dtypes):
         dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
-        h, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
+        rows = (2, 4) if reduce in OVERALL else (4,)  # (a batch of examples' rows)
+        h, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
@@ -532,6 +534,19 @@ def mean(loss):
 
 def sum(loss):  # noqa: A001 (the reduction's name)
     return jnp.sum(loss)
+
+
+def mean_of_means(loss):
+    """Each example's mean, then the batch's: the mean over every row (a per-example loss mapped by
+    jax.vmap, Equinox's idiom, is written so)."""
+    return jnp.mean(jnp.mean(loss, -1))
+
+
+def sum_of_sums(loss):
+    return jnp.sum(jnp.sum(loss, -1))
+
+
+OVERALL = {mean_of_means: mean, sum_of_sums: sum}  # a reduction in two steps -> the one it equals
 
 
 # Each row loss above, its mean or sum over each projection, plain or weighted per row (a padding
@@ -603,10 +618,12 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     does not see."""
     fn = _reduced(loss_fn, reduce, log_probability, masked, post, shifted)
 
+    overall = OVERALL.get(reduce, reduce)
+
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
         folded = masked or post or shifted or labels_as == ONE_HOT
-        scale = _reduction_scale(reduce, labels.size, folded, post, rest, params)
+        scale = _reduction_scale(overall, labels.size, folded, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
         weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked and masked != WHERE else 1.0
         factors = jnp.broadcast_to(weights * scale, labels.shape)  # each row's, in the reduced loss
@@ -621,7 +638,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
                                          reduction="sum", weights=factors, **options)
         else:
             loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
-                                         reduction=reduce.__name__, **options)
+                                         reduction=overall.__name__, **options)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
         return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
@@ -631,7 +648,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
 
     def example(dtypes):
         dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
-        logits, labels = jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)
+        rows = (2, 4) if reduce in OVERALL else (4,)  # (a batch of examples' rows)
+        logits, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
         if shifted:  # (a scalar of the row losses' dtype)
@@ -664,6 +682,13 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
+# Each example's mean or sum, then the batch's (a per-example loss mapped by jax.vmap), plain or
+# times or over a constant, for row losses of one value a row over logits of any rank (NumPy
+# indexing takes [n, V] logits).
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, None, post)
+             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
+             if not loss.__name__.startswith("log_softmax_at_label") and labels_as != INDEXING
+             for reduce in OVERALL for post in (None, TIMES_C, OVER_C)]
 # The same with every row's loss minus a scalar first, `(loss - c) * weights` (Flax's WMT and lm1b
 # examples, HF's Flax summarization: c the smoothed targets' entropy, computed in the program), for
 # row losses that are losses (a log-probability's sign would come between).
@@ -684,3 +709,10 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked, post=p
              for post in (((None,) + ((DIVIDED, OVER_C) if reduce is sum else ())) if shifted else
                           ((None,) if masked == WHERE else ()) + ((DIVIDED,) if masked == WHERE and reduce is sum
                                                                  else ()) + (TIMES_C, OVER_C, TIMES_D))]
+# And the LM head of a per-example loss mapped by jax.vmap: each example's mean or sum, then the batch's.
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, post=post,
+                             extends=_reduced_name(name, reduce, rest[2], None, False, post))
+             for name, loss, *rest in _ROW_LOSSES
+             if not loss.__name__.startswith("log_softmax_at_label") and rest[3] != INDEXING
+             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in OVERALL
+             for post in (None, TIMES_C, OVER_C)]
