@@ -379,6 +379,17 @@ def _rows_name(loss: str, masked, shifted: bool) -> str:
     return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)"}[masked]
 
 
+def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
+    """The row losses shifted, masked, reduced and scaled as a reduced pattern says (see _reduced;
+    rest: the pattern's inputs after the labels)."""
+    if shifted:
+        rows = rows - rest[1 if masked else 0]
+    if masked:
+        rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
+    out = reduce(rows)
+    return _post(-out if log_probability else out, post, rest, scale)
+
+
 def _post(out, post, rest, scale=None):
     """out scaled as `post` says (None: as it is), by the pattern's last input or the literal scale."""
     if post in (DIVIDED, OVER_C):
@@ -441,13 +452,8 @@ def _linear(loss_fn, project, reduce, log_probability, masked, post=None, shifte
     padding mask: WEIGHTS) or kept where a boolean mask is true (WHERE), the mask the pattern's
     fourth input; post: then scaled as _reduced's."""
     def pattern(h, w, labels, *rest, scale=None, **params):
-        rows = loss_fn(project(h, w), labels, **params)
-        if shifted:
-            rows = rows - rest[1 if masked else 0]
-        if masked:
-            rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
-        out = reduce(rows)
-        return _post(-out if log_probability else out, post, rest, scale)
+        return _reduce_rows(loss_fn(project(h, w), labels, **params), rest, scale, reduce, log_probability,
+                            masked, post, shifted)
     rows = _rows_name(f"{loss_fn.__name__}({project.__name__})", masked, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
@@ -575,13 +581,8 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
     (DIVIDED: the mask's sum, a token count; TIMES_D: a dynamic loss scale), or times or over a
     constant `scale` (TIMES_C, OVER_C: a gradient accumulation's step count, a loss's weight)."""
     def pattern(logits, labels, *rest, scale=None, **params):
-        rows = loss_fn(logits, labels, **params)
-        if shifted:
-            rows = rows - rest[1 if masked else 0]
-        if masked:
-            rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
-        out = reduce(rows)
-        return _post(-out if log_probability else out, post, rest, scale)
+        return _reduce_rows(loss_fn(logits, labels, **params), rest, scale, reduce, log_probability, masked, post,
+                            shifted)
     rows = _rows_name(loss_fn.__name__, masked, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
