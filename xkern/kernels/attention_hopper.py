@@ -73,7 +73,11 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 # clock, 10 instructions each): 2**floor(x) from the bits of a float add rounded down, times a cubic
 # for 2**frac(x) (relative error 8.6e-5, under a bf16 rounding's 2e-3; exactly 1 at x = 0; 0 below
 # -126 and at -inf; NaN stays NaN; x must be < 128, as a softmax's x - max <= 0 is). 0: ex2 alone.
-# Not yet measured on the H200 (benchmarks/sweep_attention_exp2.py times each split), so 0 for now.
+# 0 on Hopper, as measured (h200-attention-exp2-sweep-session37.json): every split lost, up to 10%
+# (d128 forward 504 TFLOP/s with 2 against 558 with 0). An exp moved off MUFU frees 1/16 of a clock
+# there but takes 10/128 of the SM's issue slots, and the softmax's other ~6 instructions a score
+# already take 6/128: the split trades MUFU for issue bandwidth, which binds first. (Blackwell's
+# tensor cores are twice as fast against the same MUFU: where FlashAttention-4 splits.)
 FWD_EXP2 = 0
 BWD_EXP2 = 0
 EXP2_PACK = gl.constexpr(4)
