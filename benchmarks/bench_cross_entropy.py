@@ -54,6 +54,9 @@ def _losses_as_written() -> dict:
         "integer labels, padding-masked mean": lambda x, y: jnp.sum(rows(x, y) * padding(y)) / jnp.sum(padding(y)),
         "integer labels, where-masked over the count": lambda x, y: jnp.sum(
             jnp.where(y % 8 != 7, rows(x, y), 0.0)) / jnp.sum(y % 8 != 7),
+        "integer labels, normalized per sequence (8 sequences' masked means, their mean)": lambda x, y: jnp.mean(
+            (lambda r, m: jnp.sum(r * m, -1) / jnp.sum(m, -1))(
+                rows(x.reshape(8, -1, x.shape[-1]), y.reshape(8, -1)), padding(y).reshape(8, -1))),
         "one-hot target, mean": lambda x, y: one_hot_rows(x, y).mean(),
         "one-hot target, padding-masked mean": lambda x, y: jnp.sum(one_hot_rows(x, y) * padding(y)) / jnp.sum(
             padding(y)),

@@ -644,10 +644,10 @@ def test_reduced_losses_scaled_fold_the_scale():
 
 def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
     """Equinox's idiom: the loss of one example, mapped over the batch by jax.vmap (which broadcasts
-    the row maxima's zeros twice: canonicalization folds that): the row loss is found; each
-    example's masked mean stays with XLA, declined with its reason (a sum over some axes only);
-    each example's plain mean, then the batch's, is the mean over every row, reduced. Values and
-    gradients as jax.jit's."""
+    the row maxima's zeros twice: canonicalization folds that): each example's masked mean, then the
+    batch's, is the loss normalized per example, reduced with the weights mask / sum(mask, -1); each
+    example's plain mean, then the batch's, is the mean over every row, reduced. Values and
+    gradients as jax.jit's, the logits' from the forward alone."""
     import optax
     logits, labels = make((3, 7, 300), jnp.bfloat16, seed=22)
     mask = jnp.asarray(np.random.default_rng(12).integers(0, 2, labels.shape), jnp.float32).at[:, 0].set(1.0)
@@ -658,12 +658,13 @@ def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
     f = lambda x, y, m: jnp.mean(jax.vmap(per_example)(x, y, m))
     report = xkern.explain(f)(logits, labels, mask)
     assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [
-        "cross_entropy/optax_integer_labels+upcast"]
-    assert any("over other axes" in d.reason for d in report.declined if d.pattern.startswith("cross")), report
+        "cross_entropy/mean(sum(optax_integer_labels+upcast * weights, -1) / sum(weights, -1))"]
     close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.float32)
     grads = lambda g: jax.jit(jax.grad(g, (0, 2)))(logits, labels, mask)
     for got, want in zip(grads(xkern.optimize(f)), grads(f)):
         close(got, want, jnp.bfloat16)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
+    assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size)
     # unmasked, each example's mean (or sum) then the batch's is the mean (sum) over every row: reduced
     up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
     cases = {"mean_of_means(optax_integer_labels+upcast)": lambda x, y: jnp.mean(jax.vmap(
@@ -680,6 +681,67 @@ def test_a_per_example_loss_mapped_by_vmap_finds_the_row_loss():
         grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels)
         assert [k for k in kernel_names(grad_jaxpr) if k.startswith("cross")] == ["cross_entropy_fwd"], pattern
         assert not dx_scales(grad_jaxpr, logits.size), pattern
+
+
+def test_losses_normalized_per_example_are_reduced():
+    """Each example's weighted mean, then the batch's mean or sum, sum(rows * mask, -1) / sum(mask,
+    -1) (a loss normalized per sequence): one kernel, the weights mask / sum(mask, -1) in it, for
+    float, bool and int32 masks (HF's attention_mask), integer labels or smoothed one-hot targets,
+    scaled after or not. An example whose mask is all zeros makes the loss NaN, as under jax.jit.
+    Values and gradients (logits, and a float mask) as jax.jit's; the logits' from the forward
+    alone, unscaled after it."""
+    import optax
+    logits, labels = make((3, 7, 300), jnp.bfloat16, seed=23)
+    keep = np.random.default_rng(13).integers(0, 2, labels.shape).astype(bool)
+    keep[:, 0] = True
+    up = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x.astype(jnp.float32), y)
+    smoothed = lambda x, y: optax.softmax_cross_entropy(x, optax.smooth_labels(jax.nn.one_hot(y, x.shape[-1]), 0.2))
+    per_example = lambda rows, m: jnp.sum(rows * m, -1) / jnp.sum(m, -1)
+    cases = {  # name: (loss, mask, the pattern)
+        "float mask, mean": (lambda x, y, m: jnp.mean(per_example(up(x, y), m)), keep.astype(np.float32),
+                             "mean(sum(optax_integer_labels+upcast * weights, -1) / sum(weights, -1))"),
+        "bool mask, sum, times a constant": (lambda x, y, m: 0.5 * jnp.sum(per_example(up(x, y), m)), keep,
+                                             "sum(sum(optax_integer_labels+upcast * weights, -1) / sum(weights, -1)) * c"),
+        "int32 mask, smoothed one-hot, mean": (lambda x, y, m: jnp.mean(per_example(smoothed(x, y), m)),
+                                               keep.astype(np.int32),
+                                               "mean(sum(smooth_labels(one_hot)*log_softmax * weights, -1) / sum(weights, -1))"),
+    }
+    for name, (f, mask, pattern) in cases.items():
+        mask = jnp.asarray(mask)
+        report = xkern.explain(f)(logits, labels, mask)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], name
+        # (optax's one-hot loss takes log_softmax in the logits' bfloat16: the kernel's is float32)
+        close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask),
+              jnp.bfloat16 if "one-hot" in name else jnp.float32)
+        wrt = (0, 2) if mask.dtype == jnp.float32 else (0,)
+        grads = lambda g: jax.jit(jax.grad(g, wrt))(logits, labels, mask)
+        for got, want in zip(grads(xkern.optimize(f)), grads(f)):
+            close(got, want, jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, mask)
+        assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size), name
+    # an example with nothing to count: 0 / 0, the loss NaN in both; its rows' gradients too
+    f, mask, _ = cases["float mask, mean"]
+    mask = jnp.asarray(mask).at[1].set(0.0)
+    got, want = xkern.jit(jax.value_and_grad(f))(logits, labels, mask), jax.jit(jax.value_and_grad(f))(logits, labels, mask)
+    assert np.isnan(float(got[0])) and np.isnan(float(want[0]))
+    assert np.array_equal(np.isnan(got[1]), np.isnan(want[1])) and np.isnan(got[1][1]).all()
+    # near misses: the mask's sum over every row (a masked mean per token, its own pattern), a sum
+    # over another axis, a mask of another shape: not this pattern
+    mask = jnp.asarray(keep, jnp.float32)
+    misses = {"over the batch's rows": lambda x, y, m: jnp.mean(jnp.sum(up(x, y) * m, -1) / jnp.sum(m)),
+              "over the other axis": lambda x, y, m: jnp.mean(jnp.sum(up(x, y) * m, 0) / jnp.sum(m, 0)),
+              "a mask per position": lambda x, y, m: jnp.mean(per_example(up(x, y), m[0]))}
+    for name, f in misses.items():
+        report = xkern.explain(f)(logits, labels, mask)
+        assert not any("/ sum(weights, -1)" in m.pattern for m in report.matches), (name, report)
+        close(xkern.jit(f)(logits, labels, mask), jax.jit(f)(logits, labels, mask), jnp.float32)
+    # nothing to reduce: left to XLA, and a mean of nothing is NaN in both
+    f = cases["float mask, mean"][0]
+    for shape in ((0, 7, 300), (3, 0, 300)):
+        x, y, m = jnp.zeros(shape, jnp.bfloat16), jnp.zeros(shape[:-1], jnp.int32), jnp.ones(shape[:-1])
+        report = xkern.explain(f)(x, y, m)
+        assert not any("/ sum(weights, -1)" in m.pattern for m in report.matches), report
+        assert np.isnan(float(xkern.jit(f)(x, y, m))) and np.isnan(float(jax.jit(f)(x, y, m)))
 
 
 def test_losses_shifted_by_a_scalar_are_reduced():

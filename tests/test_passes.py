@@ -195,6 +195,30 @@ def test_canonical_form_broadcasts_a_constant_once():
     assert canonicalize(canonical) is canonical
 
 
+def test_canonical_form_makes_iotas_at_their_shape():
+    """jax.nn.one_hot mapped by jax.vmap broadcasts an iota of the example's rank; unmapped, it makes
+    the iota at full rank: the canonical form has that iota. An iota of length 1 broadcast along its
+    own axis is zeros, and stays a broadcast."""
+    one_hot = lambda y: jax.nn.one_hot(y, 7)
+    y = jnp.asarray(np.random.default_rng(3).integers(0, 7, (4, 5)), jnp.int32)
+    iotas = lambda closed: [(e.params["shape"], e.params["dimension"]) for e in closed.jaxpr.eqns
+                            if e.primitive.name == "iota"]
+    mapped = jax.make_jaxpr(jax.vmap(one_hot))(y)
+    assert "shape=(1, 7)" in str(mapped) and "shape=(1, 1, 7)" not in str(mapped)  # (as jax.vmap writes it)
+    canonical = dce(canonicalize(mapped))
+    assert iotas(canonical) == iotas(dce(canonicalize(jax.make_jaxpr(one_hot)(y)))) == [((1, 1, 7), 2)]
+    np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, y)[0], jax.vmap(one_hot)(y))
+    assert canonicalize(canonical) is canonical
+    zeros = lambda: jax.lax.broadcast_in_dim(jax.lax.broadcasted_iota(jnp.int32, (1, 3), 0), (5, 3), (0, 1))
+    closed = jax.make_jaxpr(zeros)()
+    assert canonicalize(closed) is closed
+    # an iota broadcast to more columns keeps counting along its own axis, whichever it lands on
+    wide = lambda: jax.lax.broadcast_in_dim(jax.lax.broadcasted_iota(jnp.int32, (4, 1), 0), (2, 4, 3), (1, 2))
+    canonical = dce(canonicalize(jax.make_jaxpr(wide)()))
+    assert iotas(canonical) == [((2, 4, 3), 1)]
+    np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts)[0], wide())
+
+
 def test_outputs_and_gradients_equal_jax_jit():
     def loss(w, x):
         p = jax.nn.softmax(x @ w)

@@ -8,12 +8,15 @@ and dead equations found.
   scalar (jax.vmap writes `broadcast(broadcast(0.0, [10]), [4, 10])` where the unmapped program
   has `broadcast(0.0, [4, 10])`: a per-example loss mapped over a batch); inside shard_map, where
   jax marks the first broadcast as varying over the mesh (pvary), the scalar is marked instead.
+- Iotas made at their shape: a broadcast of an iota that keeps its counted axis becomes an iota of
+  the broadcast's shape (jax.nn.one_hot mapped by jax.vmap writes `broadcast(iota([1, V]), [1, 1, V])`
+  where the unmapped program has `iota([1, 1, V])`).
 - Repeated elementwise equations merged: `(h - mean) * rsqrt(mean((h - mean) ** 2) + eps)` computes
   h - mean twice as written; a template computes it once. Only elementwise ones: a repeated matmul
   or reduction merged could become an intermediate shared by two patterns (softmax(x @ w) and
   log_softmax(x @ w) would share max(x @ w)), and a pattern whose intermediate is used outside it
   is declined.
-The program is re-traced through an interpreter that does all four (source info kept).
+The program is re-traced through an interpreter that does all five (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp) are left
 alone: the rewrite recurses into them.
 """
@@ -75,6 +78,27 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
                          source_info=source_info)
 
 
+def _iota_broadcast(eqn, producers: dict):
+    """`eqn` as one iota when it broadcasts an iota and keeps its counted axis's length (producers:
+    each iota's result -> its equation), else None."""
+    if eqn.primitive.name != "broadcast_in_dim" or isinstance(eqn.invars[0], Literal):
+        return None
+    iota = producers.get(eqn.invars[0])
+    if iota is None:
+        return None
+    axis = eqn.params["broadcast_dimensions"][iota.params["dimension"]]
+    if eqn.params["shape"][axis] != iota.params["shape"][iota.params["dimension"]]:
+        return None  # (an iota of length 1 broadcast along its axis: zeros, not an iota)
+    return eqn.replace(primitive=iota.primitive, invars=[], params={
+        **iota.params, "shape": tuple(eqn.params["shape"]), "dimension": int(axis),
+        "sharding": eqn.params.get("sharding")})
+
+
+def _note_iota(eqn, producers: dict) -> None:
+    if eqn.primitive.name == "iota":
+        producers[eqn.outvars[0]] = eqn
+
+
 def _plain(value) -> bool:
     """Whether a param is plain data (so equal params mean the same computation), not a jaxpr or a
     function."""
@@ -105,11 +129,13 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    filled = {}
+    filled, iotas = {}, {}
     for eqn in jaxpr.eqns:
         squared = _squared(eqn)
         if squared is not None:
             eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
+        eqn = _iota_broadcast(eqn, iotas) or eqn
+        _note_iota(eqn, iotas)
         chain = _filled_from(eqn, filled)
         _note_filled(eqn, filled, chain)
         if chain is not None:
@@ -136,11 +162,13 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    keys, filled = set(), {}
+    keys, filled, iotas = set(), {}, {}
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in INLINED or _squared(eqn) is not None or _filled_from(eqn, filled):
+        if (eqn.primitive.name in INLINED or _squared(eqn) is not None or _filled_from(eqn, filled)
+                or _iota_broadcast(eqn, iotas)):
             return True
         _note_filled(eqn, filled, None)
+        _note_iota(eqn, iotas)
         key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else v for v in eqn.invars))
         if key is not None:
             if key in keys:

@@ -2,7 +2,9 @@
 replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; cast back to the
 program's dtype where the program computed in half precision); its mean or sum over every row (or
 that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
-weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, each sum also
+weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, or each
+example's weighted mean first, sum(rows * mask, -1) / sum(mask, -1) (a loss normalized per
+sequence; jax.vmap of a per-example masked mean) with the weights mask / sum(mask, -1), each sum also
 over a scalar (the mask's sum, a token count), one-hot targets' too by one_hot_cross_entropy(weights=
 ...), each row's loss less a scalar first or not (`(loss - c) * weights`: c's share is subtracted
 after the kernel). Their forwards also write the logits' gradient when the program is differentiated (so the
@@ -15,8 +17,8 @@ einsum, or lax.dot_general as flax's Dense spells it) or over a tied embedding t
 xkern.ops.linear_cross_entropy, which never holds all the logits; so is the sum or mean of the rows'
 losses times a weight each (a padding mask), each sum also over a scalar, each also scaled by a
 constant or a given scalar (traced where the scaled reduction is found), the rows less a scalar
-first (HF's summarization), then over a scalar or a constant, and the rows masked by `where` (HF's
--100 labels): a row it drops is given h = 0 and label 0, so it adds 0 to the loss and the gradients
+first (HF's summarization), then over a scalar or a constant, the rows normalized per example, and
+the rows masked by `where` (HF's -100 labels): a row it drops is given h = 0 and label 0, so it adds 0 to the loss and the gradients
 even where its h is not finite (under jax.jit the gradients are then NaN). Each row loss's 24 plain
 LM-head patterns and its reductions (plain, masked, shifted) are traced only for programs where that
 row loss is found (`Pattern.extends`), each reduction's scaled forms and LM heads only where that
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -371,12 +374,16 @@ TRANSPOSED = (matmul_transposed, einsum_transposed)
 # count, a loss's weight), traced with a distinctive value and read back
 DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
 SCALE_EXAMPLE = 0.713
-WEIGHTS, WHERE = "weights", "where"  # how a reduced loss masks its rows: times a weight, or where(mask, rows, 0)
+# How a reduced loss masks its rows: times a weight, or where(mask, rows, 0); or each example's
+# weighted mean first, sum(rows * mask, -1) / sum(mask, -1) (a loss normalized per sequence, as
+# RL fine-tuning's, or a per-example masked mean mapped by jax.vmap)
+WEIGHTS, WHERE, NORMALIZED = "weights", "where", "normalized"
 
 
 def _rows_name(loss: str, masked, shifted: bool) -> str:
     loss = f"({loss} - c)" if shifted else loss
-    return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)"}[masked]
+    return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)",
+            NORMALIZED: f"sum({loss} * weights, -1) / sum(weights, -1)"}[masked]
 
 
 def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
@@ -384,7 +391,9 @@ def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shift
     rest: the pattern's inputs after the labels)."""
     if shifted:
         rows = rows - rest[1 if masked else 0]
-    if masked:
+    if masked == NORMALIZED:
+        rows = jnp.sum(rows * rest[0], -1) / jnp.sum(rest[0], -1)
+    elif masked:
         rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
     out = reduce(rows)
     return _post(-out if log_probability else out, post, rest, scale)
@@ -395,6 +404,21 @@ def _post(out, post, rest, scale=None):
     if post in (DIVIDED, OVER_C):
         return out / (rest[-1] if post == DIVIDED else scale)
     return out * (rest[-1] if post == TIMES_D else scale) if post else out
+
+
+def _row_weights(masked, rest, labels):
+    """Each row's weight from the pattern's mask (its first input after the labels), in float32:
+    the mask itself (WEIGHTS; WHERE's as 0 or 1), or its share of its example's sum (NORMALIZED:
+    an example whose mask sums to 0 gets NaN weights, as its 0 / 0 makes the program's loss NaN)."""
+    if not masked:
+        return 1.0
+    weights = rest[0].reshape(labels.shape).astype(jnp.float32)
+    return weights / jnp.sum(weights, -1, keepdims=True) if masked == NORMALIZED else weights
+
+
+def _reduced_count(masked, labels) -> int:
+    """How many values the reduction takes: the rows, or (NORMALIZED) the examples."""
+    return math.prod(labels.shape[:-1]) if masked == NORMALIZED else labels.size
 
 
 def _reduction_scale(reduce, n_rows, folded, post, rest, params):
@@ -422,6 +446,25 @@ def _literal_reason(post, params) -> str | None:
     return None
 
 
+def _empty_reason(labels) -> str | None:
+    """A reduction of no rows is left to XLA: nothing to move, and its folded scales would divide
+    by the count of nothing (a mean of nothing is NaN, a sum 0)."""
+    return f"no rows to reduce (labels {list(labels.shape)})" if labels.size == 0 else None
+
+
+def _mask_reason(mask, labels, masked) -> str | None:
+    """Why the mask a pattern matched cannot weight the rows (labels: one per row), or None."""
+    if masked == NORMALIZED:
+        if tuple(mask.shape) != tuple(labels.shape) or not jnp.issubdtype(mask.dtype, jnp.number) and \
+                mask.dtype != jnp.bool_:
+            return f"the losses are normalized by {mask.dtype}{list(mask.shape)}, not a number per row"
+        return None
+    kind = jnp.floating if masked == WEIGHTS else jnp.bool_
+    if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
+        return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
+    return None
+
+
 def _shift_reason(shift) -> str | None:
     if shift.shape != () or not jnp.issubdtype(shift.dtype, jnp.floating):
         return f"the losses are shifted by {shift.dtype}{list(shift.shape)}, not a float scalar"
@@ -435,6 +478,21 @@ def _with_literal_scale(post, params_of, example_params):
         return params_of, example_params
     return (lambda match: {**params_of(match), "scale": literal_at(match, SCALE_EXAMPLE)},
             {**example_params, "scale": SCALE_EXAMPLE})
+
+
+def _with_mask_dtypes(dtypes, masked):
+    """A weighted pattern's dtypes as (the logits' or h's, the mask's): the mask in their dtype, or
+    float32 (half-precision rows promoted); a mask normalized per example also as bool or int32
+    (HF's attention_mask: converted for the product, summed as int32)."""
+    if masked not in (WEIGHTS, NORMALIZED):
+        return dtypes
+    pairs = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
+    return pairs + (tuple((d, m) for d in dtypes for m in (jnp.bool_, jnp.int32)) if masked == NORMALIZED else ())
+
+
+def _mask_example(masked, rows, dtype, kept_dim: bool) -> tuple:
+    """The example of a pattern's mask, one per row of `rows` (rows [..., 1] of a kept dim)."""
+    return (jax.ShapeDtypeStruct((*rows, 1) if kept_dim else rows, dtype),) if masked else ()
 
 
 def _scalar_example(post, unscaled, param, *avals) -> tuple:
@@ -463,6 +521,8 @@ def _check_linear(match, params, transposed, post, masked, shifted) -> str | Non
     if reason := _scalar_reason(match, post) or _literal_reason(post, params):
         return reason
     h, w, labels = match.input_avals[:3]
+    if reason := _empty_reason(labels):
+        return reason
     weights = match.input_avals[3:4] if masked else ()
     if shifted and (reason := _shift_reason(match.input_avals[4 if masked else 3])):
         return reason
@@ -471,9 +531,8 @@ def _check_linear(match, params, transposed, post, masked, shifted) -> str | Non
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
             tuple(labels.shape) != tuple(h.shape[:-1]):
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
-    kind = jnp.floating if masked == WEIGHTS else jnp.bool_
-    if weights and (weights[0].size != labels.size or not jnp.issubdtype(weights[0].dtype, kind)):
-        return f"the losses are masked by {weights[0].dtype}{list(weights[0].shape)}, not a {masked} per row"
+    if weights and (reason := _mask_reason(weights[0], labels, masked)):
+        return reason
     return _check_params({n: v for n, v in params.items() if n != "scale"})
 
 
@@ -491,8 +550,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         out_dtype = jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype
         # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
         folded = masked or post or shifted
-        scale = _reduction_scale(overall, labels.size, folded, post, rest, params)
-        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked else 1.0
+        scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
+        weights = _row_weights(masked, rest, labels)
         if masked == WHERE:
             keep = rest[0].reshape(labels.shape)
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
@@ -509,16 +568,15 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
         return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
 
-    if masked == WEIGHTS:  # (h's dtype, the weights'): a mask in h's dtype, or float32 (half-precision rows promoted)
-        dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
+    dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
-        rows = (2, 4) if reduce in OVERALL else (4,)  # (a batch of examples' rows)
+        dtype, weights_dtype = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
         h, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        weights = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
+        weights = _mask_example(masked, rows, weights_dtype, kept_dim)
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(lambda h, w, y: loss_fn(project(h, w), y, **EXAMPLE_PARAMS[param]), h, w, labels)
             weights += (jax.ShapeDtypeStruct((), rows.dtype),)
@@ -589,13 +647,12 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
 
 
 def _check_reduced(match, params, masked, post, shifted) -> str | None:
+    if reason := _empty_reason(match.input_avals[1]):
+        return reason
     if shifted and (reason := _shift_reason(match.input_avals[3 if masked else 2])):
         return reason
-    if masked:
-        labels, mask = match.input_avals[1:3]
-        kind = jnp.floating if masked == WEIGHTS else jnp.bool_
-        if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
-            return f"the losses are masked by {mask.dtype}{list(mask.shape)}, not a {masked} per row"
+    if masked and (reason := _mask_reason(match.input_avals[2], match.input_avals[1], masked)):
+        return reason
     return (_literal_reason(post, params) or _scalar_reason(match, post)
             or _check(match, {n: v for n, v in params.items() if n != "scale"}))
 
@@ -624,9 +681,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     def replace(logits, labels, *rest, backend, **params):
         options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
         folded = masked or post or shifted or labels_as == ONE_HOT
-        scale = _reduction_scale(overall, labels.size, folded, post, rest, params)
+        scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
-        weights = rest[0].reshape(labels.shape).astype(jnp.float32) if masked and masked != WHERE else 1.0
+        weights = _row_weights(masked, rest, labels)  # (WHERE's: where_masked_sum takes the mask itself)
         factors = jnp.broadcast_to(weights * scale, labels.shape)  # each row's, in the reduced loss
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
@@ -644,15 +701,14 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
         return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
 
-    if masked == WEIGHTS:  # (the logits' dtype, the weights'): a mask in their dtype, or float32 (half-precision rows promoted)
-        dtypes = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
+    dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if masked == WEIGHTS else (dtypes, jnp.bool_)
-        rows = (2, 4) if reduce in OVERALL else (4,)  # (a batch of examples' rows)
+        dtype, weights_dtype = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
         logits, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        mask = (jax.ShapeDtypeStruct((4, 1) if kept_dim else (4,), weights_dtype),) if masked else ()
+        mask = _mask_example(masked, rows, weights_dtype, kept_dim)
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(functools.partial(loss_fn, **EXAMPLE_PARAMS[param]), logits, labels)
             mask += (jax.ShapeDtypeStruct((), rows.dtype),)
@@ -683,13 +739,24 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
+def _per_example(loss, labels_as) -> bool:
+    """Whether a row loss can be reduced per example first: one value a row, over logits of any
+    rank (NumPy indexing takes [n, V] logits)."""
+    return not loss.__name__.startswith("log_softmax_at_label") and labels_as != INDEXING
+
+
 # Each example's mean or sum, then the batch's (a per-example loss mapped by jax.vmap), plain or
-# times or over a constant, for row losses of one value a row over logits of any rank (NumPy
-# indexing takes [n, V] logits).
+# times or over a constant.
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, None, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
-             if not loss.__name__.startswith("log_softmax_at_label") and labels_as != INDEXING
-             for reduce in OVERALL for post in (None, TIMES_C, OVER_C)]
+             if _per_example(loss, labels_as) for reduce in OVERALL for post in (None, TIMES_C, OVER_C)]
+# Each example's weighted mean, sum(rows * mask, -1) / sum(mask, -1), then the batch's mean or sum
+# (a loss normalized per sequence; a per-example masked mean mapped by jax.vmap), each scaled as
+# above: the weights mask / sum(mask, -1) (float, bool or integer masks) go into the kernel.
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, NORMALIZED, post)
+             for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
+             if _per_example(loss, labels_as) for reduce in (mean, sum)
+             for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
 # The same with every row's loss minus a scalar first, `(loss - c) * weights` (Flax's WMT and lm1b
 # examples, HF's Flax summarization: c the smoothed targets' entropy, computed in the program), for
 # row losses that are losses (a log-probability's sign would come between).
@@ -713,7 +780,11 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked, post=p
 # And the LM head of a per-example loss mapped by jax.vmap: each example's mean or sum, then the batch's.
 PATTERNS += [_linear_pattern(loss, project, reduce, *rest, post=post,
                              extends=_reduced_name(name, reduce, rest[2], None, False, post))
-             for name, loss, *rest in _ROW_LOSSES
-             if not loss.__name__.startswith("log_softmax_at_label") and rest[3] != INDEXING
+             for name, loss, *rest in _ROW_LOSSES if _per_example(loss, rest[3])
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in OVERALL
              for post in (None, TIMES_C, OVER_C)]
+# And of a loss normalized per example (unscaled).
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=NORMALIZED,
+                             extends=_reduced_name(name, reduce, rest[2], NORMALIZED, False))
+             for name, loss, *rest in _ROW_LOSSES if _per_example(loss, rest[3])
+             for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]
