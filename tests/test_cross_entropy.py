@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import xkern
+from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
@@ -742,6 +743,77 @@ def test_losses_normalized_per_example_are_reduced():
         report = xkern.explain(f)(x, y, m)
         assert not any("/ sum(weights, -1)" in m.pattern for m in report.matches), report
         assert np.isnan(float(xkern.jit(f)(x, y, m))) and np.isnan(float(jax.jit(f)(x, y, m)))
+
+
+def _cross_entropy_with_logits(bwd_module: str):
+    """cross_entropy_with_logits as t5x.losses and MaxText's max_utils write it: a custom_vjp whose
+    backward rule, by hand, is the body's gradient (and the one-hot targets'), from saved exps.
+    bwd_module: the module its backward rule says it is from."""
+    @jax.custom_vjp
+    def cross_entropy_with_logits(logits, targets, z_loss):
+        logits_sum = jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+        loss = -jnp.sum(targets * (logits - logits_sum), axis=-1)
+        total_z_loss = z_loss * jax.lax.square(jnp.squeeze(logits_sum, axis=-1))
+        return loss + total_z_loss, total_z_loss
+
+    def forward(logits, targets, z_loss):
+        max_logit = logits.max(axis=-1, keepdims=True)
+        exp_shifted = jnp.exp(logits - max_logit)
+        sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)
+        log_softmax = logits - max_logit - jnp.log(sum_exp)
+        log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)
+        total_z_loss = z_loss * jax.lax.square(log_z)
+        loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
+        return (loss, total_z_loss), (logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
+
+    def _cross_entropy_with_logits_bwd(res, g):
+        g = g[0]
+        logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = res
+        deriv = jnp.expand_dims(1 + 2 * z_loss * log_z, -1) * exp_shifted / sum_exp - targets
+        return ((g[..., None] * deriv).astype(logits.dtype), (-g[..., None] * log_softmax).astype(targets.dtype),
+                jnp.array(0.0))
+    _cross_entropy_with_logits_bwd.__module__ = bwd_module
+    cross_entropy_with_logits.defvjp(forward, _cross_entropy_with_logits_bwd)
+    return cross_entropy_with_logits
+
+
+def test_maxtext_custom_vjp_loss_is_reduced():
+    """MaxText's loss: t5x's custom_vjp cross_entropy_with_logits of one-hot targets (its z-loss
+    output dropped), times the segmentation's padding mask, over the mask's count + EPS. The
+    custom_vjp of a known library, whose rule is its body's gradient, is inlined and the whole loss
+    reduced in one kernel; values and gradients as jax.jit's (there the library's own rule). The
+    same function from another module, or with its z-loss output used (t5x's metrics), keeps its
+    rule: no kernel takes it, and the values are jax.jit's."""
+    logits, labels = make((2, 5, 300), jnp.float32, seed=24)
+    segmentation = jnp.asarray(np.random.default_rng(14).integers(0, 3, labels.shape), jnp.int32).at[:, 0].set(1)
+
+    def maxtext_loss(ce):
+        def loss(x, y, segmentation):
+            xent, _ = ce(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
+            xent = xent * (segmentation != 0)
+            return jnp.sum(xent) / (jnp.sum(segmentation != 0) + 1e-8)
+        return loss
+    f = maxtext_loss(_cross_entropy_with_logits("MaxText.max_utils"))
+    report = xkern.explain(f)(logits, labels, segmentation)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [
+        "cross_entropy/sum(one_hot*(x-logsumexp)+z*logsumexp^2 * weights) / d"], report
+    close(xkern.jit(f)(logits, labels, segmentation), jax.jit(f)(logits, labels, segmentation), jnp.float32)
+    close(jax.jit(jax.grad(xkern.optimize(f)))(logits, labels, segmentation),
+          jax.jit(jax.grad(f))(logits, labels, segmentation), jnp.float32)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, segmentation)
+    assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size)
+    assert "custom_vjp_call" not in str(canonicalize(jax.make_jaxpr(f)(logits, labels, segmentation)))
+
+    def t5x_metrics(x, y):  # the z-loss output used too
+        loss, z_loss = _cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
+        return jnp.mean(loss) + 0 * jnp.mean(z_loss), jnp.mean(z_loss)
+    for f, args in ((maxtext_loss(_cross_entropy_with_logits("my_project.losses_v2")), (logits, labels, segmentation)),
+                    (t5x_metrics, (logits, labels))):
+        assert not any(m.pattern.startswith("cross") for m in xkern.explain(f)(*args).matches)
+        assert "custom_vjp_call" in str(canonicalize(jax.make_jaxpr(f)(*args)))  # (its rule kept)
+        for got, want in zip(xkern.jit(f)(*args), jax.jit(f)(*args)) if f is t5x_metrics else [
+                (xkern.jit(f)(*args), jax.jit(f)(*args))]:
+            close(got, want, jnp.float32)
 
 
 def test_losses_shifted_by_a_scalar_are_reduced():

@@ -2,7 +2,12 @@
 and dead equations found.
 
 - Calls inlined: `jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation
-  around its body; patterns would never see a body's equations next to their neighbours.
+  around its body; patterns would never see a body's equations next to their neighbours. So are the
+  custom_vjp calls of libraries whose backward rule is their body's exact gradient, written by hand
+  to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
+  uses only their first output (MaxText's loss; t5x's z-loss output, kept for metrics, would keep
+  intermediates the kernels do not write): the loss then meets the patterns, whose kernels have
+  that gradient too; where none takes it, jax differentiates the body, the same gradient.
 - Squares: `x ** 2` and `x * x` become `square(x)` (XLA lowers all three to x * x).
 - Scalars broadcast once: a broadcast of a broadcast of a scalar becomes one broadcast of the
   scalar (jax.vmap writes `broadcast(broadcast(0.0, [10]), [4, 10])` where the unmapped program
@@ -32,6 +37,21 @@ from xkern import _compat
 from xkern.fusion.lowering import ELEMENTWISE
 
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# (the backward rule's module, last part; its name) of custom_vjp functions inlined (see above)
+ANALYTIC_VJPS = frozenset({("losses", "_cross_entropy_with_logits_bwd"),  # t5x.losses
+                           ("max_utils", "_cross_entropy_with_logits_bwd")})  # MaxText.max_utils
+
+
+def _inlined_body(eqn, read_vars):
+    """The body to inline in place of `eqn` (a call, or a custom_vjp of ANALYTIC_VJPS whose other
+    outputs are not among read_vars, the program's), else None."""
+    if eqn.primitive.name in INLINED:
+        return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    if eqn.primitive.name == "custom_vjp_call" and not read_vars.intersection(eqn.outvars[1:]):
+        bwd = getattr(eqn.params.get("bwd"), "f", None)
+        name = (getattr(bwd, "__module__", None) or "").rsplit(".", 1)[-1], getattr(bwd, "__name__", None)
+        return eqn.params["call_jaxpr"] if name in ANALYTIC_VJPS else None
+    return None
 
 
 bind_equation = _compat.bind_equation
@@ -76,6 +96,11 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
                               source_info=source_info)[0]
     return bind_equation(eqn.replace(invars=[scalar], params={**eqn.params, "broadcast_dimensions": ()}), [value],
                          source_info=source_info)
+
+
+def _read_vars(jaxpr) -> set:
+    """The values some equation of `jaxpr` reads, or its outputs."""
+    return {v for v in (*jaxpr.outvars, *(u for e in jaxpr.eqns for u in e.invars)) if not isinstance(v, Literal)}
 
 
 def _iota_broadcast(eqn, producers: dict):
@@ -129,7 +154,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    filled, iotas = {}, {}
+    filled, iotas, read_vars = {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         squared = _squared(eqn)
         if squared is not None:
@@ -142,8 +167,8 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             env.update(zip(eqn.outvars, _broadcast_scalar(eqn, chain, read, source_info)))
             continue
         invals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in INLINED:
-            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        sub = _inlined_body(eqn, read_vars)
+        if sub is not None:
             body, body_consts = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, [])
             outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen)
             env.update(zip(eqn.outvars, outs))
@@ -162,9 +187,9 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    keys, filled, iotas = set(), {}, {}
+    keys, filled, iotas, read_vars = set(), {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
-        if (eqn.primitive.name in INLINED or _squared(eqn) is not None or _filled_from(eqn, filled)
+        if (_inlined_body(eqn, read_vars) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
                 or _iota_broadcast(eqn, iotas)):
             return True
         _note_filled(eqn, filled, None)
