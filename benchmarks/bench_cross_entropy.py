@@ -58,6 +58,9 @@ def _losses_as_written() -> dict:
             (lambda r, m: jnp.sum(r * m, -1) / jnp.sum(m, -1))(
                 rows(x.reshape(8, -1, x.shape[-1]), y.reshape(8, -1)), padding(y).reshape(8, -1))),
         "one-hot target, mean": lambda x, y: one_hot_rows(x, y).mean(),
+        "MaxText's loss (t5x's custom_vjp cross_entropy_with_logits), masked over the count + EPS":
+            lambda x, y: jnp.sum(cross_entropy_with_logits()(x, jax.nn.one_hot(y, x.shape[-1]), 0.0)[0] * (
+                padding(y) != 0)) / (jnp.sum(padding(y) != 0) + 1e-8),
         "one-hot target, padding-masked mean": lambda x, y: jnp.sum(one_hot_rows(x, y) * padding(y)) / jnp.sum(
             padding(y)),
         "smoothed one-hot target (0.1), mean": lambda x, y: optax.softmax_cross_entropy(
@@ -82,6 +85,39 @@ def summarization_loss(logits, labels, padding, smoothing=0.1):
     entropy = -(confidence * jnp.log(confidence) + (vocab - 1) * low_confidence * jnp.log(low_confidence + 1e-20))
     loss = optax.softmax_cross_entropy(logits, onehot(labels, vocab, on_value=confidence, off_value=low_confidence))
     return jnp.sum((loss - entropy) * padding) / jnp.sum(padding)
+
+
+def cross_entropy_with_logits(bwd_module: str = "MaxText.max_utils"):
+    """cross_entropy_with_logits as t5x.losses and MaxText's max_utils write it: a custom_vjp whose
+    backward rule, by hand, is the body's gradient (and the one-hot targets'), from saved exps.
+    bwd_module: the module its backward rule says it is from (xkern inlines it for t5x's and
+    MaxText's, see canonicalize.ANALYTIC_VJPS). A stand-in: neither library is a dependency."""
+    @jax.custom_vjp
+    def cross_entropy_with_logits(logits, targets, z_loss):
+        logits_sum = jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
+        loss = -jnp.sum(targets * (logits - logits_sum), axis=-1)
+        total_z_loss = z_loss * jax.lax.square(jnp.squeeze(logits_sum, axis=-1))
+        return loss + total_z_loss, total_z_loss
+
+    def forward(logits, targets, z_loss):
+        max_logit = logits.max(axis=-1, keepdims=True)
+        exp_shifted = jnp.exp(logits - max_logit)
+        sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)
+        log_softmax = logits - max_logit - jnp.log(sum_exp)
+        log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)
+        total_z_loss = z_loss * jax.lax.square(log_z)
+        loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
+        return (loss, total_z_loss), (logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
+
+    def _cross_entropy_with_logits_bwd(res, g):
+        g = g[0]
+        logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = res
+        deriv = jnp.expand_dims(1 + 2 * z_loss * log_z, -1) * exp_shifted / sum_exp - targets
+        return ((g[..., None] * deriv).astype(logits.dtype), (-g[..., None] * log_softmax).astype(targets.dtype),
+                jnp.array(0.0))
+    _cross_entropy_with_logits_bwd.__module__ = bwd_module
+    cross_entropy_with_logits.defvjp(forward, _cross_entropy_with_logits_bwd)
+    return cross_entropy_with_logits
 
 
 def loss_cases(on_gpu: bool) -> list[Case]:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import xkern
+from benchmarks.bench_cross_entropy import cross_entropy_with_logits
 from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
@@ -745,38 +746,6 @@ def test_losses_normalized_per_example_are_reduced():
         assert np.isnan(float(xkern.jit(f)(x, y, m))) and np.isnan(float(jax.jit(f)(x, y, m)))
 
 
-def _cross_entropy_with_logits(bwd_module: str):
-    """cross_entropy_with_logits as t5x.losses and MaxText's max_utils write it: a custom_vjp whose
-    backward rule, by hand, is the body's gradient (and the one-hot targets'), from saved exps.
-    bwd_module: the module its backward rule says it is from."""
-    @jax.custom_vjp
-    def cross_entropy_with_logits(logits, targets, z_loss):
-        logits_sum = jax.scipy.special.logsumexp(logits, axis=-1, keepdims=True)
-        loss = -jnp.sum(targets * (logits - logits_sum), axis=-1)
-        total_z_loss = z_loss * jax.lax.square(jnp.squeeze(logits_sum, axis=-1))
-        return loss + total_z_loss, total_z_loss
-
-    def forward(logits, targets, z_loss):
-        max_logit = logits.max(axis=-1, keepdims=True)
-        exp_shifted = jnp.exp(logits - max_logit)
-        sum_exp = jnp.sum(exp_shifted, axis=-1, keepdims=True)
-        log_softmax = logits - max_logit - jnp.log(sum_exp)
-        log_z = jnp.squeeze(jnp.log(sum_exp) + max_logit, axis=-1)
-        total_z_loss = z_loss * jax.lax.square(log_z)
-        loss = -jnp.sum(targets * log_softmax, axis=-1) + total_z_loss
-        return (loss, total_z_loss), (logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z)
-
-    def _cross_entropy_with_logits_bwd(res, g):
-        g = g[0]
-        logits, targets, z_loss, exp_shifted, sum_exp, log_softmax, log_z = res
-        deriv = jnp.expand_dims(1 + 2 * z_loss * log_z, -1) * exp_shifted / sum_exp - targets
-        return ((g[..., None] * deriv).astype(logits.dtype), (-g[..., None] * log_softmax).astype(targets.dtype),
-                jnp.array(0.0))
-    _cross_entropy_with_logits_bwd.__module__ = bwd_module
-    cross_entropy_with_logits.defvjp(forward, _cross_entropy_with_logits_bwd)
-    return cross_entropy_with_logits
-
-
 def test_maxtext_custom_vjp_loss_is_reduced():
     """MaxText's loss: t5x's custom_vjp cross_entropy_with_logits of one-hot targets (its z-loss
     output dropped), times the segmentation's padding mask, over the mask's count + EPS. The
@@ -793,7 +762,7 @@ def test_maxtext_custom_vjp_loss_is_reduced():
             xent = xent * (segmentation != 0)
             return jnp.sum(xent) / (jnp.sum(segmentation != 0) + 1e-8)
         return loss
-    f = maxtext_loss(_cross_entropy_with_logits("MaxText.max_utils"))
+    f = maxtext_loss(cross_entropy_with_logits("MaxText.max_utils"))
     report = xkern.explain(f)(logits, labels, segmentation)
     assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [
         "cross_entropy/sum(one_hot*(x-logsumexp)+z*logsumexp^2 * weights) / d"], report
@@ -805,9 +774,9 @@ def test_maxtext_custom_vjp_loss_is_reduced():
     assert "custom_vjp_call" not in str(canonicalize(jax.make_jaxpr(f)(logits, labels, segmentation)))
 
     def t5x_metrics(x, y):  # the z-loss output used too
-        loss, z_loss = _cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
+        loss, z_loss = cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
         return jnp.mean(loss) + 0 * jnp.mean(z_loss), jnp.mean(z_loss)
-    for f, args in ((maxtext_loss(_cross_entropy_with_logits("my_project.losses_v2")), (logits, labels, segmentation)),
+    for f, args in ((maxtext_loss(cross_entropy_with_logits("my_project.losses_v2")), (logits, labels, segmentation)),
                     (t5x_metrics, (logits, labels))):
         assert not any(m.pattern.startswith("cross") for m in xkern.explain(f)(*args).matches)
         assert "custom_vjp_call" in str(canonicalize(jax.make_jaxpr(f)(*args)))  # (its rule kept)
