@@ -455,8 +455,8 @@ def _empty_reason(labels) -> str | None:
 def _mask_reason(mask, labels, masked) -> str | None:
     """Why the mask a pattern matched cannot weight the rows (labels: one per row), or None."""
     if masked == NORMALIZED:
-        if tuple(mask.shape) != tuple(labels.shape) or not jnp.issubdtype(mask.dtype, jnp.number) and \
-                mask.dtype != jnp.bool_:
+        if tuple(mask.shape) != tuple(labels.shape) or not (
+                jnp.issubdtype(mask.dtype, jnp.number) or mask.dtype == jnp.bool_):
             return f"the losses are normalized by {mask.dtype}{list(mask.shape)}, not a number per row"
         return None
     kind = jnp.floating if masked == WEIGHTS else jnp.bool_
@@ -739,6 +739,8 @@ PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, label
              for masked in ((None, WEIGHTS) if labels_as == ONE_HOT else (None, WEIGHTS, WHERE))
              for reduce in (mean, sum)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
+
+
 def _per_example(loss, labels_as) -> bool:
     """Whether a row loss can be reduced per example first: one value a row, over logits of any
     rank (NumPy indexing takes [n, V] logits)."""
