@@ -280,10 +280,10 @@ def _spellings():
         "mean_of_means(optax_integer_labels(jnp_matmul))": lambda h, w, y: jnp.mean(jax.vmap(
             lambda h, y: jnp.mean(optax.softmax_cross_entropy_with_integer_labels(h @ w, y)))(h, y)),
         # a loss normalized per example (per sequence): each example's masked mean, then the batch's
-        "mean(sum(optax_integer_labels(jnp_matmul) * weights, -1) / sum(weights, -1))": lambda h, w, y: jnp.mean(
+        "mean(sum(optax_integer_labels(jnp_matmul) * weights, -1) / n)": lambda h, w, y: jnp.mean(
             (lambda rows, m: jnp.sum(rows * m, -1) / jnp.sum(m, -1))(
                 optax.softmax_cross_entropy_with_integer_labels(h @ w, y), y != 3)),
-        "sum(sum(one_hot_log_softmax_upcast(einsum_transposed) * weights, -1) / sum(weights, -1))": lambda h, t, y: jnp.sum(
+        "sum(sum(one_hot_log_softmax_upcast(einsum_transposed) * weights, -1) / n)": lambda h, t, y: jnp.sum(
             jax.vmap(lambda z, y, m: jnp.sum(optax.softmax_cross_entropy(z, jax.nn.one_hot(y, t.shape[0])) * m) / jnp.sum(m))(
                 jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32), y, (y != 3).astype(jnp.float32))),
         # rows less a scalar: HF's Flax summarization (flax's onehot, smoothed, less its entropy), Flax's WMT

@@ -3,8 +3,9 @@ replaced by xkern.ops.cross_entropy(reduction="none") (a float32 loss per row; c
 program's dtype where the program computed in half precision); its mean or sum over every row (or
 that of the rows times a weight each, a padding mask), by cross_entropy(reduction="mean" / "sum",
 weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, or each
-example's weighted mean first, sum(rows * mask, -1) / sum(mask, -1) (a loss normalized per
-sequence; jax.vmap of a per-example masked mean) with the weights mask / sum(mask, -1), each sum also
+example's weighted sum over its own count first, sum(rows * mask, -1) / n (a loss normalized per
+sequence: n = sum(mask, -1), maximum(sum(mask, -1), 1), the lengths; jax.vmap of a per-example
+masked mean) with the weights mask / n, each sum also
 over a scalar (the mask's sum, a token count), one-hot targets' too by one_hot_cross_entropy(weights=
 ...), each row's loss less a scalar first or not (`(loss - c) * weights`: c's share is subtracted
 after the kernel). Their forwards also write the logits' gradient when the program is differentiated (so the
@@ -375,15 +376,16 @@ TRANSPOSED = (matmul_transposed, einsum_transposed)
 DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
 SCALE_EXAMPLE = 0.713
 # How a reduced loss masks its rows: times a weight, or where(mask, rows, 0); or each example's
-# weighted mean first, sum(rows * mask, -1) / sum(mask, -1) (a loss normalized per sequence, as
-# RL fine-tuning's, or a per-example masked mean mapped by jax.vmap)
+# weighted sum over a count of its own first, sum(rows * mask, -1) / n (a loss normalized per
+# sequence, n = sum(mask, -1), its maximum with 1, the lengths given; or a per-example masked mean
+# mapped by jax.vmap), n the pattern's input after the mask
 WEIGHTS, WHERE, NORMALIZED = "weights", "where", "normalized"
 
 
 def _rows_name(loss: str, masked, shifted: bool) -> str:
     loss = f"({loss} - c)" if shifted else loss
     return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)",
-            NORMALIZED: f"sum({loss} * weights, -1) / sum(weights, -1)"}[masked]
+            NORMALIZED: f"sum({loss} * weights, -1) / n"}[masked]
 
 
 def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
@@ -392,7 +394,7 @@ def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shift
     if shifted:
         rows = rows - rest[1 if masked else 0]
     if masked == NORMALIZED:
-        rows = jnp.sum(rows * rest[0], -1) / jnp.sum(rest[0], -1)
+        rows = jnp.sum(rows * rest[0], -1) / rest[1]
     elif masked:
         rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
     out = reduce(rows)
@@ -408,12 +410,14 @@ def _post(out, post, rest, scale=None):
 
 def _row_weights(masked, rest, labels):
     """Each row's weight from the pattern's mask (its first input after the labels), in float32:
-    the mask itself (WEIGHTS; WHERE's as 0 or 1), or its share of its example's sum (NORMALIZED:
-    an example whose mask sums to 0 gets NaN weights, as its 0 / 0 makes the program's loss NaN)."""
+    the mask itself (WEIGHTS; WHERE's as 0 or 1), or over its example's count (NORMALIZED: a count
+    of 0 gives NaN or inf weights, as the program's 0 / 0 or x / 0)."""
     if not masked:
         return 1.0
     weights = rest[0].reshape(labels.shape).astype(jnp.float32)
-    return weights / jnp.sum(weights, -1, keepdims=True) if masked == NORMALIZED else weights
+    if masked == NORMALIZED:
+        return weights / rest[1].reshape(labels.shape[:-1]).astype(jnp.float32)[..., None]
+    return weights
 
 
 def _reduced_count(masked, labels) -> int:
@@ -452,12 +456,16 @@ def _empty_reason(labels) -> str | None:
     return f"no rows to reduce (labels {list(labels.shape)})" if labels.size == 0 else None
 
 
-def _mask_reason(mask, labels, masked) -> str | None:
-    """Why the mask a pattern matched cannot weight the rows (labels: one per row), or None."""
+def _mask_reason(rest, labels, masked) -> str | None:
+    """Why the mask a pattern matched (rest: its inputs after the labels) cannot weight the rows
+    (labels: one per row), or None."""
+    mask = rest[0]
     if masked == NORMALIZED:
-        if tuple(mask.shape) != tuple(labels.shape) or not (
-                jnp.issubdtype(mask.dtype, jnp.number) or mask.dtype == jnp.bool_):
-            return f"the losses are normalized by {mask.dtype}{list(mask.shape)}, not a number per row"
+        number = lambda a: jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_
+        if tuple(mask.shape) != tuple(labels.shape) or not number(mask):
+            return f"the losses are weighted by {mask.dtype}{list(mask.shape)}, not a number per row"
+        if tuple(rest[1].shape) != tuple(labels.shape[:-1]) or not number(rest[1]):
+            return f"each example's sum is divided by {rest[1].dtype}{list(rest[1].shape)}, not a number per example"
         return None
     kind = jnp.floating if masked == WEIGHTS else jnp.bool_
     if mask.size != labels.size or not jnp.issubdtype(mask.dtype, kind):
@@ -482,17 +490,26 @@ def _with_literal_scale(post, params_of, example_params):
 
 def _with_mask_dtypes(dtypes, masked):
     """A weighted pattern's dtypes as (the logits' or h's, the mask's): the mask in their dtype, or
-    float32 (half-precision rows promoted); a mask normalized per example also as bool or int32
-    (HF's attention_mask: converted for the product, summed as int32)."""
+    float32 (half-precision rows promoted). Normalized per example, (..., the count's) with a mask
+    of those or bool (HF's attention_mask, converted for the product): a count of the product's
+    dtype, float32, or int32 (a bool mask's sum)."""
     if masked not in (WEIGHTS, NORMALIZED):
         return dtypes
     pairs = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
-    return pairs + (tuple((d, m) for d in dtypes for m in (jnp.bool_, jnp.int32)) if masked == NORMALIZED else ())
+    if masked == WEIGHTS:
+        return pairs
+    return pairs + tuple((d, jnp.bool_, n) for d in dtypes for n in dict.fromkeys((d, jnp.float32, jnp.int32)))
 
 
-def _mask_example(masked, rows, dtype, kept_dim: bool) -> tuple:
-    """The example of a pattern's mask, one per row of `rows` (rows [..., 1] of a kept dim)."""
-    return (jax.ShapeDtypeStruct((*rows, 1) if kept_dim else rows, dtype),) if masked else ()
+def _mask_example(masked, rows, dtypes, kept_dim: bool) -> tuple:
+    """The examples of a pattern's mask, one per row of `rows` (rows [..., 1] of a kept dim), and
+    of a normalized one's count per example; dtypes: the pattern's (rows', mask's[, count's])."""
+    if not masked:
+        return ()
+    mask = jax.ShapeDtypeStruct((*rows, 1) if kept_dim else rows, dtypes[1])
+    if masked != NORMALIZED:
+        return (mask,)
+    return mask, jax.ShapeDtypeStruct(rows[:-1], dtypes[2] if len(dtypes) > 2 else dtypes[1])
 
 
 def _scalar_example(post, unscaled, param, *avals) -> tuple:
@@ -523,7 +540,6 @@ def _check_linear(match, params, transposed, post, masked, shifted) -> str | Non
     h, w, labels = match.input_avals[:3]
     if reason := _empty_reason(labels):
         return reason
-    weights = match.input_avals[3:4] if masked else ()
     if shifted and (reason := _shift_reason(match.input_avals[4 if masked else 3])):
         return reason
     if h.dtype not in ALL or w.dtype != h.dtype:
@@ -531,7 +547,7 @@ def _check_linear(match, params, transposed, post, masked, shifted) -> str | Non
     if w.ndim != 2 or h.ndim < 1 or w.shape[1 if transposed else 0] != h.shape[-1] or \
             tuple(labels.shape) != tuple(h.shape[:-1]):
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
-    if weights and (reason := _mask_reason(weights[0], labels, masked)):
+    if masked and (reason := _mask_reason(match.input_avals[3:], labels, masked)):
         return reason
     return _check_params({n: v for n, v in params.items() if n != "scale"})
 
@@ -571,12 +587,13 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtypes = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtype = dtypes[0]
         rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
         h, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        weights = _mask_example(masked, rows, weights_dtype, kept_dim)
+        weights = _mask_example(masked, rows, dtypes, kept_dim)
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(lambda h, w, y: loss_fn(project(h, w), y, **EXAMPLE_PARAMS[param]), h, w, labels)
             weights += (jax.ShapeDtypeStruct((), rows.dtype),)
@@ -651,7 +668,7 @@ def _check_reduced(match, params, masked, post, shifted) -> str | None:
         return reason
     if shifted and (reason := _shift_reason(match.input_avals[3 if masked else 2])):
         return reason
-    if masked and (reason := _mask_reason(match.input_avals[2], match.input_avals[1], masked)):
+    if masked and (reason := _mask_reason(match.input_avals[2:], match.input_avals[1], masked)):
         return reason
     return (_literal_reason(post, params) or _scalar_reason(match, post)
             or _check(match, {n: v for n, v in params.items() if n != "scale"}))
@@ -704,11 +721,12 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtype, weights_dtype = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtypes = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtype = dtypes[0]
         rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
         logits, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
-        mask = _mask_example(masked, rows, weights_dtype, kept_dim)
+        mask = _mask_example(masked, rows, dtypes, kept_dim)
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(functools.partial(loss_fn, **EXAMPLE_PARAMS[param]), logits, labels)
             mask += (jax.ShapeDtypeStruct((), rows.dtype),)
@@ -752,9 +770,10 @@ def _per_example(loss, labels_as) -> bool:
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, None, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              if _per_example(loss, labels_as) for reduce in OVERALL for post in (None, TIMES_C, OVER_C)]
-# Each example's weighted mean, sum(rows * mask, -1) / sum(mask, -1), then the batch's mean or sum
-# (a loss normalized per sequence; a per-example masked mean mapped by jax.vmap), each scaled as
-# above: the weights mask / sum(mask, -1) (float, bool or integer masks) go into the kernel.
+# Each example's weighted sum over its count, sum(rows * mask, -1) / n, then the batch's mean or sum
+# (a loss normalized per sequence, n = sum(mask, -1) or a guarded one, maximum(..., 1), or the
+# lengths given; a per-example masked mean mapped by jax.vmap), each scaled as above: the weights
+# mask / n (float, bool or integer masks) go into the kernel.
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, NORMALIZED, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              if _per_example(loss, labels_as) for reduce in (mean, sum)
