@@ -743,6 +743,23 @@ def test_losses_normalized_per_example_are_reduced():
         assert np.isfinite(float(got[0]))
         close(got[0], want[0], jnp.float32)
         close(got[1], want[1], jnp.bfloat16)
+    # kept by `where`: jnp.mean(rows, axis=-1, where=keep), or padding labelled out of range, whose
+    # rows' losses are NaN (take_along_axis's fill) and dropped: where_masked_sum, finite as in jax.jit
+    ignored = labels.at[0, 3].set(-1000).at[2, 1].set(-1000)
+    kept_cases = {"mean(sum(where(mask, optax_integer_labels+upcast, 0), -1) / n)": (
+                 lambda x, y, m: jnp.mean(jnp.mean(up(x, y), axis=-1, where=m)), labels, jnp.asarray(keep)),
+             "sum(sum(where(mask, optax_integer_labels+upcast, 0), -1) / n) * c": (
+                 lambda x, y, m: 0.25 * jnp.sum(jnp.sum(jnp.where(y != -1000, up(x, y), 0.0), -1)
+                                                / jnp.maximum(jnp.sum(y != -1000, -1), 1)), ignored, None)}
+    for pattern, (f, y, m) in kept_cases.items():
+        report = xkern.explain(f)(logits, y, m)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], report
+        got, want = xkern.jit(jax.value_and_grad(f))(logits, y, m), jax.jit(jax.value_and_grad(f))(logits, y, m)
+        assert np.isfinite(float(got[0])) and np.isfinite(np.asarray(got[1])).all()
+        close(got[0], want[0], jnp.float32)
+        close(got[1], want[1], jnp.bfloat16)
+        grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, y, m)
+        assert [k for k in kernel_names(grad_jaxpr) if k.startswith("cross")] == ["cross_entropy_fwd"], pattern
     # near misses: the mask's sum over every row (a masked mean per token, its own pattern), a sum
     # over another axis, a mask of another shape: not this pattern
     mask = jnp.asarray(keep, jnp.float32)

@@ -286,6 +286,9 @@ def _spellings():
         "sum(sum(one_hot_log_softmax_upcast(einsum_transposed) * weights, -1) / n)": lambda h, t, y: jnp.sum(
             jax.vmap(lambda z, y, m: jnp.sum(optax.softmax_cross_entropy(z, jax.nn.one_hot(y, t.shape[0])) * m) / jnp.sum(m))(
                 jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32), y, (y != 3).astype(jnp.float32))),
+        "mean(sum(where(mask, optax_integer_labels_upcast(lax_dot_general), 0), -1) / n)": lambda h, w, y: jnp.mean(
+            jnp.mean(optax.softmax_cross_entropy_with_integer_labels(dense(h, w).astype(jnp.float32), y), axis=-1,
+                     where=y != 3)),
         # rows less a scalar: HF's Flax summarization (flax's onehot, smoothed, less its entropy), Flax's WMT
         "sum((flax_onehot_log_softmax(matmul_transposed) - c) * weights) / d": lambda h, t, y: _summarization(h @ t.T, y),
         "sum((smoothed_one_hot_log_softmax_upcast(jnp_matmul) - c)) / c": lambda h, w, y: jnp.sum(optax.softmax_cross_entropy(

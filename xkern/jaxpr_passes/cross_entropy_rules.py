@@ -5,7 +5,8 @@ that of the rows times a weight each, a padding mask), by cross_entropy(reductio
 weights=...), and that of where(mask, rows, 0) (HF's -100 labels) by where_masked_sum, or each
 example's weighted sum over its own count first, sum(rows * mask, -1) / n (a loss normalized per
 sequence: n = sum(mask, -1), maximum(sum(mask, -1), 1), the lengths; jax.vmap of a per-example
-masked mean) with the weights mask / n, each sum also
+masked mean) with the weights mask / n, or that of where(mask, rows, 0) (jnp.mean(rows, axis=-1,
+where=mask)) by where_masked_sum with those weights, each sum also
 over a scalar (the mask's sum, a token count), one-hot targets' too by one_hot_cross_entropy(weights=
 ...), each row's loss less a scalar first or not (`(loss - c) * weights`: c's share is subtracted
 after the kernel). Their forwards also write the logits' gradient when the program is differentiated (so the
@@ -378,14 +379,16 @@ SCALE_EXAMPLE = 0.713
 # How a reduced loss masks its rows: times a weight, or where(mask, rows, 0); or each example's
 # weighted sum over a count of its own first, sum(rows * mask, -1) / n (a loss normalized per
 # sequence, n = sum(mask, -1), its maximum with 1, the lengths given; or a per-example masked mean
-# mapped by jax.vmap), n the pattern's input after the mask
-WEIGHTS, WHERE, NORMALIZED = "weights", "where", "normalized"
+# mapped by jax.vmap), n the pattern's input after the mask; or that of where(mask, rows, 0)
+# (jnp.mean(rows, axis=-1, where=mask))
+WEIGHTS, WHERE, NORMALIZED, NORMALIZED_WHERE = "weights", "where", "normalized", "normalized where"
+PER_EXAMPLE, KEEPS = (NORMALIZED, NORMALIZED_WHERE), (WHERE, NORMALIZED_WHERE)
 
 
 def _rows_name(loss: str, masked, shifted: bool) -> str:
     loss = f"({loss} - c)" if shifted else loss
     return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)",
-            NORMALIZED: f"sum({loss} * weights, -1) / n"}[masked]
+            NORMALIZED: f"sum({loss} * weights, -1) / n", NORMALIZED_WHERE: f"sum(where(mask, {loss}, 0), -1) / n"}[masked]
 
 
 def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
@@ -393,8 +396,9 @@ def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shift
     rest: the pattern's inputs after the labels)."""
     if shifted:
         rows = rows - rest[1 if masked else 0]
-    if masked == NORMALIZED:
-        rows = jnp.sum(rows * rest[0], -1) / rest[1]
+    if masked in PER_EXAMPLE:
+        kept = rows * rest[0] if masked == NORMALIZED else jnp.where(rest[0], rows, 0.0)
+        rows = jnp.sum(kept, -1) / rest[1]
     elif masked:
         rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
     out = reduce(rows)
@@ -415,14 +419,14 @@ def _row_weights(masked, rest, labels):
     if not masked:
         return 1.0
     weights = rest[0].reshape(labels.shape).astype(jnp.float32)
-    if masked == NORMALIZED:
+    if masked in PER_EXAMPLE:
         return weights / rest[1].reshape(labels.shape[:-1]).astype(jnp.float32)[..., None]
     return weights
 
 
 def _reduced_count(masked, labels) -> int:
     """How many values the reduction takes: the rows, or (NORMALIZED) the examples."""
-    return math.prod(labels.shape[:-1]) if masked == NORMALIZED else labels.size
+    return math.prod(labels.shape[:-1]) if masked in PER_EXAMPLE else labels.size
 
 
 def _reduction_scale(reduce, n_rows, folded, post, rest, params):
@@ -460,9 +464,10 @@ def _mask_reason(rest, labels, masked) -> str | None:
     """Why the mask a pattern matched (rest: its inputs after the labels) cannot weight the rows
     (labels: one per row), or None."""
     mask = rest[0]
-    if masked == NORMALIZED:
+    if masked in PER_EXAMPLE:
         number = lambda a: jnp.issubdtype(a.dtype, jnp.number) or a.dtype == jnp.bool_
-        if tuple(mask.shape) != tuple(labels.shape) or not number(mask):
+        if tuple(mask.shape) != tuple(labels.shape) or not (number(mask) if masked == NORMALIZED else
+                                                            mask.dtype == jnp.bool_):
             return f"the losses are weighted by {mask.dtype}{list(mask.shape)}, not a number per row"
         if tuple(rest[1].shape) != tuple(labels.shape[:-1]) or not number(rest[1]):
             return f"each example's sum is divided by {rest[1].dtype}{list(rest[1].shape)}, not a number per example"
@@ -493,6 +498,8 @@ def _with_mask_dtypes(dtypes, masked):
     float32 (half-precision rows promoted). Normalized per example, (..., the count's) with a mask
     of those or bool (HF's attention_mask, converted for the product): a count of the product's
     dtype, float32, or int32 (a bool mask's sum)."""
+    if masked == NORMALIZED_WHERE:
+        return tuple((d, jnp.bool_, n) for d in dtypes for n in dict.fromkeys((d, jnp.float32, jnp.int32)))
     if masked not in (WEIGHTS, NORMALIZED):
         return dtypes
     pairs = tuple((d, d) for d in dtypes) + tuple((d, jnp.float32) for d in dtypes if d in HALF)
@@ -507,7 +514,7 @@ def _mask_example(masked, rows, dtypes, kept_dim: bool) -> tuple:
     if not masked:
         return ()
     mask = jax.ShapeDtypeStruct((*rows, 1) if kept_dim else rows, dtypes[1])
-    if masked != NORMALIZED:
+    if masked not in PER_EXAMPLE:
         return (mask,)
     return mask, jax.ShapeDtypeStruct(rows[:-1], dtypes[2] if len(dtypes) > 2 else dtypes[1])
 
@@ -568,7 +575,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         folded = masked or post or shifted
         scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         weights = _row_weights(masked, rest, labels)
-        if masked == WHERE:
+        if masked in KEEPS:
             keep = rest[0].reshape(labels.shape)
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
@@ -587,9 +594,9 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtypes = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtypes = dtypes if masked in (WEIGHTS, *PER_EXAMPLE) else (dtypes, jnp.bool_)
         dtype = dtypes[0]
-        rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
+        rows = (2, 4) if reduce in OVERALL or masked in PER_EXAMPLE else (4,)  # (a batch of examples' rows)
         h, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         w = jax.ShapeDtypeStruct((16, 8) if transposed else (8, 16), dtype)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
@@ -700,14 +707,14 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         folded = masked or post or shifted or labels_as == ONE_HOT
         scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
-        weights = _row_weights(masked, rest, labels)  # (WHERE's: where_masked_sum takes the mask itself)
+        weights = _row_weights(masked, rest, labels)
         factors = jnp.broadcast_to(weights * scale, labels.shape)  # each row's, in the reduced loss
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
                                                  weights=factors, **options)
-        elif masked == WHERE:
+        elif masked in KEEPS:
             loss = kernels.where_masked_sum(logits, _labels_as_read(labels, labels_as, logits.shape[-1]), rest[0],
-                                            scale=scale, **options)
+                                            scale=factors, **options)
         elif folded:
             loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
                                          reduction="sum", weights=factors, **options)
@@ -721,9 +728,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
     dtypes = _with_mask_dtypes(dtypes, masked)
 
     def example(dtypes):
-        dtypes = dtypes if masked in (WEIGHTS, NORMALIZED) else (dtypes, jnp.bool_)
+        dtypes = dtypes if masked in (WEIGHTS, *PER_EXAMPLE) else (dtypes, jnp.bool_)
         dtype = dtypes[0]
-        rows = (2, 4) if reduce in OVERALL or masked == NORMALIZED else (4,)  # (a batch of examples' rows)
+        rows = (2, 4) if reduce in OVERALL or masked in PER_EXAMPLE else (4,)  # (a batch of examples' rows)
         logits, labels = jax.ShapeDtypeStruct((*rows, 8), dtype), jax.ShapeDtypeStruct(rows, jnp.int32)
         kept_dim = loss_fn.__name__.startswith("log_softmax_at_label")  # its rows are [..., 1]
         mask = _mask_example(masked, rows, dtypes, kept_dim)
@@ -770,13 +777,15 @@ def _per_example(loss, labels_as) -> bool:
 PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, None, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              if _per_example(loss, labels_as) for reduce in OVERALL for post in (None, TIMES_C, OVER_C)]
-# Each example's weighted sum over its count, sum(rows * mask, -1) / n, then the batch's mean or sum
+# Each example's weighted sum over its count, sum(rows * mask, -1) / n (or of where(mask, rows, 0),
+# integer labels only, as where's above), then the batch's mean or sum
 # (a loss normalized per sequence, n = sum(mask, -1) or a guarded one, maximum(..., 1), or the
 # lengths given; a per-example masked mean mapped by jax.vmap), each scaled as above: the weights
 # mask / n (float, bool or integer masks) go into the kernel.
-PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, NORMALIZED, post)
+PATTERNS += [_reduced_pattern(name, loss, reduce, dtypes, log_probability, labels_as, param, masked, post)
              for name, loss, dtypes, _, log_probability, labels_as, param in _ROW_LOSSES
              if _per_example(loss, labels_as) for reduce in (mean, sum)
+             for masked in ((NORMALIZED,) if labels_as == ONE_HOT else PER_EXAMPLE)
              for post in (None, TIMES_C, OVER_C, TIMES_D) + ((DIVIDED,) if reduce is sum else ())]
 # The same with every row's loss minus a scalar first, `(loss - c) * weights` (Flax's WMT and lm1b
 # examples, HF's Flax summarization: c the smoothed targets' entropy, computed in the program), for
@@ -805,7 +814,8 @@ PATTERNS += [_linear_pattern(loss, project, reduce, *rest, post=post,
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in OVERALL
              for post in (None, TIMES_C, OVER_C)]
 # And of a loss normalized per example (unscaled).
-PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=NORMALIZED,
-                             extends=_reduced_name(name, reduce, rest[2], NORMALIZED, False))
+PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked,
+                             extends=_reduced_name(name, reduce, rest[2], masked, False))
              for name, loss, *rest in _ROW_LOSSES if _per_example(loss, rest[3])
+             for masked in ((NORMALIZED,) if rest[3] == ONE_HOT else PER_EXAMPLE)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)]

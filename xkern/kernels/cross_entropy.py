@@ -506,7 +506,7 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
 
 def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, backend: str | None = None):
     """sum(where(mask, loss, 0)) * scale over the rows (mask: a bool per row; scale: a scalar, such
-    as 1 / the count of true rows), as programs mask padding after the loss (where(labels != -100,
+    as 1 / the count of true rows, or one per row, such as 1 / its sequence's count), as programs mask padding after the loss (where(labels != -100,
     loss, 0)), the gradient made in the forward pass: jax.jit's value and gradient, a masked row's
     gradient NaN where its logits make the softmax NaN (0 * NaN in jax.jit's backward). The scale
     is each kept row's weight, so the forward's dx is final. What the patterns replace such programs
