@@ -388,7 +388,8 @@ PER_EXAMPLE, KEEPS = (NORMALIZED, NORMALIZED_WHERE), (WHERE, NORMALIZED_WHERE)
 def _rows_name(loss: str, masked, shifted: bool) -> str:
     loss = f"({loss} - c)" if shifted else loss
     return {None: loss, WEIGHTS: f"{loss} * weights", WHERE: f"where(mask, {loss}, 0)",
-            NORMALIZED: f"sum({loss} * weights, -1) / n", NORMALIZED_WHERE: f"sum(where(mask, {loss}, 0), -1) / n"}[masked]
+            NORMALIZED: f"sum({loss} * weights, -1) / n",
+            NORMALIZED_WHERE: f"sum(where(mask, {loss}, 0), -1) / n"}[masked]
 
 
 def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
@@ -425,7 +426,7 @@ def _row_weights(masked, rest, labels):
 
 
 def _reduced_count(masked, labels) -> int:
-    """How many values the reduction takes: the rows, or (NORMALIZED) the examples."""
+    """How many values the reduction takes: the rows, or (normalized per example) the examples."""
     return math.prod(labels.shape[:-1]) if masked in PER_EXAMPLE else labels.size
 
 
