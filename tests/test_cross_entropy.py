@@ -806,6 +806,28 @@ def test_maxtext_custom_vjp_loss_is_reduced():
     assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size)
     assert "custom_vjp_call" not in str(canonicalize(jax.make_jaxpr(f)(logits, labels, segmentation)))
 
+    # with the LM head (MaxText's logits einsum): linear_cross_entropy, as jax.jit's
+    h = jnp.asarray(np.random.default_rng(15).standard_normal((2, 5, 16)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(16).standard_normal((16, 300)) / 4, jnp.float32)
+    head = lambda h, w, y, segmentation: f(jnp.einsum("btd,dv->btv", h, w), y, segmentation)
+    report = xkern.explain(head)(h, w, labels, segmentation)
+    assert [m.pattern for m in report.matches if "cross" in m.pattern] == [
+        "linear_cross_entropy/sum(one_hot_log_probabilities_z_loss(jnp_matmul) * weights) / d"], report
+    grads = lambda g: jax.jit(jax.value_and_grad(g, (0, 1)))(h, w, labels, segmentation)
+    (got, got_grads), (want, want_grads) = grads(xkern.optimize(head)), grads(head)
+    close(got, want, jnp.float32)
+    for g, r in zip(got_grads, want_grads):
+        close(g, r, jnp.float32)
+    # (t5x's rule takes each target row to sum to 1: for a label out of range, one_hot's row of
+    # zeros, its gradient has the row's softmax (times the row's weight) more than the body's,
+    # xkern's; the loss is the same)
+    out_of_range = labels.at[0, 0].set(300)
+    got = jax.grad(xkern.optimize(f))(logits, out_of_range, segmentation)
+    want = jax.grad(f)(logits, out_of_range, segmentation)
+    weight = 1 / (float(jnp.sum(segmentation != 0)) + 1e-8)
+    close(want[0, 0] - got[0, 0], jax.nn.softmax(logits[0, 0]) * weight, jnp.float32)
+    close(got[1:], want[1:], jnp.float32)
+
     def t5x_metrics(x, y):  # the z-loss output used too
         loss, z_loss = cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
         return jnp.mean(loss) + 0 * jnp.mean(z_loss), jnp.mean(z_loss)

@@ -7,7 +7,10 @@ and dead equations found.
   to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
   uses only their first output (MaxText's loss; t5x's z-loss output, kept for metrics, would keep
   intermediates the kernels do not write): the loss then meets the patterns, whose kernels have
-  that gradient too; where none takes it, jax differentiates the body, the same gradient.
+  that gradient too; where none takes it, jax differentiates the body, the same gradient. (Their
+  rule takes each row of targets to sum to 1, as a one-hot of a label in range does: for a label
+  out of range, one_hot's row of zeros, it adds the row's softmax, which the body's gradient, and
+  so xkern's, does not.)
 - Squares: `x ** 2` and `x * x` become `square(x)` (XLA lowers all three to x * x).
 - Scalars broadcast once: a broadcast of a broadcast of a scalar becomes one broadcast of the
   scalar (jax.vmap writes `broadcast(broadcast(0.0, [10]), [4, 10])` where the unmapped program
