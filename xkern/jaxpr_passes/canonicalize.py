@@ -3,8 +3,8 @@ and dead equations found.
 
 - Calls inlined: `jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation
   around its body; patterns would never see a body's equations next to their neighbours. So are the
-  custom_vjp calls of libraries whose backward rule is their body's exact gradient, written by hand
-  to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
+  custom_vjp calls of libraries whose backward rule is their body's gradient (see below), written
+  by hand to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
   uses only their first output (MaxText's loss; t5x's z-loss output, kept for metrics, would keep
   intermediates the kernels do not write): the loss then meets the patterns, whose kernels have
   that gradient too; where none takes it, jax differentiates the body, the same gradient. (Their
@@ -25,8 +25,8 @@ and dead equations found.
   log_softmax(x @ w) would share max(x @ w)), and a pattern whose intermediate is used outside it
   is declined.
 The program is re-traced through an interpreter that does all five (source info kept).
-Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp) are left
-alone: the rewrite recurses into them.
+Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
+above) are left alone: the rewrite recurses into them.
 """
 from __future__ import annotations
 
