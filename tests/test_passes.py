@@ -14,7 +14,7 @@ from jax.core import ShapedArray
 import xkern
 from xkern import pipeline
 from xkern.jaxpr_passes import patterns as P
-from xkern.jaxpr_passes import softmax_rules
+from xkern.jaxpr_passes import softmax_rules, template_cache
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
 from xkern.kernels.launch import kernel_names
 from xkern.tuning import cost
@@ -507,6 +507,94 @@ def test_duplicate_patterns_are_rejected():
             if pattern.extends:
                 graph = P.Graph(template)
                 assert P.found_in(graph, range(len(graph.eqns)), everything.by_anchor, {pattern.extends}), pattern.name
+
+
+def _stored_registry_patterns():
+    """Softmax's patterns and jax.nn's sliding window (a template with constants)."""
+    from xkern.jaxpr_passes import attention_rules
+    return softmax_rules.PATTERNS + [p for p in attention_rules.PATTERNS if p.constants]
+
+
+def test_traced_templates_are_stored_on_disk_and_loaded_without_tracing(tmp_path, monkeypatch):
+    """A registry's templates traced by one process are loaded by the next instead of traced again
+    (start-up), equal to the traced ones, constants included; they only propose matches, which the
+    pattern's own re-trace then confirms, so a program's plan is the same either way."""
+    monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
+    patterns = _stored_registry_patterns()
+    traced = P.build_registry(patterns)
+    assert os.path.exists(template_cache.path_for(patterns))
+    monkeypatch.setattr(P, "trace", lambda *a, **k: pytest.fail("traced, not loaded"))
+    loaded = P.build_registry(patterns)
+    assert loaded.rejected == traced.rejected and loaded.by_anchor.keys() == traced.by_anchor.keys()
+    for anchor, entries in traced.by_anchor.items():
+        assert [p for p, _ in loaded.by_anchor[anchor]] == [p for p, _ in entries]
+        for (_, a), (_, b) in zip(entries, loaded.by_anchor[anchor]):
+            assert P.same_jaxpr(a, b) and a is not b
+            assert len(P.template_constants(b)) == len(P.template_constants(a))
+            for x, y in zip(P.template_constants(a), P.template_constants(b)):
+                np.testing.assert_array_equal(x, y)
+    assert any(P.template_constants(t) for entries in loaded.by_anchor.values() for _, t in entries)
+    # Another set of patterns, or x64 (which changes traces), is another file.
+    plain = template_cache.path_for(patterns)
+    assert template_cache.path_for(patterns[:3]) != plain
+    with jax.enable_x64(True):
+        assert template_cache.path_for(patterns) != plain
+
+
+def test_a_later_process_plans_from_the_stored_templates(tmp_path):
+    """In a fresh interpreter (jax's modules not yet imported that defined the primitives the
+    templates hold) the registry loads from disk, traces nothing and finds the same rewrites."""
+    import subprocess
+    import sys
+    script = """
+import jax, jax.numpy as jnp
+from xkern import pipeline
+from xkern.jaxpr_passes import patterns as P
+traced = []
+trace_registry = P._trace_registry
+P._trace_registry = lambda patterns: traced.extend(patterns) or trace_registry(patterns)
+closed = jax.make_jaxpr(lambda x: jnp.sum(jax.nn.log_softmax(x) * 2, -1))(jnp.ones((4, 8)))
+plan = pipeline.plan(closed, "interpret")
+print(len(traced), sorted(r.match.pattern.name for r in plan.rewrites.values()))
+"""
+    env = {**os.environ, "XKERN_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    first, second = (subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                    check=True).stdout.split(" ", 1) for _ in range(2))
+    assert int(first[0]) > 0 and int(second[0]) == 0
+    assert second[1] == first[1] and "log_softmax" in second[1]
+
+
+def test_a_stale_stored_template_proposes_but_never_rewrites(tmp_path, monkeypatch):
+    """A file whose template is not its pattern's (from an older xkern the fingerprint missed):
+    the template proposes a match, the pattern's own exact re-trace refuses it, nothing changes."""
+    from xkern.jaxpr_passes import rewrite
+    monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
+    softmax, log_softmax = softmax_rules.PATTERNS[0], softmax_rules.PATTERNS[7]
+    assert (softmax.op, log_softmax.op) == ("softmax", "log_softmax")
+    real = P.build_registry([log_softmax])
+    stale = {anchor: [(softmax, t) for _, t in entries] for anchor, entries in real.by_anchor.items()}
+    template_cache.store([softmax], stale, [], [])
+    loaded = P.build_registry([softmax])
+    assert {p.name for entries in loaded.by_anchor.values() for p, _ in entries} == {softmax.name}
+    monkeypatch.setattr(rewrite, "registry", lambda: loaded)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, 7)), jnp.float32)
+    plan = pipeline.plan(jax.make_jaxpr(jax.nn.log_softmax)(x), "interpret")
+    assert not plan.rewrites and "differs from softmax/jax.nn.softmax" in plan.declined[0].reason
+    np.testing.assert_allclose(xkern.jit(jax.nn.log_softmax)(x), jax.nn.log_softmax(x), rtol=1e-6)
+
+
+def test_a_stored_registry_that_does_not_load_is_traced_again_and_rewritten(tmp_path, monkeypatch):
+    monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
+    patterns = softmax_rules.PATTERNS[:4]
+    path = template_cache.path_for(patterns)
+    with open(path, "wb") as f:
+        f.write(b"not a pickle")  # (a process killed while writing leaves no such file: writes rename)
+    rebuilt = P.build_registry(patterns)
+    assert sum(map(len, rebuilt.by_anchor.values())) >= 4
+    assert template_cache.load(patterns) is not None
+    # Where nothing can be written, the registry is traced as before.
+    monkeypatch.setattr(template_cache, "path_for", lambda patterns: str(tmp_path / "missing" / "r.pkl"))
+    assert P.build_registry(patterns).by_anchor.keys() == rebuilt.by_anchor.keys()
 
 
 def test_families_extend_in_turn_and_only_where_found():

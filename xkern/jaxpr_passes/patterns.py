@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from xkern.jaxpr_passes import template_cache
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
 from xkern.jaxpr_passes.graph import Graph, as_literal, same_literal, unmarked
 
@@ -462,10 +463,27 @@ def _representatives(dtypes) -> list:
 
 
 def build_registry(patterns: list[Pattern]) -> Registry:
-    """Trace every pattern's templates; reject duplicates (a template another pattern already has)."""
+    """Every pattern's templates, as an earlier process stored them (template_cache.py) or traced
+    now and stored; duplicates (a template another pattern already has) rejected."""
     names = [p.name for p in patterns]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate pattern names: {sorted(n for n in names if names.count(n) > 1)}")
+    stored = template_cache.load(patterns)
+    if stored is not None:
+        by_anchor, rejected, constants = stored
+        for anchor, index, values in constants:
+            template = by_anchor[anchor][index][1]
+            _CONSTANTS[id(template)] = (template, values)
+        return Registry(by_anchor, patterns, rejected)
+    by_anchor, rejected = _trace_registry(patterns)
+    constants = [(anchor, i, template_constants(t)) for anchor, entries in by_anchor.items()
+                 for i, (_, t) in enumerate(entries) if template_constants(t)]
+    template_cache.store(patterns, by_anchor, rejected, constants)
+    return Registry(by_anchor, patterns, rejected)
+
+
+def _trace_registry(patterns: list[Pattern]) -> tuple[dict, list]:
+    """Trace every pattern's templates: by_anchor (largest template first) and the rejected."""
     kept, rejected, by_anchor = {}, [], {}  # kept: primitives' counts -> [(pattern, template)]
     signature = lambda t: tuple(sorted(collections.Counter(e.primitive.name for e in t.eqns).items()))
     for pattern in patterns:
@@ -487,7 +505,7 @@ def build_registry(patterns: list[Pattern]) -> Registry:
             by_anchor.setdefault(t.eqns[anchor].primitive.name, []).append((pattern, t))
     for entries in by_anchor.values():
         entries.sort(key=lambda e: -len(e[1].eqns))
-    return Registry(by_anchor, patterns, rejected)
+    return by_anchor, rejected
 
 
 @functools.cache
