@@ -185,3 +185,52 @@ def test_patterns_match_over_sharded_arguments(mesh):
     (got, dgot), (want, dwant) = value_and_grad(xkern.optimize(loss)), value_and_grad(loss)
     np.testing.assert_allclose(got, want, rtol=2e-2)
     np.testing.assert_allclose(np.asarray(dgot, np.float32), np.asarray(dwant, np.float32), atol=2e-3)
+
+
+def test_a_training_step_with_its_loss_over_a_sharded_projection(mesh):
+    """xkern.jit of a whole step (it sees the backward too) whose logits carry a sharding constraint
+    (MaxText's logical constraints): the loss's count of rows, a sum of ones computed from no input,
+    is left to XLA and named in explain; the step equals jax.jit's on every device."""
+    rng = np.random.default_rng(4)
+    h, w = _normal(rng, (8, 3, 16)), _normal(rng, (16, 37)) / 4
+    labels = jnp.asarray(rng.integers(0, 37, (8, 3)), jnp.int32)
+
+    def loss(h, w, labels):
+        logits = jax.lax.with_sharding_constraint(h @ w, NamedSharding(mesh, P("data")))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    args = [jax.device_put(a, NamedSharding(mesh, P("data") if a.ndim == 3 or a.dtype == jnp.int32 else P()))
+            for a in (h, w, labels)]
+    step = jax.value_and_grad(loss, (0, 1))
+    report = xkern.explain(step)(*args)
+    assert "cross_entropy_fwd" in report.kernels
+    constant = [d for d in report.declined if d.reason.startswith("computed from constants alone")]
+    assert constant and all(d.pattern.startswith("generated/") for d in constant)
+    (got, grads), (want, want_grads) = jax.block_until_ready((xkern.jit(step)(*args), jax.jit(step)(*args)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        assert g.sharding.spec == w.sharding.spec
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+
+
+def test_a_launch_reading_no_array_runs_whole_on_every_device(mesh):
+    """A kernel with no array operand (custom_partitioning has nothing to shard it by) in a program
+    over several devices: launched whole on each device, as a launch that cannot split."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def iota_rows(out_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(out_ptr + i, i.to(tl.float32))
+
+    if "test_iota_rows" not in L._SPLIT_RULES:
+        L.def_split("test_iota_rows", L.split_rows(None, 0, 1))
+    backend = "interpret" if L.INTERPRET else "triton"
+
+    def scaled(x):
+        (iota,) = L.launch(iota_rows, kernel="test_iota_rows", out_shapes=[jax.ShapeDtypeStruct((8,), jnp.float32)],
+                           grid=(1,), config=L.Config.of(), backend=backend, constexprs={"N": 8})
+        return x * iota[:, None]
+    x = _normal(np.random.default_rng(5), (8, 4))
+    got = jax.block_until_ready(jax.jit(scaled)(jax.device_put(x, NamedSharding(mesh, P("data")))))
+    np.testing.assert_allclose(got, x * np.arange(8, dtype=np.float32)[:, None], rtol=1e-6)

@@ -455,6 +455,9 @@ def _fusable_neighbour(group, graph, live: set[int], claimed: set[int]) -> str |
     return None
 
 
+CONSTANT_GROUP = "computed from constants alone: XLA folds it, or fuses it into its users"
+
+
 def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
     graph = Graph(plan.closed.jaxpr)
@@ -484,6 +487,10 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     groups, _ = grouping.find_groups(graph, plan.live, claimed)
     for g in groups:
         last = graph.eqns[g.eqns[-1]]
+        if not g.inputs:  # (iotas, a count as a sum of ones): nothing to read, so nothing to save
+            plan.declined.append(Declined(f"generated/{len(g.eqns)} ops{role}", location(last), CONSTANT_GROUP,
+                                          g.eqns[-1]))
+            continue
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
         reason = cost("fused", [v.aval for v, _ in g.inputs],
                       {"bytes": moved, "n_cols": g.n_cols,

@@ -458,7 +458,8 @@ def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constex
 
 def _lower(ctx, *arrays, platform, **params):
     rule = _SPLIT_RULES.get(params["kernel"])
-    if rule is not None and _compat.partitioned_lowering(ctx):
+    # (custom_partitioning needs an operand to shard by: a launch of none runs whole on every device)
+    if rule is not None and arrays and _compat.partitioned_lowering(ctx):
         from xkern.kernels import partition  # each device launches on its own share (partition.py)
         return partition.lower(ctx, arrays, params, rule)
     if params["backend"] == "interpret" and platform == "cpu" and _compat.manual_lowering(ctx):
