@@ -234,3 +234,60 @@ def test_a_launch_reading_no_array_runs_whole_on_every_device(mesh):
     x = _normal(np.random.default_rng(5), (8, 4))
     got = jax.block_until_ready(jax.jit(scaled)(jax.device_put(x, NamedSharding(mesh, P("data")))))
     np.testing.assert_allclose(got, x * np.arange(8, dtype=np.float32)[:, None], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "model"))
+
+
+def _tensor_parallel_cases(rng):
+    """(name, attention of (q, k, v, extra), extra, extra's spec, splits): heads sharded over "model"
+    as tensor parallelism lays them out, the batch over "data"."""
+    bias = _normal(rng, (4, 4, 16, 16))  # per example and head
+    mask = jnp.asarray(rng.random((1, 4, 16, 16)) < 0.8).at[..., 0].set(True)  # per head, shared by the batch
+    return [
+        ("causal GQA", lambda q, k, v, n: xkern.ops.attention(q, k, v, causal=True), None, None, True),
+        ("bias per head", lambda q, k, v, b: xkern.ops.attention(q, k, v, bias=b), bias, P("data", "model"), True),
+        ("mask per head, kv_lengths", lambda q, k, v, m: xkern.ops.attention(
+            q, k, v, mask=m, kv_lengths=jnp.asarray([16, 9, 3, 16], jnp.int32)), mask, P(None, "model"), True),
+        ("multi-query: one k/v head", lambda q, k, v, n: xkern.ops.attention(q, k[:, :, :1], v[:, :, :1]),
+         None, None, False),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=[c[0] for c in _tensor_parallel_cases(np.random.default_rng(0))])
+def test_attention_splits_its_heads_as_tensor_parallelism_shards_them(case, mesh2d):
+    """q, k, v sharded [data, -, model, -]: each device launches on its examples and its heads (q's
+    and k/v's alike), so no operand is gathered, and the outputs and gradients keep jax.jit's
+    shardings. Where the k/v heads do not divide (one head), the launch runs whole on each device."""
+    rng = np.random.default_rng(10 + case)
+    name, f, extra, spec, splits = _tensor_parallel_cases(rng)[case]
+    q = _normal(rng, (4, 16, 4, 16), jnp.bfloat16)
+    k, v = _normal(rng, (4, 16, 2, 16), jnp.bfloat16), _normal(rng, (4, 16, 2, 16), jnp.bfloat16)
+    heads = NamedSharding(mesh2d, P("data", None, "model"))
+    args = [jax.device_put(a, heads) for a in (q, k, v)] + [
+        jax.device_put(extra, NamedSharding(mesh2d, spec)) if extra is not None else None]
+    run = lambda fn: jax.jit(_value_and_grads(lambda q, k, v: fn(q, k, v, args[3])))
+    ours, reference = run(f), run(lambda q, k, v, e: _reference_attention(name, q, k, v, e))
+    got, want = jax.block_until_ready(ours(*args[:3])), jax.block_until_ready(reference(*args[:3]))
+    one_device = jax.block_until_ready(run(f)(q, k, v))
+    for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(one_device)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(o, np.float32), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=3e-2, atol=3e-2)
+        if splits:
+            assert g.sharding.spec == w.sharding.spec, name
+    hlo = ours.lower(*args[:3]).compile().as_text()
+    assert ("all-gather" in hlo) != splits, name
+
+
+def _reference_attention(name, q, k, v, extra):
+    """jax.nn's attention (XLA) for each case of _tensor_parallel_cases."""
+    if name == "causal GQA":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if name == "bias per head":
+        return jax.nn.dot_product_attention(q, k, v, bias=extra.astype(q.dtype))
+    if name == "mask per head, kv_lengths":
+        return jax.nn.dot_product_attention(q, k, v, mask=extra,
+                                            key_value_seq_lengths=jnp.asarray([16, 9, 3, 16], jnp.int32))
+    return jax.nn.dot_product_attention(q, k[:, :, :1], v[:, :, :1])

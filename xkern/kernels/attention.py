@@ -1631,23 +1631,58 @@ def _argument_names(kernel: str, config: L.Config) -> tuple:
 
 def _split(params) -> L.Split:
     """The batch splits across devices: every per-example array (the outputs too) has it as dim 0;
-    a mask or bias shared by the batch, and absent operands' placeholders, are shared. Each device
-    launches the same kernel on its examples: the grid's second axis (batch x heads) shrinks."""
+    a mask or bias shared by the batch, and absent operands' placeholders, are shared. The heads
+    split too, where tensor parallelism shards them (both q's and k/v's heads into as many parts:
+    each device's q heads then read its own k/v heads, GQA's groups whole). Each device launches the
+    same kernel on its examples and heads: the grid's second axis (batch x heads) shrinks."""
     consts = dict(params["constexprs"])
     names = _argument_names(params["kernel"], params["config"])
     roles = [L.SHARED if _absent(name, consts) or (name in BATCH_FLAGS and not _varies_over_batch(name, consts))
              else L.ROWS for name in names]
-    return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch)
+    heads_fits = lambda parts: consts["HEADS"] % parts == 0 and consts["KV_HEADS"] % parts == 0
+    return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch,
+                   heads_args=tuple(_heads_dim(name, consts) for name in names),
+                   heads_outs=tuple(_heads_out_dim(params["kernel"], s) for s in params["out_shapes"]),
+                   heads_fits=heads_fits)
+
+
+# Which dim of each operand holds the heads: [batch, seq, heads, d] arrays, [batch, heads, sq]
+# statistics and sinks, [batch | 1, heads | 1, ...] masks, biases and dropout multipliers.
+_HEADS_DIM = {"q": 2, "k": 2, "v": 2, "do": 2, "o": 2, "dk": 2, "dv": 2, "dq": 2, "lse": 1, "delta": 1, "sink": 1}
+_PER_HEAD = {"mask": "MASK_H", "kinds": "MASK_H", "bias": "BIAS_H"}
+
+
+def _heads_dim(name: str, consts: dict) -> int | None:
+    if _absent(name, consts) or name == "kv_len":
+        return None
+    if name == "drop":
+        return 1 if consts["DROP"] // 4 % 2 else None
+    if name in _PER_HEAD:
+        return 1 if consts[_PER_HEAD[name]] else None
+    return _HEADS_DIM[name]
+
+
+def _heads_out_dim(kernel: str, out) -> int:
+    """o, dq, dk, dv [batch, seq, heads, d]; lse [batch, heads, sq]; the split-key forward's chunks
+    [batch, kv_heads, splits, ...]."""
+    return 1 if kernel == "attention_fwd_split_kv" or len(out.shape) == 3 else 2
 
 
 def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, aliases, zeroed, **_):
-    batch, local = out_shapes[0].shape[0], arrays[0].shape[0]
+    consts = dict(constexprs)
+    batch_parts = out_shapes[0].shape[0] // arrays[0].shape[0]
+    heads_parts = consts["HEADS"] // arrays[0].shape[2]  # (q's heads, whole or this device's)
+    consts.update(HEADS=consts["HEADS"] // heads_parts, KV_HEADS=consts["KV_HEADS"] // heads_parts)
     args = list(arrays)
     for i, value in scalars:
         args.insert(i, value)
-    outs = [jax.ShapeDtypeStruct((local, *s.shape[1:]), s.dtype) for s in out_shapes]
-    return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] // batch * local),
-                    config=config, backend=backend, constexprs=dict(constexprs), aliases=dict(aliases),
+    outs = []
+    for s in out_shapes:
+        shape = [s.shape[0] // batch_parts, *s.shape[1:]]
+        shape[_heads_out_dim(kernel, s)] //= heads_parts
+        outs.append(jax.ShapeDtypeStruct(tuple(shape), s.dtype))
+    return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] // batch_parts // heads_parts),
+                    config=config, backend=backend, constexprs=consts, aliases=dict(aliases),
                     zeroed=zeroed)
 
 

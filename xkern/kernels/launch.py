@@ -680,11 +680,19 @@ class Split:
     output, and `relaunch(*arrays, **params)`, which launches the same kernel on one device's share
     of the split operands (the shared ones whole) and returns that share of every output (SUMMED
     outputs: any number of rows whose total is the device's part of the sum). `fits(parts)`: whether
-    the launch splits into that many equal shares (beyond dim 0 dividing evenly, which is checked)."""
+    the launch splits into that many equal shares (beyond dim 0 dividing evenly, which is checked).
+
+    A second, independent split (attention's heads, which tensor parallelism shards): `heads_args`
+    and `heads_outs` give each operand's and output's dim that splits with it (None: the same on
+    every device along it), `heads_fits(parts)` whether it splits that many ways; relaunch then also
+    gets each device's heads (and reads how many from the shapes it is given)."""
     args: tuple
     outs: tuple
     relaunch: Any
     fits: Any = None
+    heads_args: tuple = ()
+    heads_outs: tuple = ()
+    heads_fits: Any = None
 
 
 _SPLIT_RULES: dict[str, Any] = {}

@@ -8,8 +8,10 @@ kernel, the batch of attention), which are the same on every device (a norm's sc
 launch the kernel again on one device's share. A launch in a program over several devices is
 lowered through jax's custom_partitioning with that rule: the leading dim keeps the sharding it
 has (data parallelism: the batch), every other dim is gathered, and each device launches the kernel
-on its own rows. A launch that cannot split (no rule, the split dim not sharded, or not divisible
-by the device count) runs whole on every device, as before.
+on its own rows. A family may name a second split, of heads (attention's: tensor parallelism shards
+q's and k/v's heads over a "model" axis): each device then launches on its examples and its heads.
+A launch that cannot split (no rule, the split dim not sharded, or not divisible by the device
+count) runs whole on every device, as before.
 """
 from __future__ import annotations
 
@@ -56,28 +58,39 @@ def _whole(*arrays, params):
 
 
 def _sharding_rule(params, in_avals, rule) -> SdyShardingRule:
-    """For Shardy: dim 0 of every split operand and output is one factor ("rows"); every other dim
-    is a factor of its own that must be replicated (rows are whole in each kernel)."""
+    """For Shardy: dim 0 of every split operand and output is one factor ("rows"), each heads dim one
+    of a factor per size (q's heads, k's: GQA), and every other dim a factor of its own that must be
+    replicated (rows and heads are whole in each kernel)."""
     split = rule(params)
     own = []
 
-    def mapping(kind, n, roles, shapes):
+    def mapping(kind, roles, heads, shapes):
         out = []
         for i, (role, shape) in enumerate(zip(roles, shapes)):
             dims = []
             for d in range(len(shape)):
                 if d == 0 and role == L.ROWS:
                     dims.append("rows")
+                elif heads and d == heads[i]:
+                    dims.append(f"heads{shape[d]}")
                 else:
                     own.append(f"{kind}{i}d{d}")
                     dims.append(own[-1])
             out.append(tuple(dims))
         return tuple(out)
 
-    operands = mapping("in", len(in_avals), split.args, [a.shape for a in in_avals])
-    results = mapping("out", len(params["out_shapes"]), split.outs,
-                      [s.shape for s in params["out_shapes"]])
+    operands = mapping("in", split.args, split.heads_args, [a.shape for a in in_avals])
+    results = mapping("out", split.outs, split.heads_outs, [s.shape for s in params["out_shapes"]])
     return SdyShardingRule(operands, results, need_replication_factors=tuple(own))
+
+
+def _axes_along(mesh, dims, arg_shapes) -> tuple:
+    """The mesh axes of the first operand sharded along its dim in `dims` (None: not looked at)."""
+    for dim, arg in zip(dims, arg_shapes):
+        spec = _compat.spec_of(arg.sharding, mesh) if dim is not None else None
+        if spec and len(spec) > dim and spec[dim] is not None:
+            return spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+    return ()
 
 
 def _split_axes(mesh, split, arg_shapes, out_shapes) -> tuple:
@@ -85,12 +98,7 @@ def _split_axes(mesh, split, arg_shapes, out_shapes) -> tuple:
     every split dim divides evenly; () for a launch that runs whole."""
     if mesh.empty:
         return ()
-    axes = ()
-    for role, arg in zip(split.args, arg_shapes):
-        spec = _compat.spec_of(arg.sharding, mesh) if role == L.ROWS else None
-        if spec and spec[0] is not None:
-            axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-            break
+    axes = _axes_along(mesh, [0 if role == L.ROWS else None for role in split.args], arg_shapes)
     parts = math.prod(mesh.shape[a] for a in axes)
     dims = [a.shape[0] for role, a in zip(split.args, arg_shapes) if role == L.ROWS]
     dims += [s.shape[0] for role, s in zip(split.outs, out_shapes) if role == L.ROWS]
@@ -99,26 +107,52 @@ def _split_axes(mesh, split, arg_shapes, out_shapes) -> tuple:
     return axes
 
 
-def _sharding(mesh, axes, role):
-    split = role == L.ROWS and axes  # SUMMED outputs come back whole (_summed)
-    return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]) if split
-                         else PartitionSpec())
+def _heads_axes(mesh, split, arg_shapes, out_shapes, rows: tuple) -> tuple:
+    """The mesh axes the heads are split over (tensor parallelism): those of the first operand
+    sharded along its heads dim, if they are not the rows' and every heads dim divides evenly."""
+    if mesh.empty or not split.heads_args:
+        return ()
+    axes = _axes_along(mesh, split.heads_args, arg_shapes)
+    parts = math.prod(mesh.shape[a] for a in axes)
+    dims = [a.shape[d] for d, a in zip(split.heads_args, arg_shapes) if d is not None]
+    dims += [s.shape[d] for d, s in zip(split.heads_outs, out_shapes) if d is not None]
+    if parts <= 1 or set(axes) & set(rows) or any(d % parts for d in dims) or not split.heads_fits(parts):
+        return ()
+    return axes
+
+
+def _sharding(mesh, axes, role, heads=(), heads_dim=None):
+    """An operand's or output's sharding: dim 0 over the rows' axes (SUMMED outputs come back whole:
+    _summed), its heads dim over the heads' axes."""
+    by_dim = {}
+    if role == L.ROWS and axes:
+        by_dim[0] = axes if len(axes) > 1 else axes[0]
+    if heads and heads_dim is not None:
+        by_dim[heads_dim] = heads if len(heads) > 1 else heads[0]
+    return NamedSharding(mesh, PartitionSpec(*(by_dim.get(d) for d in range(max(by_dim, default=-1) + 1))))
+
+
+def _shardings(mesh, split, axes, heads, out_shapes):
+    """(operands', outputs') shardings of a launch split over these rows' and heads' axes."""
+    at = lambda dims, n: dims or (None,) * n
+    return (tuple(_sharding(mesh, axes, role, heads, d) for role, d in zip(split.args, at(split.heads_args, len(split.args)))),
+            [_sharding(mesh, axes, role, heads, d) for role, d in zip(split.outs, at(split.heads_outs, len(split.outs)))])
 
 
 def _partition(mesh, arg_shapes, result_shape, *, params, rule):
     split = rule(params)
     out_shapes = params["out_shapes"]
     axes = _split_axes(mesh, split, arg_shapes, out_shapes)
+    heads = _heads_axes(mesh, split, arg_shapes, out_shapes, axes)
 
     def lower_fn(*local):
-        if not axes:
+        if not axes and not heads:
             return _whole(*local, params=params)
         outs = split.relaunch(*local, **params)
-        return [_summed(o, s.shape[0], axes) if role == L.SUMMED else o
+        return [_summed(o, s.shape[0], axes) if role == L.SUMMED and axes else o
                 for o, s, role in zip(outs, out_shapes, split.outs)]
 
-    arg_shardings = tuple(_sharding(mesh, axes, role) for role in split.args)
-    out_shardings = [_sharding(mesh, axes, role) for role in split.outs]
+    arg_shardings, out_shardings = _shardings(mesh, split, axes, heads, out_shapes)
     return mesh, lower_fn, out_shardings, arg_shardings
 
 
@@ -126,7 +160,8 @@ def _infer(mesh, arg_shapes, result_shape, *, params, rule):
     """GSPMD's propagation (Shardy uses the sharding rule instead): outputs split as the operands."""
     split = rule(params)
     axes = _split_axes(mesh, split, arg_shapes, params["out_shapes"])
-    return [_sharding(mesh, axes, role) for role in split.outs]
+    heads = _heads_axes(mesh, split, arg_shapes, params["out_shapes"], axes)
+    return _shardings(mesh, split, axes, heads, params["out_shapes"])[1]
 
 
 def _summed(partials, rows: int, axes):
