@@ -229,6 +229,19 @@ def test_forward_mode_over_reverse_mode_is_left_to_jax():
     np.testing.assert_allclose(xkern.jit(jax.hessian(f))(x), jax.jit(jax.hessian(f))(x), rtol=1e-5, atol=1e-6)
 
 
+def test_forward_mode_through_an_optimized_function_says_what_works():
+    """jax.jvp of jax.grad of an xkern.optimize'd function (a Hessian-vector product) reaches a
+    kernel, which has no forward-mode rule: the error says so and names what works (xkern.jit of the
+    whole computation), which equals jax.jit's."""
+    f = lambda x: jnp.sum(jnp.tanh(jax.nn.logsumexp(x, -1)))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((4, 9)), jnp.float32)
+    v = jnp.ones_like(x)
+    hvp = lambda f: lambda x, v: jax.jvp(jax.grad(f), (x,), (v,))[1]
+    with pytest.raises(NotImplementedError, match=r"forward mode.*xkern\.jit\(lambda x, v: jax\.jvp"):
+        hvp(xkern.optimize(f))(x, v)
+    np.testing.assert_allclose(xkern.jit(hvp(f))(x, v), jax.jit(hvp(f))(x, v), rtol=1e-5, atol=1e-6)
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""

@@ -274,7 +274,10 @@ def varying_alike(op):
 def _no_jvp(primals, tangents, *, kernel, **_):
     raise NotImplementedError(
         f"xkern kernel {kernel!r} is differentiated by its op's custom_vjp, not by forward mode; "
-        "use jax.grad / jax.vjp on the op (forward-mode jax.jvp is not supported)")
+        "use jax.grad / jax.vjp on the op (forward-mode jax.jvp is not supported). For forward-mode "
+        "derivatives of an optimized function (jax.jvp of jax.grad: a Hessian-vector product), give "
+        "xkern the whole computation instead, e.g. xkern.jit(lambda x, v: jax.jvp(jax.grad(f), (x,), "
+        "(v,))): it replaces what is differentiated backwards and leaves the forward mode to jax")
 
 
 ad.primitive_jvps[xkern_kernel_p] = _no_jvp
