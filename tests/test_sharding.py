@@ -291,3 +291,45 @@ def _reference_attention(name, q, k, v, extra):
         return jax.nn.dot_product_attention(q, k, v, mask=extra,
                                             key_value_seq_lengths=jnp.asarray([16, 9, 3, 16], jnp.int32))
     return jax.nn.dot_product_attention(q, k[:, :, :1], v[:, :, :1])
+
+
+@pytest.mark.parametrize("spec, taken", [(P("data", None, "model"), False), (P("data"), True)])
+def test_a_loss_over_a_vocabulary_the_program_shards_is_left_to_xla(spec, taken, mesh2d):
+    """Logits constrained to be sharded along the vocabulary (MaxText's logical axes under tensor
+    parallelism): the cross-entropy kernels split only rows, so each device would gather every
+    logit and compute the whole loss; XLA computes it vocabulary-parallel, so the match is left to
+    it, with the reason in explain. Rows alone sharded: the kernel is taken."""
+    rng = np.random.default_rng(7)
+    logits = jax.device_put(_normal(rng, (4, 6, 32)), NamedSharding(mesh2d, P("data")))
+    labels = jax.device_put(jnp.asarray(rng.integers(0, 32, (4, 6)), jnp.int32), NamedSharding(mesh2d, P("data")))
+
+    def loss(x, y):
+        x = jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh2d, spec))
+        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+    report = xkern.explain(jax.value_and_grad(loss))(logits, labels)
+    assert ("cross_entropy_fwd" in report.kernels) == taken
+    if not taken:
+        assert any(d.pattern.startswith("cross_entropy/") and "sharded along its dim 2 over mesh axes ('model',)"
+                   in d.reason for d in report.declined)
+    (got, dgot), (want, dwant) = jax.block_until_ready(
+        (xkern.jit(jax.value_and_grad(loss))(logits, labels), jax.jit(jax.value_and_grad(loss))(logits, labels)))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(dgot, dwant, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, taken", [(P(None, "model"), False), (P("data", None, "model"), True)])
+def test_attention_over_a_sharded_sequence_is_left_to_xla(spec, taken, mesh2d):
+    """q, k, v constrained along their sequence (sequence or context parallelism), which the
+    attention kernels do not split: left to XLA; along the heads (tensor parallelism): taken."""
+    rng = np.random.default_rng(8)
+    q, k, v = (_normal(rng, (4, 16, 4, 16), jnp.bfloat16) for _ in range(3))
+
+    def attend(q, k, v):
+        q, k, v = (jax.lax.with_sharding_constraint(a, NamedSharding(mesh2d, spec)) for a in (q, k, v))
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    report = xkern.explain(attend)(q, k, v)
+    assert ("attention_fwd" in report.kernels) == taken
+    assert taken or any("sharded along its dim 1" in d.reason for d in report.declined if d.pattern.startswith("attention/"))
+    np.testing.assert_allclose(np.asarray(jax.block_until_ready(xkern.jit(attend)(q, k, v)), np.float32),
+                               np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True), np.float32),
+                               rtol=3e-2, atol=3e-2)

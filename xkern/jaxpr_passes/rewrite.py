@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -192,11 +193,55 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])
     params = {**params, **pattern.facts_of(match)}
-    reason = pattern.check(match, params)
+    reason = pattern.check(match, params) or unsplit_sharding(
+        match.graph, match.inputs, lambda i, v: _attention_splits(i, v) if pattern.op == "attention" else {0})
     if reason:
         return None, reason, False
     reason = cost(pattern.op, match.input_avals, params, backend, consumers)
     return (None, reason, True) if reason else (params, None, False)
+
+
+def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
+    """A reason to leave a match to XLA where the program constrains an input
+    (with_sharding_constraint) to be sharded along a dim its kernels do not split (partition.py:
+    the leading dim; attention's heads too): each device would gather it and compute the whole,
+    where XLA computes in parallel (a vocabulary sharded under the loss, a sequence under a norm).
+    splits(i, var): the dims of input i that may be sharded."""
+    for i, v in enumerate(inputs):
+        eqn = _constraint_of(graph, v)
+        sharding = eqn.params.get("sharding") if eqn is not None else None
+        spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+        if spec is None or mesh is None:
+            continue
+        for d, axes in enumerate(spec):
+            axes = (axes,) if isinstance(axes, str) else axes
+            if not isinstance(axes, tuple) or d in splits(i, v):
+                continue
+            if math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
+                return (f"an input is sharded along its dim {d} over mesh axes {axes} "
+                        f"(with_sharding_constraint), which the kernels do not split: each device would "
+                        f"gather it and compute the whole, where XLA computes its share")
+    return None
+
+
+def _attention_splits(i: int, v) -> set:
+    """q, k, v [batch, seq, heads, d] split along the batch and heads; masks and biases
+    [batch, heads, q, k] likewise."""
+    return {0, 2} if i < 3 else {0, 1}
+
+
+def _constraint_of(graph: Graph, v):
+    """The with_sharding_constraint equation giving v, through a cast after it; or None."""
+    for _ in range(2):
+        if not isinstance(v, Var) or v not in graph.producer:
+            return None
+        eqn = graph.eqns[graph.producer[v][0]]
+        if eqn.primitive.name == "sharding_constraint":
+            return eqn
+        if eqn.primitive.name != "convert_element_type":
+            return None
+        v = eqn.invars[0]
+    return None
 
 
 _BY_SIGNATURE: dict[int, tuple] = {}
@@ -492,9 +537,10 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
                                           g.eqns[-1]))
             continue
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        reason = cost("fused", [v.aval for v, _ in g.inputs],
-                      {"bytes": moved, "n_cols": g.n_cols,
-                       "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)}, backend)
+        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], lambda i, v: {0}) or cost(
+            "fused", [v.aval for v, _ in g.inputs],
+            {"bytes": moved, "n_cols": g.n_cols, "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)},
+            backend)
         if reason:
             plan.declined.append(Declined(f"generated/{len(g.eqns)} ops{role}", location(last), reason,
                                           g.eqns[-1]))
