@@ -248,6 +248,38 @@ def _levanter(s):
     return attend
 
 
+def _t5(b, s, h, table=None):
+    """T5's attention (t5x's layers): unscaled scores in float32 plus a relative-position bias per
+    head [1, h, q, k] (from a table of 32 buckets, here clipped offsets) and a padding bias (the
+    second half of the last example's keys), softmax, cast back. table: the learned [32, h] table
+    (random by default: fixed, no gradient)."""
+    buckets = jnp.clip(jnp.arange(s)[None, :] - jnp.arange(s)[:, None], -16, 15) + 16
+    padding = jnp.arange(s)[None, :] < jnp.asarray([s] * (b - 1) + [s // 2])[:, None]
+
+    def attend(q, k, v, rng, table=table):
+        table = jax.random.normal(jax.random.key(7), (32, h)) if table is None else table
+        bias = table[buckets].transpose(2, 0, 1)[None] + jnp.where(padding, 0.0, -1e10)[:, None, None, :]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+    return attend
+
+
+def _t5_table_gradient_case(on_gpu: bool) -> Case:
+    """T5's attention trained: the gradients of q, k, v and of the relative-position table (whose
+    dbias XLA computes from the scores it recomputes: the kernels' bias gradient)."""
+    b, s, h, d = (32, 512, 16, 64) if on_gpu else (2, 24, 2, 16)
+
+    def make(key):
+        keys = jax.random.split(key, 5)
+        q, k, v, do = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys[:4])
+        return q, k, v, do, jax.random.normal(keys[4], (32, h))
+    grads = lambda f: (lambda q, k, v, do, table: _vjp_at(lambda q, k, v, t: f(q, k, v, None, t), (q, k, v, table), do))
+    attend = _t5(b, s, h)
+    name = "attention, T5: relative-position bias, its table's gradient too, xkern.optimize vs jax.jit"
+    return Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), make, 0,
+                3e-2, int(3.5 * 4 * b * h * s * s * d), memory=True)
+
+
 def _vjp_at(f, args, do):
     """f's vjp at the cotangent do, cast to f's output dtype (a float32 result takes a float32 one)."""
     out, vjp = jax.vjp(f, *args)
@@ -259,7 +291,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
     by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
-    in Levanter's [b, q, h, k] order. FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
+    table's gradient). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -277,7 +310,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("MaxText dot_product: GQA 32/8, causal, float32 logits", (4, 4096, 32, 128),
                _maxtext(4, 4096, 8, True), 2),
               ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
-              ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2)]
+              ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
+              ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1)]
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8}
     if not on_gpu:
         kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1}
@@ -285,7 +319,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
                    _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
                    _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else
-                   _equinox(40) if "Equinox" in n else _levanter(40) if "Levanter" in n else f, c)
+                   _equinox(40) if "Equinox" in n else _levanter(40) if "Levanter" in n else
+                   _t5(1, 40, 2) if "T5" in n else f, c)
                   for n, _, f, c in cases_]
     out = []
     for name, (b, s, h, d), attend, share in cases_:
@@ -304,7 +339,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                      flops),
                 Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", bwd(xkern.optimize(attend)), bwd(attend), make, 0,
                      3e-2, int(3.5 * flops), memory=True)]
-    return out
+    return out + [_t5_table_gradient_case(on_gpu)]
 
 
 def _window_visible(s: int, left: int, right: int) -> int:

@@ -618,6 +618,51 @@ def test_hand_written_masks_and_biases_are_found(layout, form):
         close(g, w, jnp.bfloat16)
 
 
+def _t5_attention(scores_in: str):
+    """T5's (t5x's layers.dot_product_attention): unscaled scores (T5 folds 1/sqrt(d) into q's
+    initialization) plus a learned relative-position bias per head [1, h, q, k] (its gradient
+    wanted) and a padding bias, softmax in float32, cast back. scores_in: "q's dtype", "float32"
+    (the product cast) or "float32 q, k" (t5x's float32_logits: q and k cast before the product)."""
+    def f(q, k, v, table, padding):
+        sq, sk, heads = q.shape[1], k.shape[1], q.shape[2]
+        buckets = jnp.clip(jnp.arange(sk)[None, :] - jnp.arange(sq)[:, None], -4, 4) + 4
+        bias = table[buckets].transpose(2, 0, 1)[None] + jnp.where(padding, 0.0, -1e10)[:, None, None, :]
+        if scores_in == "float32 q, k":
+            q32, k32 = q.astype(jnp.float32), k.astype(jnp.float32)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q32, k32)
+        else:
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        scores = scores.astype(jnp.float32) if scores_in == "float32" else scores
+        probs = jax.nn.softmax(scores + bias.astype(scores.dtype)).astype(q.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return f
+
+
+@pytest.mark.parametrize("scores_in", ["q's dtype", "float32", "float32 q, k"])
+def test_t5_attention_unscaled_with_a_learned_bias_is_found(scores_in):
+    """Unscaled scores, with or without a bias, were left to XLA (explain: "written in no spelling
+    the attention patterns take"); now the kernels run with scale 1, and the bias's gradient (the
+    relative-position table's) is jax.jit's."""
+    q, k, v, do = make(2, 12, 12, 4, 4, 16, jnp.bfloat16, seed=41)
+    table = jnp.asarray(np.random.default_rng(42).standard_normal((9, 4)), jnp.float32)
+    padding = jnp.asarray(np.arange(12)[None, :] < np.array([12, 7])[:, None])
+    f = _t5_attention(scores_in)
+    [match] = [m for m in xkern.explain(f)(q, k, v, table, padding).matches if m.op == "attention"]
+    assert match.pattern.startswith("attention/einsum[bshd](unscaled)+") and "bias" in match.pattern
+    assert ("+float32 q, k" in match.pattern) == (scores_in == "float32 q, k")  # (the kernels read q, k in bf16)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, table, padding), jax.jit(f)(*f32, table, padding), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v, t: jnp.sum(f(q, k, v, t, padding).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2, 3)))(q, k, v, table)
+    for g, w in zip(got, jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))(*f32, table)):
+        close(g, w, jnp.bfloat16)
+    # without a bias, unscaled: scale 1
+    unscaled = lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k)), v)
+    [match] = xkern.explain(unscaled)(q, k, v).matches
+    assert match.pattern == "attention/einsum[bshd](unscaled)"
+    close(xkern.jit(unscaled)(q, k, v), jax.jit(unscaled)(*f32), jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

@@ -5,7 +5,8 @@ Spellings: jax.nn.dot_product_attention (implementation None or "xla"; causal or
 additive bias, a boolean mask, both or neither, or key_value_seq_lengths; GQA through its k/v head
 grouping);
 flax.linen.dot_product_attention (with a mask or not); and by
-hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype),
+hand, q.k^T by einsum, times a scale (or divided by a number, or by sqrt(head dim) in q's dtype,
+or not scaled at all: T5's, whose additive bias holds its learned relative positions),
 an optional causal mask from tril / iota applied with a -inf
 `where`, or a boolean mask of the scores' shape [b,h,q,k], [b,1,q,k] or [b,1,1,k] (key padding)
 applied with `where` and a large negative fill, or an additive bias (float mask) of those shapes,
@@ -170,9 +171,10 @@ def _causal(scores, layout="bshd"):
 # Where a by-hand spelling scales and upcasts its scores (by_hand's `scores`): the product of q and k
 # scaled ("product"); q scaled before the product ("scaled q", as flax and Gemma write it); the
 # product computed in float32 (preferred_element_type) and then scaled ("float32 product"); the
-# product cast to float32, then scaled ("upcast product"). The last two softmax in float32 and cast
-# the probabilities back to q's dtype.
-SCORES = ("product", "scaled q", "float32 product", "upcast product")
+# product cast to float32, then scaled ("upcast product"); q and k cast to float32 before the product
+# ("float32 q, k", t5x's float32_logits). The last three softmax in float32 and cast the
+# probabilities back to q's dtype.
+SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q, k")
 
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
@@ -182,7 +184,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
     cast to the scores' dtype: a Python number passed to the jitted function, `1 / jnp.sqrt(d)`),
-    ROW_SCALING (times an array in the scores' dtype that broadcasts to them with one value for every
+    UNSCALED (none: T5 folds 1/sqrt(d) into q's initialization), ROW_SCALING (times an array in the scores' dtype that broadcasts to them with one value for every
     key, the last input: a temperature per head, [1, h, 1, 1] here).
     mask / bias: a key of SCORE_SHAPES, their inputs in that order after v. dropout, on the
     probabilities before the einsum: "multiplier" (times the last input) or "select" (flax's
@@ -219,6 +221,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scores * scale.astype(scores.dtype) if scaling == "*array" else scores / scale.astype(scores.dtype)
         if scaling == ROW_SCALING:  # an array per head (or query, batch entry), one value for every key
             return scores * scale
+        if scaling == UNSCALED:
+            return scores
         return scores / jnp.sqrt(q.shape[-1]).astype(q.dtype)
 
     def product(q, k, scale):
@@ -228,6 +232,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scaled(qk_einsum(q, k, preferred_element_type=jnp.float32), q, scale)
         if scores == "upcast product":
             return scaled(qk_einsum(q, k).astype(jnp.float32), q, scale)
+        if scores == "float32 q, k":
+            return scaled(qk_einsum(q.astype(jnp.float32), k.astype(jnp.float32)), q, scale)
         return scaled(qk_einsum(q, k), q, scale)
 
     def fn(q, k, v, *extras, **params):
@@ -260,7 +266,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
     fn.float32_out, fn.upcast = float32_out, upcast
-    fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else scaling}"
+    fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else '(unscaled)' if scaling == UNSCALED else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
@@ -463,6 +469,9 @@ def _bias_facts(match, index: int = 3) -> dict:
 
 ARRAY_SCALINGS = ("*array", "/array")
 ROW_SCALING = "*rows"
+UNSCALED = "unscaled"
+# The scalings taking no array: by a number read off the program, by sqrt(head dim), or none
+NUMBER_SCALINGS = ("*scale", "/divisor", "/sqrt(d)", UNSCALED)
 
 
 def _scale_facts(match, scaling: str) -> dict:
@@ -533,6 +542,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             pass
         elif scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
             scale = 1 / float(np.sqrt(np.float32(q.shape[-1])).astype(q.dtype))
+        elif scaling == UNSCALED:
+            scale = 1.0
         elif scale is None:  # flax: 1 / sqrt(head dim)
             scale = 1 / math.sqrt(q.shape[-1])
         elif scaling == "/divisor":
@@ -600,9 +611,9 @@ PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), 
 PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causal=causal, window=True)
              for causal in (False, True)]  # (the same template with one k/v head per q head)
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
-                      causal=causal, scaling=scaling, params=scaling != "/sqrt(d)")
+                      causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
-             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
+             for scaling in NUMBER_SCALINGS]
 # By hand with a boolean mask (a where with a large negative fill: a constant tril is read as causal)
 # or an additive bias, scaled by a number (the common spellings; each combination is a template, so
 # not every one is listed). A mask, as Llama ports write it, also after dividing by sqrt(head dim).
@@ -610,11 +621,17 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF i
                       with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
-PATTERNS += [_pattern(by_hand(layout, False, upcast, bias=bias, float32_bias=f32),  # (float32 q: one form)
+# A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling.
+PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)
                       HALF if upcast or not f32 else ALL, layout=layout, with_bias=bias, shapes=SCORE_SHAPES,
-                      float32_bias=f32)
+                      float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
-             for f32 in (True, False)]
+             for f32 in (True, False) for scaling in NUMBER_SCALINGS]
+# T5's with t5x's float32_logits (T5.1.1's configs): q and k cast to float32, unscaled, a bias.
+PATTERNS += [_pattern(by_hand(layout, False, True, UNSCALED, bias=bias, float32_bias=f32, scores="float32 q, k"),
+                      HALF, layout=layout, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=f32, scaling=UNSCALED,
+                      params=False)
+             for layout in ("bshd", "bhsd") for bias in SCORE_SHAPES for f32 in (True, False)]
 FLAX = importlib.util.find_spec("flax") is not None  # flax is optional: a test dependency
 FLAX_SPELLING = ("scaled q", "bshd", "/sqrt(d)", False, None, False)  # by_hand's args for flax's
 if FLAX:
@@ -628,7 +645,7 @@ if FLAX:
 PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", scaling, mask=mask, scores=scores),
                       HALF if upcast or scores != "scaled q" else ALL, layout=layout, causal=causal, with_mask=mask,
                       fill=bool(mask), shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
-             for scores in SCORES[1:] for layout in ("bshd", "bhsd") for scaling in ("*scale", "/divisor", "/sqrt(d)")
+             for scores in SCORES[1:4] for layout in ("bshd", "bhsd") for scaling in ("*scale", "/divisor", "/sqrt(d)")
              for causal, mask in ((False, None), (True, None), *((False, m) for m in SCORE_SHAPES))
              for upcast in ((False, True) if scores == "scaled q" else (True,))
              if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
