@@ -663,6 +663,25 @@ def test_t5_attention_unscaled_with_a_learned_bias_is_found(scores_in):
     close(xkern.jit(unscaled)(q, k, v), jax.jit(unscaled)(*f32), jnp.bfloat16)
 
 
+def test_attention_written_with_matmuls_is_found():
+    """nanoGPT's spelling: q @ k.swapaxes(-2, -1) times 1 / sqrt(d), a causal tril applied with a
+    -inf where, softmax, @ v ([b, h, s, d] arrays). The swap is folded into the product
+    (canonicalize), so the einsum templates take it: causal kernels, jax.jit's values and gradients."""
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=43))
+
+    def f(q, k, v):
+        att = (q @ k.swapaxes(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+        att = jnp.where(jnp.tril(jnp.ones((20, 20)))[None, None] == 1, att, -jnp.inf)
+        return jax.nn.softmax(att, axis=-1) @ v
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bhsd]") and match.params.get("mask_kind") == "causal"
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

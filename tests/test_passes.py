@@ -219,6 +219,32 @@ def test_canonical_form_makes_iotas_at_their_shape():
     np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts)[0], wide())
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 4), (2, 3, 5, 4), (2, 2, 3, 5, 4)])
+def test_canonical_form_folds_swapped_operands_into_batched_products(shape):
+    """`a @ b.swapaxes(-1, -2)` (and the swap on the left) is the product einsum writes: one
+    dot_general, its dimension numbers taking the swap; its values unchanged at every rank. A swap
+    of two free dims (their order in the result would change) and products without batch dims stay."""
+    rng = np.random.default_rng(9)
+    a, b = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2))
+    n = len(shape)
+    einsum = "".join("zyxw"[:n - 2])
+    forms = {"right": (lambda a, b: a @ b.swapaxes(-1, -2), f"{einsum}ij,{einsum}kj->{einsum}ik"),
+             "left": (lambda a, b: a.swapaxes(-1, -2) @ b, f"{einsum}ji,{einsum}jk->{einsum}ik")}
+    for f, spec in forms.values():
+        closed = jax.make_jaxpr(f)(a, b)
+        canonical = dce(canonicalize(closed))
+        assert [e.primitive.name for e in canonical.jaxpr.eqns] == ["dot_general"]
+        want = dce(canonicalize(jax.make_jaxpr(lambda a, b: jnp.einsum(spec, a, b))(a, b)))
+        assert canonical.jaxpr.eqns[0].params["dimension_numbers"] == want.jaxpr.eqns[0].params["dimension_numbers"]
+        np.testing.assert_allclose(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, a, b)[0], f(a, b),
+                                   rtol=1e-6, atol=1e-6)
+    kept = [lambda a, b: a.reshape(-1, shape[-1]) @ b.reshape(-1, shape[-1]).T,  # (no batch dims: h @ w.T)
+            lambda a, b: jax.lax.dot_general(a.swapaxes(-1, -2), b, (((), ()), ((0,), (0,))))]  # (both free)
+    for f in kept:
+        closed = jax.make_jaxpr(f)(a, b)
+        assert "transpose" in str(dce(canonicalize(closed)))
+
+
 def test_outputs_and_gradients_equal_jax_jit():
     def loss(w, x):
         p = jax.nn.softmax(x @ w)

@@ -24,7 +24,11 @@ and dead equations found.
   or reduction merged could become an intermediate shared by two patterns (softmax(x @ w) and
   log_softmax(x @ w) would share max(x @ w)), and a pattern whose intermediate is used outside it
   is declined.
-The program is re-traced through an interpreter that does all five (source info kept).
+- Swapped operands of batched products folded: `q @ k.swapaxes(-1, -2)` is a transpose then a
+  dot_general; einsum writes q.k^T as one dot_general contracting the last dims. The swap goes into
+  the product's dimension numbers (the transpose is then dead), so the matmul spelling of attention
+  (nanoGPT's) meets the einsum templates.
+The program is re-traced through an interpreter that does all six (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -127,6 +131,33 @@ def _note_iota(eqn, producers: dict) -> None:
         producers[eqn.outvars[0]] = eqn
 
 
+def _folded_transpose(eqn, transposes: dict):
+    """`eqn` reading the operand itself where it is a batched product of an operand whose last two
+    dims a transpose swapped (`q @ k.swapaxes(-1, -2)`, which einsum writes as one dot_general), the
+    swap folded into its dimension numbers; else None. (Not where both swapped dims are free: their
+    order in the result would change. Products without batch dims, `h @ w.T`, stay as written.)"""
+    if eqn.primitive.name != "dot_general" or not eqn.params["dimension_numbers"][1][0]:
+        return None
+    (contract, batch), invars, folded = map(list, eqn.params["dimension_numbers"]), list(eqn.invars), False
+    for side in (0, 1):
+        t = None if isinstance(invars[side], Literal) else transposes.get(invars[side])
+        n = len(t.params["permutation"]) if t is not None else 0
+        if t is None or tuple(t.params["permutation"]) != (*range(n - 2), n - 1, n - 2):
+            continue
+        if not {n - 2, n - 1} & {*contract[side], *batch[side]}:
+            continue
+        swap = lambda dims, n=n: tuple(2 * n - 3 - d if d >= n - 2 else d for d in dims)  # n-2 <-> n-1
+        contract[side], batch[side], invars[side], folded = swap(contract[side]), swap(batch[side]), t.invars[0], True
+    if not folded:
+        return None
+    return eqn.replace(invars=invars, params={**eqn.params, "dimension_numbers": (tuple(contract), tuple(batch))})
+
+
+def _note_transpose(eqn, producers: dict) -> None:
+    if eqn.primitive.name == "transpose":
+        producers[eqn.outvars[0]] = eqn
+
+
 def _plain(value) -> bool:
     """Whether a param is plain data (so equal params mean the same computation), not a jaxpr or a
     function."""
@@ -157,13 +188,14 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    filled, iotas, read_vars = {}, {}, _read_vars(jaxpr)
+    filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         squared = _squared(eqn)
         if squared is not None:
             eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
-        eqn = _iota_broadcast(eqn, iotas) or eqn
+        eqn = _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes) or eqn
         _note_iota(eqn, iotas)
+        _note_transpose(eqn, transposes)
         chain = _filled_from(eqn, filled)
         _note_filled(eqn, filled, chain)
         if chain is not None:
@@ -190,13 +222,14 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    keys, filled, iotas, read_vars = set(), {}, {}, _read_vars(jaxpr)
+    keys, filled, iotas, transposes, read_vars = set(), {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         if (_inlined_body(eqn, read_vars) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
-                or _iota_broadcast(eqn, iotas)):
+                or _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes)):
             return True
         _note_filled(eqn, filled, None)
         _note_iota(eqn, iotas)
+        _note_transpose(eqn, transposes)
         key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else v for v in eqn.invars))
         if key is not None:
             if key in keys:
