@@ -682,6 +682,32 @@ def test_attention_written_with_matmuls_is_found():
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("form", ["nanoGPT's causal tril == 0", "padding hidden, -1e9"])
+def test_masks_of_the_hidden_keys_are_found(form):
+    """where(hidden, fill, scores), the mask marking the keys hidden (nanoGPT's
+    `jnp.where(mask[:, :, :T, :T] == 0, float('-inf'), att)` of a float tril; a padding mask
+    negated): the kernels get the keys seen (a constant one read as causal)."""
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=44))
+    padding = jnp.asarray(np.arange(20)[None, :] < np.array([20, 11])[:, None])[:, None, None, :]
+
+    def f(q, k, v):
+        att = (q @ k.swapaxes(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+        if form.startswith("nanoGPT"):
+            tril = jnp.tril(jnp.ones((32, 32))).reshape(1, 1, 32, 32)
+            att = jnp.where(tril[:, :, :20, :20] == 0, float("-inf"), att)
+        else:
+            att = jnp.where(~padding, -1e9, att)
+        return jax.nn.softmax(att, axis=-1) @ v
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bhsd]+hidden mask")
+    assert (match.params.get("mask_kind") == "causal") == form.startswith("nanoGPT")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

@@ -179,7 +179,8 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
-            scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False):
+            scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False,
+            hidden: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -194,7 +195,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     float32_out (with `upcast`): the float32 probabilities weight v as they are (not cast back to
     q's dtype): the einsum promotes, and the result is float32. sinks: gpt-oss's attention sinks, a
     column of logits (the last input, [b, h, q, 1] in the softmax's dtype) joined to the masked
-    scores for the softmax and dropped from its result."""
+    scores for the softmax and dropped from its result. hidden: the mask marks the keys hidden, not
+    those seen (nanoGPT's where(tril == 0, -inf, scores))."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -250,6 +252,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores = scores + extras[0]
         if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
             scores = jnp.where(jnp.expand_dims(extras[-1], -2), scores, params["fill"])
+        elif mask and hidden:
+            scores = jnp.where(extras[-1], params["fill"], scores)
         elif mask:
             scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
@@ -265,12 +269,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
-    fn.float32_out, fn.upcast = float32_out, upcast
+    fn.float32_out, fn.upcast, fn.hidden = float32_out, upcast, hidden
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else '(unscaled)' if scaling == UNSCALED else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
                    f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
-                   f"{'+mask' + mask if mask else ''}"
+                   f"{('+hidden mask' if hidden else '+mask') + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
                    f"{'+float32 out' if float32_out else ''}"
                    f"{'+dropout(' + dropout + ')' if dropout else ''}{'+sinks' if sinks else ''}")
@@ -355,11 +359,14 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
 CONSTANT_MASK_ELEMENTS = 1 << 28
 
 
-def _mask_facts(match, index: int = -1, layout: str = "bshd") -> dict:
+def _mask_facts(match, index: int = -1, layout: str = "bshd", hidden: bool = False) -> dict:
     """{"mask_kind": "causal" | "none"} when the matched mask (input `index`: the last but a
     dropout's) is a constant of that kind, {"mask_kind": "window", "left": l, "right": r} for the
     same band of keys i - l ... i + r in every batch entry and head, else {}."""
     mask = constant_value(match.graph, match.inputs[index], CONSTANT_MASK_ELEMENTS)
+    if hidden and mask is not None:  # (it marks the keys hidden)
+        with jax.ensure_compile_time_eval():
+            mask = jnp.logical_not(mask)
     if layout == "bqhk" and mask is not None and mask.ndim == 4:  # [b, q, h, k]: queries, keys last
         with jax.ensure_compile_time_eval():
             mask = jnp.transpose(mask, (0, 2, 1, 3))
@@ -551,6 +558,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
+        if mask is not None and getattr(fn, "hidden", False) and mask_kind is None:
+            mask = jnp.logical_not(mask)
         if mask is not None and layout == "bqhk" and with_mask in BQHK_SHAPES:
             mask = mask.transpose(0, 2, 1, 3)
         elif mask is not None and with_mask == "[b,q,k]":
@@ -582,7 +591,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks
 
     def facts_of(match) -> dict:
-        facts = _mask_facts(match, mask_index, layout) if with_mask else _bias_facts(match) if with_bias else {}
+        facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask else
+                 _bias_facts(match) if with_bias else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
@@ -614,6 +624,12 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast e
                       causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
              for scaling in NUMBER_SCALINGS]
+# A mask of the keys hidden, applied as where(hidden, fill, scores) (nanoGPT's `tril == 0`).
+PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=True), HALF if upcast else ALL,
+                      layout=layout, with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling,
+                      params=scaling in ("*scale", "/divisor"))
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
+             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 # By hand with a boolean mask (a where with a large negative fill: a constant tril is read as causal)
 # or an additive bias, scaled by a number (the common spellings; each combination is a template, so
 # not every one is listed). A mask, as Llama ports write it, also after dividing by sqrt(head dim).
