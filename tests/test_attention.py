@@ -708,6 +708,26 @@ def test_masks_of_the_hidden_keys_are_found(form):
         close(g, w, jnp.bfloat16)
 
 
+def test_alibi_a_constant_bias_with_a_causal_mask_is_found():
+    """ALiBi: a bias of each head's slope times the key's distance (a constant [1, h, q, k]) after
+    the scale, then a causal -inf where: the bias and causal kernels, jax.jit's values and gradients."""
+    q, k, v, do = make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=45)
+    slopes = jnp.asarray([2 ** (-8 * (i + 1) / 4) for i in range(4)], jnp.float32)
+
+    def f(q, k, v):
+        bias = slopes[:, None, None] * (jnp.arange(20)[None, :] - jnp.arange(20)[:, None])[None].astype(jnp.float32)
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(16) + bias[None]
+        scores = jnp.where(jnp.tril(jnp.ones((20, 20), bool)), scores, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bshd]/divisor+causal+float32 bias")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

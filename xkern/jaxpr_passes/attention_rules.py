@@ -637,12 +637,13 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF i
                       with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
              for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
-# A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling.
-PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)
-                      HALF if upcast or not f32 else ALL, layout=layout, with_bias=bias, shapes=SCORE_SHAPES,
-                      float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
+# A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling,
+# then a causal -inf where or not.
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)
+                      HALF if upcast or not f32 else ALL, layout=layout, causal=causal, with_bias=bias,
+                      shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
-             for f32 in (True, False) for scaling in NUMBER_SCALINGS]
+             for f32 in (True, False) for scaling in NUMBER_SCALINGS for causal in (False, True)]
 # T5's with t5x's float32_logits (T5.1.1's configs): q and k cast to float32, unscaled, a bias.
 PATTERNS += [_pattern(by_hand(layout, False, True, UNSCALED, bias=bias, float32_bias=f32, scores="float32 q, k"),
                       HALF, layout=layout, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=f32, scaling=UNSCALED,
