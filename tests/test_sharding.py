@@ -317,19 +317,31 @@ def test_a_loss_over_a_vocabulary_the_program_shards_is_left_to_xla(spec, taken,
     np.testing.assert_allclose(dgot, dwant, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("spec, taken", [(P(None, "model"), False), (P("data", None, "model"), True)])
-def test_attention_over_a_sharded_sequence_is_left_to_xla(spec, taken, mesh2d):
+def _heads_first_attention(q, k, v):
+    """Attention on [b, h, s, d] arrays, by hand (the einsum templates' second layout)."""
+    scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * 0.25
+    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
+
+
+@pytest.mark.parametrize("layout, spec, taken", [
+    ("bshd", P(None, "model"), False), ("bshd", P("data", None, "model"), True),
+    ("bhsd", P(None, None, "model"), False), ("bhsd", P("data", "model"), True)])
+def test_attention_over_a_sharded_sequence_is_left_to_xla(layout, spec, taken, mesh2d):
     """q, k, v constrained along their sequence (sequence or context parallelism), which the
-    attention kernels do not split: left to XLA; along the heads (tensor parallelism): taken."""
+    attention kernels do not split: left to XLA; along the heads (tensor parallelism): taken. In
+    either layout ([b, s, h, d] or [b, h, s, d]: the heads' dim is the layout's)."""
     rng = np.random.default_rng(8)
     q, k, v = (_normal(rng, (4, 16, 4, 16), jnp.bfloat16) for _ in range(3))
+    attention = (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)) if layout == "bshd" \
+        else _heads_first_attention
 
     def attend(q, k, v):
         q, k, v = (jax.lax.with_sharding_constraint(a, NamedSharding(mesh2d, spec)) for a in (q, k, v))
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return attention(q, k, v)
     report = xkern.explain(attend)(q, k, v)
     assert ("attention_fwd" in report.kernels) == taken
-    assert taken or any("sharded along its dim 1" in d.reason for d in report.declined if d.pattern.startswith("attention/"))
+    seq = 1 if layout == "bshd" else 2
+    assert taken or any(f"sharded along its dim {seq}" in d.reason for d in report.declined
+                        if d.pattern.startswith("attention/"))
     np.testing.assert_allclose(np.asarray(jax.block_until_ready(xkern.jit(attend)(q, k, v)), np.float32),
-                               np.asarray(jax.nn.dot_product_attention(q, k, v, is_causal=True), np.float32),
-                               rtol=3e-2, atol=3e-2)
+                               np.asarray(attention(q, k, v), np.float32), rtol=3e-2, atol=3e-2)

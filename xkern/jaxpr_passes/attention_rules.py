@@ -603,7 +603,16 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    ignores=lambda params: ({3 + bool(with_bias and with_mask)} if params.get("mask_kind") else
                                            {3, 4} if window else set()),
                    constants=2 if window else 0,
-                   requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()))
+                   requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
+                   split_dims=_split_dims(layout))
+
+
+def _split_dims(layout: str):
+    """The dims of each input the kernels split across devices: batch and heads (kernels/attention's
+    split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
+    where the scores are ordered so)."""
+    heads = 1 if layout == "bhsd" else 2
+    return lambda i: {0, heads} if i < 3 else {0, 2 if layout.startswith("bqhk") else 1}
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)

@@ -193,8 +193,8 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])
     params = {**params, **pattern.facts_of(match)}
-    reason = pattern.check(match, params) or unsplit_sharding(
-        match.graph, match.inputs, lambda i, v: _attention_splits(i, v) if pattern.op == "attention" else {0})
+    reason = pattern.check(match, params) or unsplit_sharding(match.graph, match.inputs,
+                                                              pattern.split_dims or (lambda i: {0}))
     if reason:
         return None, reason, False
     reason = cost(pattern.op, match.input_avals, params, backend, consumers)
@@ -206,7 +206,7 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
     (with_sharding_constraint) to be sharded along a dim its kernels do not split (partition.py:
     the leading dim; attention's heads too): each device would gather it and compute the whole,
     where XLA computes in parallel (a vocabulary sharded under the loss, a sequence under a norm).
-    splits(i, var): the dims of input i that may be sharded."""
+    splits(i): the dims of input i that may be sharded."""
     for i, v in enumerate(inputs):
         eqn = _constraint_of(graph, v)
         sharding = eqn.params.get("sharding") if eqn is not None else None
@@ -215,19 +215,13 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
             continue
         for d, axes in enumerate(spec):
             axes = (axes,) if isinstance(axes, str) else axes
-            if not isinstance(axes, tuple) or d in splits(i, v):
+            if not isinstance(axes, tuple) or d in splits(i):
                 continue
             if math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
                 return (f"an input is sharded along its dim {d} over mesh axes {axes} "
                         f"(with_sharding_constraint), which the kernels do not split: each device would "
                         f"gather it and compute the whole, where XLA computes its share")
     return None
-
-
-def _attention_splits(i: int, v) -> set:
-    """q, k, v [batch, seq, heads, d] split along the batch and heads; masks and biases
-    [batch, heads, q, k] likewise."""
-    return {0, 2} if i < 3 else {0, 1}
 
 
 def _constraint_of(graph: Graph, v):
@@ -537,7 +531,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
                                           g.eqns[-1]))
             continue
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], lambda i, v: {0}) or cost(
+        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], lambda i: {0}) or cost(
             "fused", [v.aval for v, _ in g.inputs],
             {"bytes": moved, "n_cols": g.n_cols, "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)},
             backend)
