@@ -4,7 +4,8 @@ FWD_EXP2 / BWD_EXP2 (how many of every 4 scores' exps go to the FMA units rather
     python -m benchmarks.sweep_attention_exp2 [--variants 0,0 2,0 2,2 2,0,d64] [--out sweep.json]
 
 Each variant ("fwd,bwd", or "fwd,bwd,d64" for the Gluon forward at head dim 64 too, which the
-library leaves to the Triton kernels) runs in a process of its own, since the kernels read the
+library leaves to the Triton kernels; more tokens NAME=int set attention_hopper's NAME, as
+"0,0,FWD_PINGPONG=0") runs in a process of its own, since the kernels read the
 split when their configs are built. Each times xkern.ops.attention, forward and forward+backward,
 against cuDNN in the same process (bf16, XKERN_AUTOTUNE=0: the library's first candidate), checks
 it against cuDNN, and the forward against a float32 reference (first batch). Hopper only.
@@ -18,6 +19,7 @@ import subprocess
 import sys
 
 SHAPES = ("4x4096x32x128", "4x4096x32x128c", "4x4096x32x64", "4x4096x32x64c")  # b x s x h x d, c: causal
+# (and the other head dims' and lengths' the benchmarks time: 1x16384x32x128c, 2x4096x16x256, ...)
 
 
 def child(variant: str, shapes: list[str]) -> list[dict]:
@@ -31,6 +33,9 @@ def child(variant: str, shapes: list[str]) -> list[dict]:
     AH.FWD_EXP2, AH.BWD_EXP2 = int(fwd_poly), int(bwd_poly)
     if "d64" in rest:
         AH.FWD_BLOCK_N[64] = 128
+    for name, value in (token.split("=") for token in rest if "=" in token):
+        assert hasattr(AH, name), name
+        setattr(AH, name, int(value))
     import xkern
 
     def cudnn(q, k, v, causal):
@@ -95,7 +100,7 @@ def main(argv: list[str]) -> int:
             continue
         rows += json.loads(found[0])
         for r in json.loads(found[0]):
-            print(f"{r['variant']:10} {r['case']:16} {r['mode']:8} {r['xkern_tflops']:6.0f} TFLOP/s "
+            print(f"{r['variant']:16} {r['case']:16} {r['mode']:8} {r['xkern_tflops']:6.0f} TFLOP/s "
                   f"(cuDNN {r['cudnn_tflops']:4.0f})  error vs cuDNN {r['error_vs_cudnn']:.1e}, fwd vs f32 "
                   f"{r['fwd_error_vs_f32']['xkern']:.1e} (cuDNN {r['fwd_error_vs_f32']['cudnn']:.1e})", flush=True)
     if args.out:

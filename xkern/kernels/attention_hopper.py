@@ -80,6 +80,10 @@ _tma_add = getattr(tma, "async_atomic_add", None) or _tma_add_36
 # tensor cores are twice as fast against the same MUFU: where FlashAttention-4 splits.)
 FWD_EXP2 = 0
 BWD_EXP2 = 0
+# The forward's two consumers take turns to issue their products (FlashAttention-3's ping-pong
+# scheduling, by a pair of mbarriers): without it both issue as soon as their data is in, and their
+# softmaxes tend to run at the same time, leaving the tensor cores idle meanwhile.
+FWD_PINGPONG = 0  # (1 not yet measured on the H200)
 EXP2_PACK = gl.constexpr(4)
 _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
 
@@ -172,19 +176,39 @@ def _causal_mask(s, first_row, first_col, ROWS: gl.constexpr, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, zeros_s, first_row,
+def _take_turn(turns, t, WG: gl.constexpr):
+    """Wait for this warpgroup's t-th turn to issue its products (FlashAttention-3's ping-pong: the
+    two consumers alternate, so one's products run on the tensor cores while the other's softmax
+    runs). turns: two count-1 mbarriers, one per warpgroup; warpgroup 0 goes first (a fresh barrier
+    passes phase 1), each turn passed by the other's arrival."""
+    mbarrier.wait(turns.index(WG), (t & 1) ^ (1 - WG))
+
+
+@gluon.jit
+def _pass_turn(turns, WG: gl.constexpr):
+    mbarrier.arrive(turns.index(1 - WG), count=1)
+
+
+@gluon.jit
+def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns, zeros_s, first_row,
           QK_SCALE: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, MASKED: gl.constexpr,
-          p_layout: gl.constexpr, rows_o: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr):
-    """Key block j >= 1: S_j = q k_j^T and O += P_{j-1} v_{j-1} issued together, S_j's online
-    softmax while the second runs, then O rescaled to the new row maxima. Returns P_j's state."""
+          p_layout: gl.constexpr, rows_o: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr,
+          PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Key block j >= 1: S_j = q k_j^T and O += P_{j-1} v_{j-1} issued together (in this warpgroup's
+    turn, with PINGPONG), S_j's online softmax while the second runs, then O rescaled to the new row
+    maxima. Returns P_j's state."""
     stages: gl.constexpr = k_bufs.type.shape[0]
     ks = j % stages
     vs = (j - 1) % stages
     mbarrier.wait(k_ready.index(ks), (j // stages) & 1)
     p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
     mbarrier.wait(v_ready.index(vs), ((j - 1) // stages) & 1)
+    if PINGPONG:
+        _take_turn(turns, j, WG)
     s = warpgroup_mma(q_smem, k_bufs.index(ks).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     acc = warpgroup_mma(p_op, v_bufs.index(vs), acc, is_async=True)
+    if PINGPONG:
+        _pass_turn(turns, WG)
     s = warpgroup_mma_wait(1, deps=(s, ))  # S_j done; P_{j-1} v_{j-1} may still run
     mbarrier.arrive(k_empty.index(ks), count=1)
     if MASKED:
@@ -200,10 +224,10 @@ def _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready
 
 
 @gluon.jit
-def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr, lse_ptr, sink_ptr,
+def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns, o_ptr, lse_ptr, sink_ptr,
               n_blocks, first_row, bh, sq, h, QK_SCALE: gl.constexpr, HEADS: gl.constexpr, D: gl.constexpr,
               CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-              EXP2: gl.constexpr):
+              EXP2: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """One warpgroup's ROWS query rows (q_smem, from first_row) against key blocks 0 .. n_blocks-1:
     o and its log2-domain lse, as attention._fwd_store writes them (with the row's sink, as
     attention._sink_key adds it). Every row sees a key (causal: its own), so no row is empty."""
@@ -218,7 +242,11 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
     mbarrier.wait(q_bar, 0)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(k_ready.index(0), 0)  # key block 0 alone: its softmax starts the pipeline
+    if PINGPONG:
+        _take_turn(turns, 0, WG)
     s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        _pass_turn(turns, WG)
     s = warpgroup_mma_wait(0, deps=(s, ))
     mbarrier.arrive(k_empty.index(0), count=1)
     if CAUSAL:
@@ -232,10 +260,12 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
     n_full = gl.minimum(gl.maximum((first_row + 1) // BLOCK_N, 1), n_blocks) if CAUSAL else n_blocks
     for j in range(1, n_full):
         p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, False, p_layout, rows_o, s_layout, EXP2)
+                                 turns, zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, False, p_layout, rows_o, s_layout,
+                                 EXP2, PINGPONG, WG)
     for j in range(n_full, n_blocks):
         p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q_smem, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
-                                 zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, True, p_layout, rows_o, s_layout, EXP2)
+                                 turns, zeros_s, first_row, QK_SCALE, ROWS, BLOCK_N, True, p_layout, rows_o, s_layout,
+                                 EXP2, PINGPONG, WG)
     last = (n_blocks - 1) % k_bufs.type.shape[0]
     p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // k_bufs.type.shape[0]) & 1)
@@ -263,12 +293,13 @@ def _consumer(q_smem, q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty,
 def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
         QK_SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr, D: gl.constexpr,
         CAUSAL: gl.constexpr, HAS_SINK: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr):
+        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr,
+        PINGPONG: gl.constexpr):
     """o [batch, sq, HEADS, D] (o_ptr's dtype) and lse [batch, HEADS, sq] (log2 domain) of q
     [batch, sq, HEADS, D] and k, v [batch, sk, KV_HEADS, D] (16-bit), as attention._fwd gives them
     for problems without masking: sk a multiple of BLOCK_N; causal only with sq == sk. Grid
     (cdiv(sq, BLOCK_M), batch * HEADS), 4 warps asked. (BLOCK_D == D and GLUON: the config's marks;
-    EXP2: see FWD_EXP2.)"""
+    EXP2: see FWD_EXP2; PINGPONG: see FWD_PINGPONG.)"""
     if CAUSAL:
         rank, bh = _longest_first(LPT_HEADS)
         pid_m = gl.num_programs(0) - 1 - rank  # (the last query blocks see the most keys)
@@ -294,7 +325,10 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turns.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -307,12 +341,12 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
     n_blocks = gl.cdiv(gl.minimum(first_row + BLOCK_M, sk), BLOCK_N) if CAUSAL else sk // BLOCK_N
     HALF: gl.constexpr = BLOCK_M // 2
     gl.warp_specialize([
-        (_consumer, (q_smem.slice(0, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr,
-                     lse_ptr, sink_ptr, n_blocks, first_row, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL, HAS_SINK, HALF,
-                     BLOCK_N, EXP2)),
-        (_consumer, (q_smem.slice(HALF, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, o_ptr,
-                     lse_ptr, sink_ptr, n_blocks, first_row + HALF, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL, HAS_SINK,
-                     HALF, BLOCK_N, EXP2)),
+        (_consumer, (q_smem.slice(0, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns,
+                     o_ptr, lse_ptr, sink_ptr, n_blocks, first_row, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL, HAS_SINK,
+                     HALF, BLOCK_N, EXP2, PINGPONG, 0)),
+        (_consumer, (q_smem.slice(HALF, HALF), q_bar, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, turns,
+                     o_ptr, lse_ptr, sink_ptr, n_blocks, first_row + HALF, bh, sq, h, QK_SCALE, HEADS, D, CAUSAL,
+                     HAS_SINK, HALF, BLOCK_N, EXP2, PINGPONG, 1)),
         (_loader, (k_desc, v_desc, k_bufs, v_bufs, k_ready, k_empty, v_ready, v_empty, b * sk,
                    h // (HEADS // KV_HEADS) * D, n_blocks, BLOCK_N)),
     ], [4, 1], [240, 24])
@@ -324,7 +358,7 @@ fwd.xkern_maxnreg = MAXNREG  # read by launch.gluon_module and aot.compile_kerne
 def config(head_dim: int = HEAD_DIM) -> L.Config:
     """The forward's config at `head_dim` (GLUON marks it for attention._launch_fwd)."""
     return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N[head_dim], BLOCK_D=head_dim, STAGES=STAGES, GLUON=1,
-                       EXP2=FWD_EXP2, num_warps=4, num_stages=STAGES)
+                       EXP2=FWD_EXP2, PINGPONG=FWD_PINGPONG, num_warps=4, num_stages=STAGES)
 
 
 def applies(head_dim: int, itemsize: int, unmasked_keys: int, causal_square: int, capped: bool) -> bool:
