@@ -682,6 +682,28 @@ def test_attention_written_with_matmuls_is_found():
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("upcast", [False, True])
+def test_attention_with_a_softmax_written_by_hand_is_found(upcast):
+    """exp(s - max(s)) / sum(...) written out (in float32 or not) rather than jax.nn.softmax:
+    canonicalize spells it as jax.nn.softmax does, so the attention templates take it; jax.jit's
+    values and gradients (the maximum's gradient, stopped there, is zero in exact arithmetic)."""
+    q, k, v, do = (a.transpose(0, 2, 1, 3) for a in make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=46))
+
+    def f(q, k, v):
+        att = (q @ k.swapaxes(-2, -1)) * (1.0 / math.sqrt(k.shape[-1]))
+        att = jnp.where(jnp.tril(jnp.ones((20, 20), bool)), att, -jnp.inf)
+        att = att.astype(jnp.float32) if upcast else att
+        e = jnp.exp(att - jnp.max(att, axis=-1, keepdims=True))
+        return (e / jnp.sum(e, axis=-1, keepdims=True)).astype(q.dtype) @ v
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bhsd]+causal")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("form", ["nanoGPT's causal tril == 0", "padding hidden, -1e9"])
 def test_masks_of_the_hidden_keys_are_found(form):
     """where(hidden, fill, scores), the mask marking the keys hidden (nanoGPT's

@@ -92,8 +92,8 @@ def test_each_spelling_becomes_one_kernel_with_the_same_values(name):
                                atol=tol, rtol=tol)
 
 
-def max_and_sum_over_other_axes(x):
-    e = jnp.exp(x - x.max(0, keepdims=True))
+def max_and_sum_over_other_axes(x):  # (in jax.nn.softmax's equations)
+    e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, 0, keepdims=True, initial=-jnp.inf)))
     return e / e.sum(-1, keepdims=True)
 
 
@@ -115,8 +115,8 @@ def test_near_misses_are_left_alone(name):
 
 
 def test_a_structural_match_with_other_params_is_not_taken_for_the_pattern():
-    # Max over axis 0, sum over axis 1: not softmax(x) over either axis. Structurally it is the
-    # max-subtracted spelling, which the exact check must refuse; it is however exactly the plain
+    # Max over axis 0, sum over axis 1: not softmax(x) over either axis. Structurally it is
+    # jax.nn.softmax's spelling, which the exact check must refuse; it is however exactly the plain
     # exp(w)/sum spelling with w = x - max0(x), a true softmax over axis 1, and that is what matches.
     x = rand((4, 33))
     report = xkern.explain(max_and_sum_over_other_axes)(x)
@@ -127,7 +127,7 @@ def test_a_structural_match_with_other_params_is_not_taken_for_the_pattern():
     closed = jax.make_jaxpr(max_and_sum_over_other_axes)(x)
     graph = P.Graph(closed.jaxpr)
     pattern, match = next((p, m) for p, t in P.registry().by_anchor["div"]
-                          if p.name == "softmax/exp(x-max)/sum"
+                          if p.name == "softmax/jax.nn.softmax"
                           for m in [P.unify(t, graph, len(graph.eqns) - 1, strict=False)] if m)
     match.pattern = pattern  # the structure alone says yes ...
     from xkern.jaxpr_passes.rewrite import _decide
@@ -173,6 +173,39 @@ def test_canonical_form_merges_repeated_elementwise_equations_and_spells_squares
     assert count("mul") == sum(e.primitive.name == "mul" for e in closed.jaxpr.eqns) - 2  # x * 2.0 once, x * x gone
     np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x, w)[0], f(x, w))
     assert canonicalize(canonical) is canonical  # already canonical: the same jaxpr back
+
+
+def test_canonical_form_spells_a_softmax_written_by_hand_as_jax_nn_softmax():
+    """exp(x - max(x)) / sum(...) becomes jax.nn.softmax's equations (its softmax patterns then take
+    it) with the same values and gradient; where something else reads the maximum or the sum (a
+    log-sum-exp written beside the softmax), the gradient through the maximum is not zero, and the
+    program is left as written."""
+    softmax = lambda x: jax.nn.softmax(x, axis=-1)
+
+    def by_hand(x):
+        e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+
+    def with_lse(x):
+        m = jnp.max(x, axis=-1, keepdims=True)
+        e = jnp.exp(x - m)
+        s = jnp.sum(e, axis=-1, keepdims=True)
+        return e / s, m + jnp.log(s)
+    x = rand((5, 7)).at[1, 2].set(jnp.inf).at[3].set(-jnp.inf)
+    names = lambda closed: [e.primitive.name for e in closed.jaxpr.eqns]
+    canonical = canonicalize(jax.make_jaxpr(by_hand)(x))
+    assert names(canonical) == names(jax.make_jaxpr(softmax)(x))
+    np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x)[0], by_hand(x))
+    y = rand((5, 7), seed=3)
+    run = lambda closed: (lambda y: jax.core.eval_jaxpr(closed.jaxpr, closed.consts, y))
+    weights = jnp.cos(jnp.arange(7.0))
+    grad = lambda f: jax.grad(lambda y: jnp.sum(f(y)[0] * weights))(y)
+    np.testing.assert_allclose(grad(run(canonical)), grad(lambda y: [by_hand(y)]), rtol=1e-5, atol=1e-6)
+    kept = jax.make_jaxpr(with_lse)(x)
+    assert canonicalize(kept) is kept
+    in_bf16 = jax.make_jaxpr(by_hand)(x.astype(jnp.bfloat16))  # (jnp.sum's converts around the sum)
+    assert "stop_gradient" in names(canonicalize(in_bf16))
+    assert canonicalize(jax.make_jaxpr(lambda x: jnp.exp(x - jnp.max(x, -1, keepdims=True)))(x)).jaxpr.eqns[1].primitive.name != "max"
 
 
 def test_canonical_form_broadcasts_a_constant_once():
@@ -517,9 +550,8 @@ def test_unsupported_dtype_is_declined_with_its_reason():
 
 
 def test_duplicate_patterns_are_rejected():
-    original = softmax_rules.PATTERNS[1]
-    twin = P.Pattern(**{**original.__dict__, "name": "softmax/twin",
-                        "fn": softmax_rules.softmax_shifted})
+    original = softmax_rules.PATTERNS[0]  # jax.nn.softmax; its twin written by hand (canonicalize folds it)
+    twin = P.Pattern(**{**original.__dict__, "name": "softmax/twin", "fn": lambda x, axis: shifted(x, axis)})
     registry = P.build_registry([original, twin])
     assert registry.rejected == [("softmax/twin", original.name)]
     with pytest.raises(ValueError, match="duplicate pattern names"):
@@ -595,7 +627,8 @@ def test_a_stale_stored_template_proposes_but_never_rewrites(tmp_path, monkeypat
     the template proposes a match, the pattern's own exact re-trace refuses it, nothing changes."""
     from xkern.jaxpr_passes import rewrite
     monkeypatch.setenv("XKERN_CACHE_DIR", str(tmp_path))
-    softmax, log_softmax = softmax_rules.PATTERNS[0], softmax_rules.PATTERNS[7]
+    softmax = softmax_rules.PATTERNS[0]
+    log_softmax = next(p for p in softmax_rules.PATTERNS if p.name == "log_softmax/jax.nn.log_softmax")
     assert (softmax.op, log_softmax.op) == ("softmax", "log_softmax")
     real = P.build_registry([log_softmax])
     stale = {anchor: [(softmax, t) for _, t in entries] for anchor, entries in real.by_anchor.items()}

@@ -28,7 +28,12 @@ and dead equations found.
   dot_general; einsum writes q.k^T as one dot_general contracting the last dims. The swap goes into
   the product's dimension numbers (the transpose is then dead), so the matmul spelling of attention
   (nanoGPT's) meets the einsum templates.
-The program is re-traced through an interpreter that does all six (source info kept).
+- Softmaxes written by hand: `e = exp(x - max(x)); e / sum(e)` as jax.nn.softmax writes it (the
+  maximum taken with -inf, its gradient stopped), so its patterns (and attention's) see one
+  spelling. Only where nothing else reads the maximum, the exps or their sum: the softmax does not
+  change when its inputs shift together, so no gradient flows through the maximum and stopping it
+  changes nothing; `m + log(sum(exp(x - m)))` sharing them is another function.
+The program is re-traced through an interpreter that does all seven (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -158,6 +163,64 @@ def _note_transpose(eqn, producers: dict) -> None:
         producers[eqn.outvars[0]] = eqn
 
 
+def _only_reader(var, readers: dict, name: str | None = None):
+    """The one equation that reads `var` (of primitive `name`, if given), else None."""
+    found = readers.get(var, ())
+    if len(found) != 1 or (name and found[0].primitive.name != name):
+        return None
+    return found[0]
+
+
+def _through(var, readers: dict, names: set):
+    """(the value reached, the one equation reading it, the primitives passed) from var along its
+    only readers while they are of `names`."""
+    reader, passed = _only_reader(var, readers), []
+    while reader is not None and reader.primitive.name in names:
+        var, passed = reader.outvars[0], passed + [reader.primitive.name]
+        reader = _only_reader(var, readers)
+    return var, reader, passed
+
+
+def _hand_softmaxes(jaxpr) -> dict:
+    """{maximum: its broadcast (keepdims)} of the softmaxes written by hand in `jaxpr`: max(x) along
+    some axes, broadcast, subtracted from x, exp, divided by its own sum along those axes (converts
+    around the sum allowed, as jnp.sum of bf16 writes them), nothing else reading any of them."""
+    readers = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                readers.setdefault(v, []).append(eqn)
+    for v in jaxpr.outvars:
+        if not isinstance(v, Literal):
+            readers.setdefault(v, []).append(None)
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "reduce_max" or not jax.numpy.issubdtype(eqn.invars[0].aval.dtype, jax.numpy.floating):
+            continue
+        x, axes = eqn.invars[0], tuple(eqn.params["axes"])
+        keep = _only_reader(eqn.outvars[0], readers, "broadcast_in_dim")
+        shift = keep and _only_reader(keep.outvars[0], readers, "sub")
+        exp = shift and shift.invars == [x, keep.outvars[0]] and _only_reader(shift.outvars[0], readers, "exp")
+        if not exp or tuple(keep.outvars[0].aval.shape) != tuple(1 if i in axes else n
+                                                                for i, n in enumerate(x.aval.shape)):
+            continue
+        exps = readers.get(exp.outvars[0], [])
+        div = [r for r in exps if r is not None and r.primitive.name == "div" and r.invars[0] is exp.outvars[0]]
+        rest = [r for r in exps if r not in div]
+        if len(div) != 1 or len(rest) != 1 or rest[0] is None:
+            continue
+        total = rest[0]
+        if total.primitive.name == "convert_element_type":
+            total = _only_reader(total.outvars[0], readers)
+        if total is None or total.primitive.name != "reduce_sum" or tuple(total.params["axes"]) != axes:
+            continue
+        var, reader, passed = _through(total.outvars[0], readers, {"convert_element_type", "broadcast_in_dim"})
+        if reader is not div[0] or div[0].invars[1] is not var or passed.count("broadcast_in_dim") != 1:
+            continue
+        found[eqn.outvars[0]] = keep.outvars[0]
+    return found
+
+
 def _plain(value) -> bool:
     """Whether a param is plain data (so equal params mean the same computation), not a jaxpr or a
     function."""
@@ -189,7 +252,17 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
+    softmax_maxima = _hand_softmaxes(jaxpr)
+    kept_maxima = set(softmax_maxima.values())
     for eqn in jaxpr.eqns:
+        if eqn.outvars and eqn.outvars[0] in softmax_maxima:
+            env[eqn.outvars[0]] = jax.numpy.max(read(eqn.invars[0]), axis=tuple(eqn.params["axes"]),
+                                                initial=-np.inf)  # (jax.nn.softmax's spelling)
+            continue
+        if eqn.outvars and eqn.outvars[0] in kept_maxima:
+            env[eqn.outvars[0]] = jax.lax.stop_gradient(bind_equation(eqn, [read(v) for v in eqn.invars],
+                                                                      source_info=source_info)[0])
+            continue
         squared = _squared(eqn)
         if squared is not None:
             eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
@@ -222,6 +295,8 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
+    if _hand_softmaxes(jaxpr):
+        return True
     keys, filled, iotas, transposes, read_vars = set(), {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         if (_inlined_body(eqn, read_vars) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)

@@ -1,7 +1,8 @@
 """Softmax and log-softmax, in the ways people write them, replaced by xkern.ops (log_)softmax.
 
-Variants: jax.nn's functions; hand-written with the max subtracted, and without it (the kernel
-subtracts the max anyway, so it agrees wherever the original does not overflow); log-softmax through
+Variants: jax.nn's functions (a softmax written by hand with the max subtracted is spelled as
+jax.nn.softmax by canonicalize), and without the max subtracted (the kernel subtracts the max
+anyway, so it agrees wherever the original does not overflow); log-softmax written by hand, through
 logsumexp; each also on a half-precision input upcast to float32, with or without a cast back (the
 kernels compute in float32 and read the half-precision input directly: no float32 copy).
 """
@@ -19,11 +20,6 @@ HALF = (jnp.bfloat16, jnp.float16)
 
 def softmax_jax_nn(x, axis):
     return jax.nn.softmax(x, axis=axis)
-
-
-def softmax_shifted(x, axis):
-    e = jnp.exp(x - jnp.max(x, axis=axis, keepdims=True))
-    return e / jnp.sum(e, axis=axis, keepdims=True)
 
 
 def softmax_unshifted(x, axis):
@@ -78,13 +74,9 @@ def _pattern(name, op, fn, dtypes, out_dtype=None):
 
 PATTERNS = [
     _pattern("softmax/jax.nn.softmax", "softmax", softmax_jax_nn, ALL),
-    _pattern("softmax/exp(x-max)/sum", "softmax", softmax_shifted, ALL),
     _pattern("softmax/exp(x)/sum", "softmax", softmax_unshifted, ALL),
     _pattern("softmax/jax.nn.softmax+upcast", "softmax", upcast(softmax_jax_nn), HALF),
-    _pattern("softmax/exp(x-max)/sum+upcast", "softmax", upcast(softmax_shifted), HALF),
     _pattern("softmax/jax.nn.softmax(float32)", "softmax", upcast(softmax_jax_nn, False), HALF,
-             jnp.float32),
-    _pattern("softmax/exp(x-max)/sum(float32)", "softmax", upcast(softmax_shifted, False), HALF,
              jnp.float32),
     _pattern("log_softmax/jax.nn.log_softmax", "log_softmax", log_softmax_jax_nn, ALL),
     _pattern("log_softmax/x-max-log(sum)", "log_softmax", log_softmax_shifted, ALL),
