@@ -750,6 +750,37 @@ def test_alibi_a_constant_bias_with_a_causal_mask_is_found():
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("form", ["a course's mask: - 1e6 * triu(ones, 1)", "ALiBi: - slope * distance, causal",
+                                  "a learned bias, subtracted"])
+def test_a_subtracted_bias_is_found(form):
+    """scores - bias, the bias subtracted rather than added: a mask as some courses write it (bf16,
+    unscaled), ALiBi's negative distances, a learned bias (its gradient too, by XLA): the bias kernels
+    with the bias negated, jax.jit's values and gradients."""
+    q, k, v, do = make(2, 20, 20, 4, 4, 16, jnp.bfloat16, seed=47)
+    learned = jnp.asarray(np.random.default_rng(47).normal(size=(1, 4, 20, 20)), jnp.float32)
+
+    def f(q, k, v, learned):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        if form.startswith("a course"):
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores - 1e6 * jnp.triu(jnp.ones((20, 20), q.dtype), 1)), v)
+        slopes = jnp.asarray([2 ** (-8 * (i + 1) / 4) for i in range(4)], jnp.float32)
+        distance = jnp.abs(jnp.arange(20)[None, :] - jnp.arange(20)[:, None]).astype(jnp.float32)
+        bias = (slopes[:, None, None] * distance)[None] if form.startswith("ALiBi") else learned
+        scores = scores / math.sqrt(16) - bias
+        if form.startswith("ALiBi"):
+            scores = jnp.where(jnp.tril(jnp.ones((20, 20), bool)), scores, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+    [match] = xkern.explain(f)(q, k, v, learned).matches
+    assert match.pattern.startswith("attention/einsum[bshd]") and ("-bias" in match.pattern or "-float32 bias" in match.pattern)
+    assert ("+causal" in match.pattern) == form.startswith("ALiBi")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, learned), jax.jit(f)(*f32, learned), jnp.bfloat16)
+    loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2, 3)))(q, k, v, learned)
+    for g, w in zip(got, jax.grad(loss(f), (0, 1, 2, 3))(*f32, learned)):
+        close(g, w, jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

@@ -272,6 +272,13 @@ def test_what_cannot_be_fused_stays_with_xla():
     with jax.enable_x64(True):
         x64 = jnp.ones((4, 8), jnp.float64)
         assert fused_kernels(lambda x: jnp.exp(x) * 2 + 1, x64) == []
+    # Computed from constants alone (iotas, a broadcast 1.0: a mask, scaled, into a product): XLA
+    # folds it, or fuses it into its users
+    made = lambda x: x @ (1e6 * jnp.triu(jnp.ones((8, 8)), 1) + 2.0) + jnp.tanh(x) * 2
+    report = xkern.explain(made)(x)
+    assert report.matches and len(report.declined) == 1, report
+    assert report.declined[0].reason.startswith("computed from constants alone")
+    np.testing.assert_allclose(xkern.jit(made)(x), jax.jit(made)(x), rtol=1e-6)
 
 
 @pytest.mark.cost_model

@@ -180,7 +180,7 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
             scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False,
-            hidden: bool = False):
+            hidden: bool = False, subtracted: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -196,7 +196,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     q's dtype): the einsum promotes, and the result is float32. sinks: gpt-oss's attention sinks, a
     column of logits (the last input, [b, h, q, 1] in the softmax's dtype) joined to the masked
     scores for the softmax and dropped from its result. hidden: the mask marks the keys hidden, not
-    those seen (nanoGPT's where(tril == 0, -inf, scores))."""
+    those seen (nanoGPT's where(tril == 0, -inf, scores)). subtracted: the bias is subtracted
+    (`scores - 1e6 * triu(ones, 1)`, a mask as some courses write it; ALiBi's `- slope * distance`)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -249,7 +250,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
         if softcap:
             scores = jnp.tanh(scores / params["cap"]) * params["cap"]
         if bias:
-            scores = scores + extras[0]
+            scores = scores - extras[0] if subtracted else scores + extras[0]
         if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
             scores = jnp.where(jnp.expand_dims(extras[-1], -2), scores, params["fill"])
         elif mask and hidden:
@@ -269,11 +270,11 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
-    fn.float32_out, fn.upcast, fn.hidden = float32_out, upcast, hidden
+    fn.float32_out, fn.upcast, fn.hidden, fn.subtracted = float32_out, upcast, hidden, subtracted
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else '(unscaled)' if scaling == UNSCALED else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
-                   f"{('+float32 bias' if float32_bias else '+bias') + bias if bias else ''}"
+                   f"{('-' if subtracted else '+') + ('float32 bias' if float32_bias else 'bias') + bias if bias else ''}"
                    f"{('+hidden mask' if hidden else '+mask') + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
                    f"{'+float32 out' if float32_out else ''}"
@@ -544,6 +545,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
+        if bias is not None and getattr(fn, "subtracted", False):
+            bias = -bias
         hidden_by_bias = extras[0] == 0 if bias_kind == "mask" and mask_kind is None else None
         if scaling in (*ARRAY_SCALINGS, ROW_SCALING):
             pass
@@ -592,7 +595,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 
     def facts_of(match) -> dict:
         facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask else
-                 _bias_facts(match) if with_bias else {})
+                 _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False) else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
@@ -649,6 +652,12 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF i
 # A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling,
 # then a causal -inf where or not.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)
+                      HALF if upcast or not f32 else ALL, layout=layout, causal=causal, with_bias=bias,
+                      shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
+             for f32 in (True, False) for scaling in NUMBER_SCALINGS for causal in (False, True)]
+# The same bias subtracted: a mask written `scores - 1e6 * triu(ones, 1)` (taken as the bias it is).
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float32_bias=f32, subtracted=True),
                       HALF if upcast or not f32 else ALL, layout=layout, causal=causal, with_bias=bias,
                       shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES

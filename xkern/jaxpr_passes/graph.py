@@ -45,14 +45,11 @@ class Graph:
         return var in self.outvars or any(c not in inside for c in self.consumers.get(var, ()))
 
 
-def constant_value(graph: Graph, var, max_elements: int):
-    """`var`'s value (a concrete jax array, on the default device) if the program computes it from
-    literals and constants alone (a causal mask built from iota, say), evaluated now; None if it
-    reads a program input, has more than `max_elements` elements, or goes through an equation with
-    effects, or reads a constant that is a tracer of an enclosing trace (a value of the outer
-    program, unknown now). Read it under jax.ensure_compile_time_eval() while tracing."""
-    if int(np.prod(var.aval.shape, dtype=np.int64)) > max_elements:
-        return None
+def constant_equations(graph: Graph, var) -> list[int] | None:
+    """The equations, in order, by which the program computes `var` from literals and constants
+    alone (a causal mask built from iota, say); None if it reads a program input, goes through an
+    equation with effects, or reads a constant that is a tracer of an enclosing trace (a value of
+    the outer program, unknown now)."""
     order: list[int] = []
 
     def computable(v) -> bool:
@@ -70,8 +67,17 @@ def constant_value(graph: Graph, var, max_elements: int):
             return False
         order.append(i)
         return True
+    return order if computable(var) else None
 
-    if not computable(var):
+
+def constant_value(graph: Graph, var, max_elements: int):
+    """`var`'s value (a concrete jax array, on the default device) if the program computes it from
+    literals and constants alone (constant_equations), evaluated now; None if not, or if it has
+    more than `max_elements` elements. Read it under jax.ensure_compile_time_eval() while tracing."""
+    if int(np.prod(var.aval.shape, dtype=np.int64)) > max_elements:
+        return None
+    order = constant_equations(graph, var)
+    if order is None:
         return None
     from xkern._compat import bind_equation
 

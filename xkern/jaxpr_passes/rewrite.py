@@ -18,7 +18,7 @@ from xkern import _compat
 from xkern.fusion import grouping
 from xkern.kernels import generated
 from xkern.jaxpr_passes.canonicalize import bind_equation, canonicalize, live_equations
-from xkern.jaxpr_passes.graph import Graph, aval_bytes
+from xkern.jaxpr_passes.graph import Graph, aval_bytes, constant_equations
 from xkern.jaxpr_passes.patterns import (Match, anchor_fits, anchor_signature, registry, retrace, same_constants,
                                         template_constants, unify)
 
@@ -526,7 +526,8 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     groups, _ = grouping.find_groups(graph, plan.live, claimed)
     for g in groups:
         last = graph.eqns[g.eqns[-1]]
-        if not g.inputs:  # (iotas, a count as a sum of ones): nothing to read, so nothing to save
+        if all(constant_equations(graph, v) is not None for v, _ in g.inputs):  # (iotas, a count as a sum of
+            # ones, a mask from a broadcast of 1.0): nothing the program is given, so nothing to save
             plan.declined.append(Declined(f"generated/{len(g.eqns)} ops{role}", location(last), CONSTANT_GROUP,
                                           g.eqns[-1]))
             continue
