@@ -781,6 +781,36 @@ def test_a_subtracted_bias_is_found(form):
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("form", ["causal by tril, finite fill", "causal by triu, hidden", "unmasked, /sqrt(d)"])
+def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
+    """PaLM's multi-query attention: q [b, h, s, d] scaled, k and v [b, s, d] ("bhid,bjd->bhij"), a
+    causal mask of the keys seen (filled with -finfo.max) or hidden (triu), softmax, "bhij,bjd->bhid":
+    the kernels with one k/v head; jax.jit's values and gradients (dk, dv summed over the heads)."""
+    q, k, v, do = make(2, 20, 20, 4, 1, 16, jnp.bfloat16, seed=48)
+    q, do = q.transpose(0, 2, 1, 3), do.transpose(0, 2, 1, 3)
+    k, v = k[:, :, 0], v[:, :, 0]
+
+    def f(q, k, v):
+        if form.startswith("unmasked"):
+            sim = jnp.einsum("bhid,bjd->bhij", q, k) / jnp.sqrt(16).astype(q.dtype)
+        else:
+            sim = jnp.einsum("bhid,bjd->bhij", q * 16 ** -0.5, k)
+        if "tril" in form:
+            sim = jnp.where(jnp.tril(jnp.ones((20, 20), bool)), sim, -jnp.finfo(sim.dtype).max)
+        elif "triu" in form:
+            sim = jnp.where(jnp.triu(jnp.ones((20, 20), bool), 1), -jnp.finfo(sim.dtype).max, sim)
+        return jnp.einsum("bhij,bjd->bhid", jax.nn.softmax(sim, axis=-1), v)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bhsd,mqa]")
+    assert (match.params.get("mask_kind") == "causal") != form.startswith("unmasked")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        assert g.shape == w.shape
+        close(g, w, jnp.bfloat16)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,

@@ -175,6 +175,9 @@ def _causal(scores, layout="bshd"):
 # ("float32 q, k", t5x's float32_logits). The last three softmax in float32 and cast the
 # probabilities back to q's dtype.
 SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q, k")
+# Multi-query attention with k and v of no heads dim ([b, k, d]; PaLM's einsum "bhid,bjd->bhij"),
+# q [b, h, q, d]: the kernels take one k/v head.
+MQA = "bhsd,mqa"
 
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
@@ -199,6 +202,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     those seen (nanoGPT's where(tril == 0, -inf, scores)). subtracted: the bias is subtracted
     (`scores - 1e6 * triu(ones, 1)`, a mask as some courses write it; ALiBi's `- slope * distance`)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
+              "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
     def qk_einsum(q, k, **kw):  # Gemma's GQA: q's heads grouped by k/v head, scores [b, q, heads, k]
@@ -332,9 +336,10 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
         q, k, v = match.input_avals[:3]
         if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
             return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
-        if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-            return "not 4-D q, k, v"
-        d, heads, kv_heads = q.shape[3], q.shape[1 if layout == "bhsd" else 2], k.shape[1 if layout == "bhsd" else 2]
+        if q.ndim != 4 or k.ndim != (3 if layout == MQA else 4) or k.shape != v.shape:
+            return "not 4-D q, k, v" if layout != MQA else "not 4-D q and 3-D k, v"
+        heads_dim = 1 if layout.startswith("bhsd") else 2
+        d, heads, kv_heads = q.shape[3], q.shape[heads_dim], 1 if layout == MQA else k.shape[heads_dim]
         if d > kernels.MAX_HEAD_DIM:
             return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
         if kv_heads == 0 or heads % kv_heads:
@@ -509,8 +514,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 
     def example(dtype):
         q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
-        kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if getattr(fn, "grouped", False) else (2, 8, 4, 16), dtype)
-        b, s, h = (2, 4, 8) if layout == "bhsd" else (2, 8, 4)
+        kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if getattr(fn, "grouped", False) else (2, 4, 16) if layout == MQA
+                                  else (2, 8, 4, 16), dtype)
+        b, s, h = (2, 4, 8) if layout.startswith("bhsd") else (2, 8, 4)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
         bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
                                      jnp.float32 if float32_bias else dtype),) if with_bias else ()
@@ -558,7 +564,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             scale = 1 / math.sqrt(q.shape[-1])
         elif scaling == "/divisor":
             scale = 1 / scale
-        if layout == "bhsd":
+        if layout == MQA:  # k, v [b, k, d]: one k/v head
+            q, k, v = q.transpose(0, 2, 1, 3), k[:, :, None], v[:, :, None]
+        elif layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
         if mask is not None and getattr(fn, "hidden", False) and mask_kind is None:
@@ -584,7 +592,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
-        return out.transpose(0, 2, 1, 3) if layout == "bhsd" else out
+        return out.transpose(0, 2, 1, 3) if layout.startswith("bhsd") else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
                       **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
@@ -614,8 +622,9 @@ def _split_dims(layout: str):
     """The dims of each input the kernels split across devices: batch and heads (kernels/attention's
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
     where the scores are ordered so)."""
-    heads = 1 if layout == "bhsd" else 2
-    return lambda i: {0, heads} if i < 3 else {0, 2 if layout.startswith("bqhk") else 1}
+    heads = 1 if layout.startswith("bhsd") else 2
+    return lambda i: ({0} if layout == MQA and i in (1, 2) else {0, heads} if i < 3
+                      else {0, 2 if layout.startswith("bqhk") else 1})
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -634,20 +643,20 @@ PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causa
              for causal in (False, True)]  # (the same template with one k/v head per q head)
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
-             for layout in ("bshd", "bhsd") for causal in (False, True) for upcast in (False, True)
+             for layout in ("bshd", "bhsd", MQA) for causal in (False, True) for upcast in (False, True)
              for scaling in NUMBER_SCALINGS]
 # A mask of the keys hidden, applied as where(hidden, fill, scores) (nanoGPT's `tril == 0`).
 PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=True), HALF if upcast else ALL,
                       layout=layout, with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling,
                       params=scaling in ("*scale", "/divisor"))
-             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
+             for layout in ("bshd", "bhsd", MQA) for upcast in (False, True) for mask in SCORE_SHAPES
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 # By hand with a boolean mask (a where with a large negative fill: a constant tril is read as causal)
 # or an additive bias, scaled by a number (the common spellings; each combination is a template, so
 # not every one is listed). A mask, as Llama ports write it, also after dividing by sqrt(head dim).
 PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF if upcast else ALL, layout=layout,
                       with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
-             for layout in ("bshd", "bhsd") for upcast in (False, True) for mask in SCORE_SHAPES
+             for layout in ("bshd", "bhsd", MQA) for upcast in (False, True) for mask in SCORE_SHAPES
              for scaling in ("*scale", "/divisor", "/sqrt(d)")]
 # A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling,
 # then a causal -inf where or not.
@@ -684,6 +693,14 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", sc
              for causal, mask in ((False, None), (True, None), *((False, m) for m in SCORE_SHAPES))
              for upcast in ((False, True) if scores == "scaled q" else (True,))
              if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
+# Multi-query attention with q scaled first (PaLM's: `q * scale`, then "bhid,bjd->bhij"), causal or
+# with a mask of the keys seen or hidden.
+PATTERNS += [_pattern(by_hand(MQA, causal, upcast, scaling, mask=mask, scores="scaled q", hidden=hidden),
+                      HALF if upcast else ALL, layout=MQA, causal=causal, with_mask=mask, fill=bool(mask),
+                      shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
+             for scaling in ("*scale", "/sqrt(d)") for upcast in (False, True)
+             for causal, mask, hidden in ((False, None, False), (True, None, False), (False, "(broadcast)", False),
+                                          (False, "(broadcast)", True))]
 
 # Gemma's (the gemma library): q scaled by a number, scores [b, q, heads, k] (with grouped k/v heads:
 # q reshaped to [b, q, kv heads, group, d]), its [b, q, k] mask applied with a finite fill, softmax
