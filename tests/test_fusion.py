@@ -278,6 +278,10 @@ def test_what_cannot_be_fused_stays_with_xla():
     report = xkern.explain(made)(x)
     assert report.matches and len(report.declined) == 1, report
     assert report.declined[0].reason.startswith("computed from constants alone")
+    table = jnp.linspace(0.0, 1.0, 8)  # a closed-over array: a constant of the program too
+    made = lambda x: x @ (jnp.exp(table)[:, None] * 3 + 1) + jnp.tanh(x) * 2
+    assert [d.reason[:29] for d in xkern.explain(made)(x).declined] == ["computed from constants alone"]
+    np.testing.assert_allclose(xkern.jit(made)(x), jax.jit(made)(x), rtol=1e-6)
     np.testing.assert_allclose(xkern.jit(made)(x), jax.jit(made)(x), rtol=1e-6)
 
 

@@ -499,7 +499,7 @@ CONSTANT_GROUP = "computed from constants alone: XLA folds it, or fuses it into 
 
 def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     """Generated kernels for the groups of equations no pattern took, where the cost model agrees."""
-    graph = Graph(plan.closed.jaxpr)
+    graph = Graph(plan.closed.jaxpr, plan.closed.consts)
     # A rewrite reads its inputs at its anchor: a group must give them as outputs even where their
     # only equation-consumer is one the match left in the program (an upcast shared with others).
     for anchor, rewrite in plan.rewrites.items():
