@@ -164,9 +164,10 @@ def _note_transpose(eqn, producers: dict) -> None:
 
 
 def _only_reader(var, readers: dict, name: str | None = None):
-    """The one equation that reads `var` (of primitive `name`, if given), else None."""
+    """The one equation that reads `var` (of primitive `name`, if given), else None (also where the
+    program's outputs, None in `readers`, are its only reader)."""
     found = readers.get(var, ())
-    if len(found) != 1 or (name and found[0].primitive.name != name):
+    if len(found) != 1 or found[0] is None or (name and found[0].primitive.name != name):
         return None
     return found[0]
 
