@@ -811,6 +811,67 @@ def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
         close(g, w, jnp.bfloat16)
 
 
+def _spelled(layout, scaling, mask, softmax, upcast, bias):
+    """Attention as a model might write it: einsum or matmuls, a scaling, a bias added or subtracted,
+    an upcast, a causal / padding / hidden-keys mask, jax.nn's softmax or one written out."""
+    def f(q, k, v, b, m):
+        if layout == "bhsd":
+            q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+            s = q @ k.swapaxes(-2, -1)
+        else:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        d = q.shape[-1]
+        s = {"*": lambda s: s * d ** -0.5, "/": lambda s: s / math.sqrt(d), "none": lambda s: s,
+             "/sqrt": lambda s: s / jnp.sqrt(d).astype(s.dtype)}[scaling](s)
+        s = s + b if bias == "+" else s - b if bias == "-" else s
+        s = s.astype(jnp.float32) if upcast else s
+        if mask == "causal":
+            s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        elif mask == "padding":
+            s = jnp.where(m, s, -1e9)
+        elif mask == "hidden":
+            s = jnp.where(~m, jnp.finfo(s.dtype).min, s)
+        if softmax == "jax.nn":
+            p = jax.nn.softmax(s, axis=-1)
+        else:
+            e = jnp.exp(s - s.max(-1, keepdims=True))
+            p = e / e.sum(-1, keepdims=True)
+        p = p.astype(v.dtype)
+        return p @ v if layout == "bhsd" else jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return f
+
+
+@settings(max_examples=6, deadline=None)
+@given(layout=st.sampled_from(["bshd", "bhsd"]), scaling=st.sampled_from(["*", "/", "none", "/sqrt"]),
+       mask=st.sampled_from(["none", "causal", "padding", "hidden"]), softmax=st.sampled_from(["jax.nn", "by hand"]),
+       upcast=st.booleans(), bias=st.sampled_from(["none", "+", "-"]), bf16=st.booleans(),
+       shape=st.sampled_from([(1, 5, 1, 8), (2, 16, 3, 16), (1, 33, 2, 8)]), seed=st.integers(0, 1 << 16))
+def test_random_attention_spellings_equal_jax_jit(layout, scaling, mask, softmax, upcast, bias, bf16, shape, seed):
+    """Whatever a spelling matches (or not), xkern.jit gives jax.jit's values and gradients: a
+    template that took a near-miss would show here."""
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    b, s, h, d = shape
+    q, k, v, do = make(b, s, s, h, h, d, dtype, seed=seed)
+    rng = np.random.default_rng(seed)
+    bias_array = jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.float32 if upcast else dtype)
+    seen = jnp.asarray(np.arange(s)[None, None, None, :] < rng.integers(1, s + 1, (b, 1, 1, 1)))
+    f = _spelled(layout, scaling, mask, softmax, upcast, bias)
+    if layout == "bhsd":  # (its output is [b, h, s, d])
+        do = do.transpose(0, 2, 1, 3)
+    args, f32 = (q, k, v, bias_array, seen), [a.astype(jnp.float32) for a in (q, k, v, bias_array)] + [seen]
+    loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * do.astype(jnp.float32)))
+    grads = lambda f: jax.grad(loss(f), (0, 1, 2, 3))
+    got = (xkern.jit(f)(*args), *jax.jit(grads(xkern.optimize(f)))(*args))
+    xla = (jax.jit(f)(*args), *jax.jit(grads(f))(*args))  # jax.jit in the inputs' dtype ...
+    for g, x, w in zip(got, xla, (jax.jit(f)(*f32), *jax.jit(grads(f))(*f32))):  # ... and in float32
+        # within the dtype's tolerance, or within twice jax.jit's own error (unscaled scores sharpen
+        # the softmax: bf16 gradients there are off by more than 2% in jax.jit too)
+        g, x, w = (np.asarray(a, np.float64) for a in (g, x, w))
+        bound = max(TOL[dtype] * max(np.abs(w).max(), 1.0), 2 * np.abs(x - w).max())
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w))
+        np.testing.assert_allclose(g, w, rtol=0, atol=bound)
+
+
 def _scores_bqhk(form):
     """Attention with its scores ordered [b, q, h, k] ("bqhd,bkhd->bqhk"), as Levanter's haliax and
     many hand-written models lay them out: q or the product scaled, a causal mask from iota or tril,
