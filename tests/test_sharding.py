@@ -345,3 +345,37 @@ def test_attention_over_a_sharded_sequence_is_left_to_xla(layout, spec, taken, m
                         if d.pattern.startswith("attention/"))
     np.testing.assert_allclose(np.asarray(jax.block_until_ready(xkern.jit(attend)(q, k, v)), np.float32),
                                np.asarray(attention(q, k, v), np.float32), rtol=3e-2, atol=3e-2)
+
+
+def _rms_norm(x, s):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
+
+
+@pytest.mark.parametrize("name, shape, spec, taken", [
+    ("layer norm, sequence parallel", (4, 8, 32), P("data", "model"), True),
+    ("rms norm per head, heads split", (4, 8, 4, 16), P("data", None, "model"), True),
+    ("layer norm, features split", (4, 8, 32), P(None, None, "model"), False)])
+def test_norms_split_along_the_sequence_or_heads(name, shape, spec, taken, mesh2d):
+    """x [b, s, d] sharded along its sequence too (sequence parallelism), a per-head norm's
+    [b, s, h, d] along its heads (tensor parallelism: QK-norm): the norm kernels split there as
+    well, so no device gathers anything (the scale's gradient: partial sums, then one all-reduce),
+    with jax.jit's values, gradients and shardings. Along the normalized dim: left to XLA."""
+    rng = np.random.default_rng(9)
+    x = jax.device_put(_normal(rng, shape), NamedSharding(mesh2d, spec))
+    scale, bias = _normal(rng, shape[-1:]), _normal(rng, shape[-1:])
+    norm = (lambda x, s, b: _rms_norm(x, s)) if "rms" in name else _layer_norm
+
+    def f(x, s, b):
+        return norm(jax.lax.with_sharding_constraint(x, NamedSharding(mesh2d, spec)), s, b)
+    report = xkern.explain(f)(x, scale, bias)
+    assert bool(report.kernels) == taken, report
+    if not taken:
+        assert any(f"sharded along its dim {len(shape) - 1}" in d.reason for d in report.declined)
+        return
+    ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+    got, want = jax.block_until_ready(ours(x, scale, bias)), jax.block_until_ready(theirs(x, scale, bias))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.spec == w.sharding.spec, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+    hlo = ours.lower(x, scale, bias).compile().as_text()
+    assert not any(c in hlo for c in ("all-gather", "all-to-all", "collective-permute")), name

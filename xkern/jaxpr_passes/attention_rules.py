@@ -623,8 +623,8 @@ def _split_dims(layout: str):
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
     where the scores are ordered so)."""
     heads = 1 if layout.startswith("bhsd") else 2
-    return lambda i: ({0} if layout == MQA and i in (1, 2) else {0, heads} if i < 3
-                      else {0, 2 if layout.startswith("bqhk") else 1})
+    return lambda i, ndim: ({0} if layout == MQA and i in (1, 2) else {0, heads} if i < 3
+                            else {0, 2 if layout.startswith("bqhk") else 1})
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)

@@ -171,7 +171,13 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
 
     return Pattern(name=name, op=op, fn=fn, dtypes=dtypes, example=example,
                    example_params={"eps": EXAMPLE_EPS}, params_of=_eps, check=_check, replace=replace,
-                   facts_of=_residual_sum, folds_residual_add=True)
+                   facts_of=_residual_sum, folds_residual_add=True, split_dims=_split_dims)
+
+
+def _split_dims(i: int, ndim: int) -> set:
+    """The dims the norm kernels split (kernels/norms._split): the first, and the one before the
+    normalized dim (a sequence, per-head norms' heads) of x and of a residual of 3 dims or more."""
+    return {0, ndim - 2} if ndim >= 3 else {0}
 
 
 def _rounds_params(fn, x, params, eps) -> bool:

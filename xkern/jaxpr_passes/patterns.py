@@ -73,10 +73,10 @@ class Pattern:
     # traced only for programs where that one is found, so a family built around many small
     # patterns costs start-up time only for the few a program holds.
     extends: str | None = None
-    # The dims of input i that its kernels split across devices (kernels/partition.py), in a program
-    # that shards them: where the program constrains another dim to be sharded, the match is left
-    # to XLA (rewrite.unsplit_sharding). None: the leading dim only.
-    split_dims: Callable[[int], set] | None = None
+    # The dims of input i (of ndim dims) that its kernels split across devices (kernels/partition.py),
+    # in a program that shards them: where the program constrains another dim to be sharded, the
+    # match is left to XLA (rewrite.unsplit_sharding). None: the leading dim only.
+    split_dims: Callable[[int, int], set] | None = None
 
 
 @dataclasses.dataclass

@@ -16,6 +16,7 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Literal, Var
 
 from xkern import _compat
 from xkern.fusion import grouping
+from xkern.fusion.lowering import ELEMENTWISE
 from xkern.kernels import generated
 from xkern.jaxpr_passes.canonicalize import bind_equation, canonicalize, live_equations
 from xkern.jaxpr_passes.graph import Graph, aval_bytes, constant_equations
@@ -194,7 +195,7 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
                  if c in live] + (["output"] if out in match.graph.outvars else [])
     params = {**params, **pattern.facts_of(match)}
     reason = pattern.check(match, params) or unsplit_sharding(match.graph, match.inputs,
-                                                              pattern.split_dims or (lambda i: {0}))
+                                                              pattern.split_dims or (lambda i, ndim: {0}))
     if reason:
         return None, reason, False
     reason = cost(pattern.op, match.input_avals, params, backend, consumers)
@@ -206,7 +207,7 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
     (with_sharding_constraint) to be sharded along a dim its kernels do not split (partition.py:
     the leading dim; attention's heads too): each device would gather it and compute the whole,
     where XLA computes in parallel (a vocabulary sharded under the loss, a sequence under a norm).
-    splits(i): the dims of input i that may be sharded."""
+    splits(i, ndim): the dims of input i (of ndim dims) that may be sharded."""
     for i, v in enumerate(inputs):
         eqn = _constraint_of(graph, v)
         sharding = eqn.params.get("sharding") if eqn is not None else None
@@ -215,7 +216,7 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
             continue
         for d, axes in enumerate(spec):
             axes = (axes,) if isinstance(axes, str) else axes
-            if not isinstance(axes, tuple) or d in splits(i):
+            if not isinstance(axes, tuple) or d in splits(i, v.aval.ndim):
                 continue
             if math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
                 return (f"an input is sharded along its dim {d} over mesh axes {axes} "
@@ -224,17 +225,19 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
     return None
 
 
-def _constraint_of(graph: Graph, v):
-    """The with_sharding_constraint equation giving v, through a cast after it; or None."""
-    for _ in range(2):
+def _constraint_of(graph: Graph, v, depth: int = 8):
+    """The with_sharding_constraint equation giving v, through up to `depth` elementwise equations
+    after it (a cast; `x - mean`, whose result is sharded as x is), each followed back to its first
+    operand of its own shape; or None."""
+    for _ in range(depth + 1):
         if not isinstance(v, Var) or v not in graph.producer:
             return None
         eqn = graph.eqns[graph.producer[v][0]]
         if eqn.primitive.name == "sharding_constraint":
             return eqn
-        if eqn.primitive.name != "convert_element_type":
+        if eqn.primitive.name not in ELEMENTWISE:
             return None
-        v = eqn.invars[0]
+        v = next((u for u in eqn.invars if isinstance(u, Var) and u.aval.shape == v.aval.shape), None)
     return None
 
 
@@ -532,7 +535,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
                                           g.eqns[-1]))
             continue
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], lambda i: {0}) or cost(
+        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], lambda i, ndim: {0}) or cost(
             "fused", [v.aval for v, _ in g.inputs],
             {"bytes": moved, "n_cols": g.n_cols, "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)},
             backend)

@@ -19,6 +19,7 @@ The math the kernels must match (float32 inside), per row of n values, h = x (+ 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -292,8 +293,13 @@ def _flags(rms, has_residual, has_scale, has_bias=None) -> dict:
     return flags if has_bias is None else {**flags, "HAS_BIAS": has_bias}
 
 
+def _rows(x) -> int:
+    """Rows of an array normalized over its last dim (the kernels read it as [rows, cols])."""
+    return math.prod(x.shape[:-1])
+
+
 def _launch_fwd(x2, r2, scale, bias, eps, *, rms, backend, config, out_dtype):
-    n_rows, n_cols = x2.shape
+    n_rows, n_cols = _rows(x2), x2.shape[-1]
     dummy = jnp.zeros((1,), jnp.float32)  # stands for an absent operand (the flag keeps it unread)
     outs = [jax.ShapeDtypeStruct(x2.shape, out_dtype),
             jax.ShapeDtypeStruct(x2.shape if r2 is not None else (1,), x2.dtype)]
@@ -321,7 +327,7 @@ def bwd_programs(rows: int, block_m: int, backend: str) -> int:
 
 
 def _launch_bwd(h2, dy2, dh_out2, scale, eps, *, rms, backend, config, segments=1):
-    n_rows, n_cols = h2.shape
+    n_rows, n_cols = _rows(h2), h2.shape[-1]
     rows_per_seg = n_rows // segments
     programs = bwd_programs(rows_per_seg, config["BLOCK_M"], backend)
     dummy = jnp.zeros((1,), jnp.float32)
@@ -390,48 +396,57 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
         x, r, scale, bias = (move(a, d) if i < 2 else a for i, (a, d) in enumerate(zip(args, dims)))
         if dims[2] is not None or dims[3] is not None:
             raise NotImplementedError("xkern norms: vmap over scale or bias is not supported")
-        rows, n_cols = x.shape[1], x.shape[2]
+        shape, n_cols = x.shape, x.shape[-1]
+        rows = _rows(x) // size
         folded_r = r.reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
         outs = _launch_fwd(x.reshape(size * rows, n_cols), folded_r,
                            scale if flags["HAS_SCALE"] else None, bias if flags["HAS_BIAS"] else None,
                            flags["EPS"], rms=rms, backend=backend, config=config,
                            out_dtype=out_shapes[0].dtype)
         y, h = outs
-        h = h.reshape(size, rows, n_cols) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
-        return [y.reshape(size, rows, n_cols), h], [0, 0]
+        h = h.reshape(shape) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
+        return [y.reshape(shape), h], [0, 0]
     h, dy, dh_out, scale = args
     if dims[3] is not None:
         raise NotImplementedError("xkern norms: vmap over scale is not supported")
     h, dy = move(h, dims[0]), move(dy, dims[1])
-    rows, n_cols = h.shape[1], h.shape[2]
+    shape, n_cols = h.shape, h.shape[-1]
+    rows = _rows(h) // size
     folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
     dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
                                     folded_dh, scale if flags["HAS_SCALE"] else None,
                                     flags["EPS"], rms=rms, backend=backend, config=config,
                                     segments=size)  # one segment per example
-    return [dh.reshape(size, rows, n_cols), dscale.reshape(size, -1, n_cols),
+    return [dh.reshape(shape), dscale.reshape(size, -1, n_cols),
             dbias.reshape(size, -1, n_cols)], [0] * 3
 
 
 def _split(params) -> L.Split:
     """Rows split across devices; scale and bias are shared, and the backward's scale/bias partial
     sums are SUMMED (jnp.sum reads them). A backward in segments (one per vmapped example) runs
-    whole: its partials are summed per segment."""
+    whole: its partials are summed per segment. A 3-D launch ([batch, sequence, cols], _norm's
+    view of x) also splits along dim 1 (sequence parallelism; per-head norms' heads), the "heads"
+    split of launch.Split."""
     flags, fwd = dict(params["constexprs"]), params["kernel"].endswith("_fwd")
     residual = L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED
+    along = 1 if len(params["out_shapes"][0].shape) == 3 else None  # (y's / dh's shape is x's)
+    opt_along = along if flags["HAS_RESIDUAL"] else None
+    seconds = lambda *dims: dict(heads_args=dims, heads_fits=lambda parts: True) if along else {}
     opt = lambda a, flag: a if flags[flag] else None
     if fwd:
         def relaunch(x, r, scale, bias, **_):
             return _launch_fwd(x, opt(r, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), opt(bias, "HAS_BIAS"),
                                flags["EPS"], rms=flags["RMS"], backend=params["backend"],
                                config=params["config"], out_dtype=params["out_shapes"][0].dtype)
-        return L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch)
+        return L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch,
+                       **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}))
 
     def relaunch(h, dy, dh_out, scale, **_):
         return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
                            rms=flags["RMS"], backend=params["backend"], config=params["config"])
     return L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
-                   fits=lambda parts: params["grid"][1] == 1)
+                   fits=lambda parts: params["grid"][1] == 1, **seconds(along, along, opt_along, None),
+                   **({"heads_outs": (along, None, None)} if along else {}))
 
 
 for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):
@@ -483,9 +498,13 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     n_cols = x.shape[-1]
     if backend == "xla" or x.size == 0 or n_cols > MAX_COLS:
         return reference(x, scale, bias, eps, residual, rms, out_dtype)
-    x2 = jnp.asarray(x).reshape(-1, n_cols)
-    r2 = None if residual is None else jnp.asarray(residual).reshape(-1, n_cols)
-    configs = [default_config(x2.shape[0], n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
+    # Launched on [rows, cols], or on [batch, sequence, cols] (leading dims merged into the first),
+    # which a mesh may shard along either of its first two dims (_split): merged into one, a
+    # sequence sharded under a batch could not stay sharded.
+    view = (-1, n_cols) if x.ndim < 3 else (-1, x.shape[-2], n_cols)
+    x2 = jnp.asarray(x).reshape(view)
+    r2 = None if residual is None else jnp.asarray(residual).reshape(view)
+    configs = [default_config(_rows(x2), n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
     outs = _norm_rows(x2, r2, scale, bias, eps, rms, backend, *configs, out_dtype)
     y = outs[0].reshape(x.shape)
     return y if residual is None else (y, outs[1].reshape(x.shape))

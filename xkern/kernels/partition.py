@@ -149,7 +149,7 @@ def _partition(mesh, arg_shapes, result_shape, *, params, rule):
         if not axes and not heads:
             return _whole(*local, params=params)
         outs = split.relaunch(*local, **params)
-        return [_summed(o, s.shape[0], axes) if role == L.SUMMED and axes else o
+        return [_summed(o, s.shape[0], axes + heads) if role == L.SUMMED and (axes or heads) else o
                 for o, s, role in zip(outs, out_shapes, split.outs)]
 
     arg_shardings, out_shardings = _shardings(mesh, split, axes, heads, out_shapes)
