@@ -52,8 +52,10 @@ def child(variant: str, shapes: list[str]) -> list[dict]:
         def make(key, shape=(b, s, h, d)):
             return tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key, 4))
         q, k, v, _ = make(jax.random.key(0))
-        ref = jax.nn.dot_product_attention(*(x[:1].astype(jnp.float32) for x in (q, k, v)), is_causal=causal)
-        error32 = {name: float(jnp.max(jnp.abs(jax.jit(fn, static_argnums=3)(q, k, v, causal)[:1] - ref)))
+        # (against float32 on the first batch entry's first 4 heads: at s16384 all 32 heads' float32
+        # scores would take 32 GiB)
+        ref = jax.nn.dot_product_attention(*(x[:1, :, :4].astype(jnp.float32) for x in (q, k, v)), is_causal=causal)
+        error32 = {name: float(jnp.max(jnp.abs(jax.jit(fn, static_argnums=3)(q, k, v, causal)[:1, :, :4] - ref)))
                    for name, fn in (("xkern", ours), ("cudnn", cudnn))}
         flops = 4 * b * h * s * s * d // (2 if causal else 1)
         for mode in ("fwd", "fwd+bwd"):
