@@ -82,8 +82,13 @@ FWD_EXP2 = 0
 BWD_EXP2 = 0
 # The forward's two consumers take turns to issue their products (FlashAttention-3's ping-pong
 # scheduling, by a pair of mbarriers): without it both issue as soon as their data is in, and their
-# softmaxes tend to run at the same time, leaving the tensor cores idle meanwhile.
-FWD_PINGPONG = 0  # (1 not yet measured on the H200)
+# softmaxes tend to run at the same time, leaving the tensor cores idle meanwhile. H200, same run
+# (h200-attention-pingpong-sweep-session39.json): b4 s4096 h32 d128 forward 603 TFLOP/s against 582
+# without (cuDNN 582-583), forward+backward 532 against 527; causal it lost (505 against 522, b1
+# s16384 593 against 607, d256 598 against 618): the causal blocks' imbalance between the two
+# consumers (the diagonal's masked steps) makes one wait for the other's turn. So: unmasked, at
+# head dim 128 (256 unmeasured), where FWD_PINGPONG is 1.
+FWD_PINGPONG = 1
 EXP2_PACK = gl.constexpr(4)
 _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
 
@@ -355,10 +360,11 @@ def fwd(q_ptr, k_ptr, v_ptr, sink_ptr, sq, sk, o_ptr, lse_ptr,
 fwd.xkern_maxnreg = MAXNREG  # read by launch.gluon_module and aot.compile_kernel
 
 
-def config(head_dim: int = HEAD_DIM) -> L.Config:
+def config(head_dim: int = HEAD_DIM, causal: bool = False) -> L.Config:
     """The forward's config at `head_dim` (GLUON marks it for attention._launch_fwd)."""
+    pingpong = FWD_PINGPONG if head_dim == 128 and not causal else 0
     return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N[head_dim], BLOCK_D=head_dim, STAGES=STAGES, GLUON=1,
-                       EXP2=FWD_EXP2, PINGPONG=FWD_PINGPONG, num_warps=4, num_stages=STAGES)
+                       EXP2=FWD_EXP2, PINGPONG=pingpong, num_warps=4, num_stages=STAGES)
 
 
 def applies(head_dim: int, itemsize: int, unmasked_keys: int, causal_square: int, capped: bool) -> bool:
@@ -378,7 +384,7 @@ def launch_fwd(q, k, v, sinks, out_dtype, consts: dict, backend: str):
     b, sq, heads, _ = q.shape
     outs = [jax.ShapeDtypeStruct(q.shape, out_dtype), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     sink = sinks if sinks is not None else jnp.zeros((1,), jnp.float32)
-    cfg = config(q.shape[-1])
+    cfg = config(q.shape[-1], bool(consts["CAUSAL"]))
     return L.launch(fwd, q, k, v, sink, sq, k.shape[1], kernel="attention_fwd", out_shapes=outs,
                     grid=(L.cdiv(sq, cfg["BLOCK_M"]), b * heads), config=cfg, backend=backend,
                     constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
