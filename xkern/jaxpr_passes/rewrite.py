@@ -407,6 +407,11 @@ def evaluate(plan: Plan, args, backend: str) -> list:
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
             inputs, residual = rewrite.inputs()
+            if _runs_as_written(rewrite, [read(v) for v in inputs]):
+                for j in sorted(rewrite.match.program_eqns):  # (all before the anchor, i, or it)
+                    e = jaxpr.eqns[j]
+                    env.update(zip(e.outvars, bind_equation(e, map(read, e.invars))))
+                continue
             replace = functools.partial(rewrite.match.pattern.replace, *map(read, inputs),
                                         backend=backend, **rewrite.params)
             with _compat.user_context(eqn.source_info):
@@ -424,6 +429,13 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             outs = bind_equation(eqn, map(read, eqn.invars))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
+
+
+def _runs_as_written(rewrite: Rewrite, values: list) -> bool:
+    """Whether this call of a rewrite runs its matched equations instead (Pattern.xla_when)."""
+    pattern = rewrite.match.pattern
+    return (pattern.xla_when is not None and rewrite.residual_add is None and not pattern.ignores(rewrite.params)
+            and pattern.xla_when(values, rewrite.params))
 
 
 def _rebuilt(value, plans: list[Plan], backend: str):
