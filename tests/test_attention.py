@@ -663,6 +663,17 @@ def test_t5_attention_unscaled_with_a_learned_bias_is_found(scores_in):
     close(xkern.jit(unscaled)(q, k, v), jax.jit(unscaled)(*f32), jnp.bfloat16)
 
 
+def _equals_jax_jit_in_float32(f, q, k, v, do):
+    """xkern.jit(f) and the gradients of q, k, v through xkern.optimize (bf16) against jax.jit's in
+    float32."""
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
+        assert g.shape == w.shape
+        close(g, w, jnp.bfloat16)
+
+
 def test_attention_written_with_matmuls_is_found():
     """nanoGPT's spelling: q @ k.swapaxes(-2, -1) times 1 / sqrt(d), a causal tril applied with a
     -inf where, softmax, @ v ([b, h, s, d] arrays). The swap is folded into the product
@@ -675,11 +686,7 @@ def test_attention_written_with_matmuls_is_found():
         return jax.nn.softmax(att, axis=-1) @ v
     [match] = xkern.explain(f)(q, k, v).matches
     assert match.pattern.startswith("attention/einsum[bhsd]") and match.params.get("mask_kind") == "causal"
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
-    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
-    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
-        close(g, w, jnp.bfloat16)
+    _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
 @pytest.mark.parametrize("upcast", [False, True])
@@ -697,11 +704,7 @@ def test_attention_with_a_softmax_written_by_hand_is_found(upcast):
         return (e / jnp.sum(e, axis=-1, keepdims=True)).astype(q.dtype) @ v
     [match] = xkern.explain(f)(q, k, v).matches
     assert match.pattern.startswith("attention/einsum[bhsd]+causal")
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
-    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
-    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
-        close(g, w, jnp.bfloat16)
+    _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
 @pytest.mark.parametrize("form", ["nanoGPT's causal tril == 0", "padding hidden, -1e9"])
@@ -723,11 +726,7 @@ def test_masks_of_the_hidden_keys_are_found(form):
     [match] = xkern.explain(f)(q, k, v).matches
     assert match.pattern.startswith("attention/einsum[bhsd]+hidden mask")
     assert (match.params.get("mask_kind") == "causal") == form.startswith("nanoGPT")
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
-    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
-    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
-        close(g, w, jnp.bfloat16)
+    _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
 def test_alibi_a_constant_bias_with_a_causal_mask_is_found():
@@ -743,11 +742,7 @@ def test_alibi_a_constant_bias_with_a_causal_mask_is_found():
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
     [match] = xkern.explain(f)(q, k, v).matches
     assert match.pattern.startswith("attention/einsum[bshd]/divisor+causal+float32 bias")
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
-    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
-    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
-        close(g, w, jnp.bfloat16)
+    _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
 @pytest.mark.parametrize("form", ["a course's mask: - 1e6 * triu(ones, 1)", "ALiBi: - slope * distance, causal",
@@ -803,12 +798,7 @@ def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
     [match] = xkern.explain(f)(q, k, v).matches
     assert match.pattern.startswith("attention/einsum[bhsd,mqa]")
     assert (match.params.get("mask_kind") == "causal") != form.startswith("unmasked")
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v), jax.jit(f)(*f32), jnp.bfloat16)
-    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)))
-    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v), jax.grad(loss(f), (0, 1, 2))(*f32)):
-        assert g.shape == w.shape
-        close(g, w, jnp.bfloat16)
+    _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
 def test_a_learned_bias_trained_runs_as_written():
