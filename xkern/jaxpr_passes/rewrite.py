@@ -227,8 +227,8 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
 
 def _constraint_of(graph: Graph, v, depth: int = 8):
     """The with_sharding_constraint equation giving v, through up to `depth` elementwise equations
-    after it (a cast; `x - mean`, whose result is sharded as x is), each followed back to its first
-    operand of its own shape; or None."""
+    after it (a cast; `x - mean`, whose result is sharded as x is), each followed back to an operand
+    of its own shape (of its dtype, where one is); or None."""
     for _ in range(depth + 1):
         if not isinstance(v, Var) or v not in graph.producer:
             return None
@@ -237,7 +237,9 @@ def _constraint_of(graph: Graph, v, depth: int = 8):
             return eqn
         if eqn.primitive.name not in ELEMENTWISE:
             return None
-        v = next((u for u in eqn.invars if isinstance(u, Var) and u.aval.shape == v.aval.shape), None)
+        alike = [u for u in eqn.invars if isinstance(u, Var) and u.aval.shape == v.aval.shape]
+        v = next((u for u in alike if u.aval.dtype == v.aval.dtype), alike[0] if alike else None)  # (not a
+        # where's boolean mask: its values)
     return None
 
 
