@@ -87,8 +87,9 @@ BWD_EXP2 = 0
 # without (cuDNN 582-583), forward+backward 532 against 527; causal it lost (505 against 522, b1
 # s16384 593 against 607, d256 598 against 618): the causal blocks' imbalance between the two
 # consumers (the diagonal's masked steps) makes one wait for the other's turn. So: unmasked, at
-# head dim 128 (256 unmeasured), where FWD_PINGPONG is 1.
+# head dims up to FWD_PINGPONG_MAX_HEAD_DIM (256 unmeasured), where FWD_PINGPONG is 1.
 FWD_PINGPONG = 1
+FWD_PINGPONG_MAX_HEAD_DIM = 128
 EXP2_PACK = gl.constexpr(4)
 _EXP2_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 4))
 
@@ -362,7 +363,7 @@ fwd.xkern_maxnreg = MAXNREG  # read by launch.gluon_module and aot.compile_kerne
 
 def config(head_dim: int = HEAD_DIM, causal: bool = False) -> L.Config:
     """The forward's config at `head_dim` (GLUON marks it for attention._launch_fwd)."""
-    pingpong = FWD_PINGPONG if head_dim == 128 and not causal else 0
+    pingpong = FWD_PINGPONG if head_dim <= FWD_PINGPONG_MAX_HEAD_DIM and not causal else 0
     return L.Config.of(BLOCK_M=BLOCK_M, BLOCK_N=FWD_BLOCK_N[head_dim], BLOCK_D=head_dim, STAGES=STAGES, GLUON=1,
                        EXP2=FWD_EXP2, PINGPONG=pingpong, num_warps=4, num_stages=STAGES)
 
