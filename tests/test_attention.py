@@ -855,6 +855,31 @@ def _spelled(layout, scaling, mask, softmax, upcast, bias):
     return f
 
 
+@pytest.mark.parametrize("spelling, pattern", [
+    (("bshd", "*", "padding", "jax.nn", False, "+"), "attention/einsum[bshd]+bias(broadcast)+mask(broadcast)"),
+    (("bhsd", "/", "hidden", "by hand", False, "+"), "attention/einsum[bhsd]/divisor+bias(broadcast)+hidden mask"),
+    (("bshd", "/sqrt", "padding", "jax.nn", True, "none"), "attention/einsum[bshd]/sqrt(d)+mask"),
+    (("bhsd", "*", "causal", "by hand", True, "none"), "attention/einsum[bhsd]+causal+float32 softmax cast before"),
+    (("bshd", "none", "padding", "jax.nn", False, "none"), "attention/einsum[bshd](unscaled)+mask"),
+    (("bhsd", "none", "hidden", "jax.nn", True, "+"), "attention/einsum[bhsd](unscaled)+bias(broadcast)+hidden mask")])
+def test_masks_with_a_bias_after_a_cast_or_unscaled_are_found(spelling, pattern):
+    """Spellings the random test below found left to XLA: a bias and a mask together, the scores
+    cast to float32 before the mask (or the causal where), a mask on unscaled scores. Each is one
+    template now; the kernels give jax.jit's values and gradients (a bias in q's dtype, [1, h, q, k])."""
+    q, k, v, do = make(2, 12, 12, 3, 3, 16, jnp.bfloat16, seed=50)
+    rng = np.random.default_rng(50)
+    bias = jnp.asarray(rng.standard_normal((1, 3, 12, 12)), jnp.bfloat16)
+    seen = jnp.asarray(np.arange(12)[None, None, None, :] < np.array([12, 5])[:, None, None, None])
+    spelled = _spelled(*spelling)
+    layout = spelling[0]
+    if layout == "bhsd":  # (_spelled transposes q, k, v to [b, h, s, d] itself and returns that layout)
+        do = do.transpose(0, 2, 1, 3)
+    f = lambda q, k, v: spelled(q, k, v, bias, seen)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith(pattern), match.pattern
+    _equals_jax_jit_in_float32(f, q, k, v, do)
+
+
 @settings(max_examples=6, deadline=None)
 @given(layout=st.sampled_from(["bshd", "bhsd"]), scaling=st.sampled_from(["*", "/", "none", "/sqrt"]),
        mask=st.sampled_from(["none", "causal", "padding", "hidden"]), softmax=st.sampled_from(["jax.nn", "by hand"]),

@@ -208,6 +208,28 @@ def test_canonical_form_spells_a_softmax_written_by_hand_as_jax_nn_softmax():
     assert canonicalize(jax.make_jaxpr(lambda x: jnp.exp(x - jnp.max(x, -1, keepdims=True)))(x)).jaxpr.eqns[1].primitive.name != "max"
 
 
+def test_a_hand_written_softmax_no_kernel_takes_keeps_its_own_gradient():
+    """The canonical form stops the maximum's gradient (jax.nn.softmax's spelling); where nothing
+    replaces the softmax, it runs as written: in bf16 the maximum's gradient, zero in exact
+    arithmetic, keeps each row's gradient summing to zero, and jax.nn.softmax's spelling was 3x
+    further from float32 (an attention's as-written gradients, found by the random spellings test)."""
+    from xkern.jaxpr_passes.rewrite import empty_plan, evaluate
+
+    def by_hand(x):
+        e = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))
+        return e / jnp.sum(e, axis=-1, keepdims=True)
+    x = (rand((6, 33)) * 8).astype(jnp.bfloat16)
+    weights = rand((6, 33), seed=5)
+    plan = empty_plan(canonicalize(jax.make_jaxpr(by_hand)(x)))
+    assert "stop_gradient" in [e.primitive.name for e in plan.closed.jaxpr.eqns]
+    loss = lambda f: (lambda x: jnp.sum(f(x).astype(jnp.float32) * weights))
+    got = jax.jit(jax.grad(loss(lambda x: evaluate(plan, [x], "xla")[0])))(x)
+    want = jax.jit(jax.grad(loss(by_hand)))(x)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    stopped = jax.jit(jax.grad(loss(jax.nn.softmax)))(x)  # (what the canonical form alone would give)
+    assert not np.array_equal(np.asarray(stopped, np.float32), np.asarray(want, np.float32))
+
+
 def test_canonical_form_broadcasts_a_constant_once():
     """jax.vmap broadcasts a literal twice (to the example's shape, then over the batch), where the
     unmapped program broadcasts it once: the canonical form has the one broadcast, so patterns

@@ -184,7 +184,7 @@ MQA = "bhsd,mqa"
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
             scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False,
-            hidden: bool = False, subtracted: bool = False):
+            hidden: bool = False, subtracted: bool = False, upcast_first: bool = False):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -201,7 +201,9 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     column of logits (the last input, [b, h, q, 1] in the softmax's dtype) joined to the masked
     scores for the softmax and dropped from its result. hidden: the mask marks the keys hidden, not
     those seen (nanoGPT's where(tril == 0, -inf, scores)). subtracted: the bias is subtracted
-    (`scores - 1e6 * triu(ones, 1)`, a mask as some courses write it; ALiBi's `- slope * distance`)."""
+    (`scores - 1e6 * triu(ones, 1)`, a mask as some courses write it; ALiBi's `- slope * distance`).
+    upcast_first (with `upcast`): the scores are cast to float32 before the mask and the causal where,
+    not after them (the fill is then a float32 literal)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
@@ -256,6 +258,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores = jnp.tanh(scores / params["cap"]) * params["cap"]
         if bias:
             scores = scores - extras[0] if subtracted else scores + extras[0]
+        if upcast_first:
+            scores = scores.astype(jnp.float32)
         if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
             scores = jnp.where(jnp.expand_dims(extras[-1], -2), scores, params["fill"])
         elif mask and hidden:
@@ -264,7 +268,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores = jnp.where(extras[-1], scores, params["fill"])
         if causal:
             scores = _causal(scores, layout)
-        scores = scores.astype(jnp.float32) if upcast else scores
+        scores = scores.astype(jnp.float32) if upcast and not upcast_first else scores
         probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1) if sinks else scores, axis=-1)
         probs = probs[..., :-1] if sinks else probs
         if upcast and not float32_out:
@@ -282,6 +286,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
                    f"{('-' if subtracted else '+') + ('float32 bias' if float32_bias else 'bias') + bias if bias else ''}"
                    f"{('+hidden mask' if hidden else '+mask') + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
+                   f"{' cast before masking' if upcast_first else ''}"
                    f"{'+float32 out' if float32_out else ''}"
                    f"{'+dropout(' + dropout + ')' if dropout else ''}{'+sinks' if sinks else ''}")
     return fn
@@ -584,7 +589,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         banded = window or mask_kind == "window"  # a band can hide every key of a query
         # A query whose keys are all hidden averages every value under a finite fill, and under a
         # bias of finfo.min (an HF port's padding: XLA's scores there are all -3.4e38, equal)
-        average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or with_bias
+        average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or (with_bias and not with_mask)
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
                                 masked_rows="bias" if bias_kind else "average" if average else "zeros",
@@ -661,14 +666,31 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=
                       layout=layout, with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling,
                       params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd", MQA) for upcast in (False, True) for mask in SCORE_SHAPES
-             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
+             for scaling in NUMBER_SCALINGS]
 # By hand with a boolean mask (a where with a large negative fill: a constant tril is read as causal)
 # or an additive bias, scaled by a number (the common spellings; each combination is a template, so
 # not every one is listed). A mask, as Llama ports write it, also after dividing by sqrt(head dim).
 PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask), HALF if upcast else ALL, layout=layout,
-                      with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling, params=scaling != "/sqrt(d)")
+                      with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling,
+                      params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd", MQA) for upcast in (False, True) for mask in SCORE_SHAPES
-             for scaling in ("*scale", "/divisor", "/sqrt(d)")]
+             for scaling in NUMBER_SCALINGS]
+# The scores cast to float32 after scaling (and a bias), before the mask or the causal where.
+MASKINGS = ((True, None, False), *((False, mask, hidden) for mask in SCORE_SHAPES for hidden in (False, True)))
+PATTERNS += [_pattern(by_hand(layout, causal, True, scaling, mask=mask, hidden=hidden, upcast_first=True), HALF,
+                      layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES,
+                      scaling=scaling, params=scaling in ("*scale", "/divisor"))
+             for layout in ("bshd", "bhsd") for scaling in NUMBER_SCALINGS for causal, mask, hidden in MASKINGS]
+# A bias added, then a mask (of the keys seen or hidden): in q's dtype, or a float32 bias and
+# softmax, or a bias in q's dtype cast before the mask. (A bias broadcast to the scores, as ALiBi's
+# and a relative-position table's are; every template costs start-up time, so not every combination.)
+PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=hidden, bias="(broadcast)",
+                              float32_bias=upcast and not first, upcast_first=first),
+                      HALF if upcast else ALL, layout=layout, with_bias="(broadcast)", with_mask=mask, fill=True,
+                      shapes=SCORE_SHAPES, float32_bias=upcast and not first, scaling=scaling,
+                      params=scaling in ("*scale", "/divisor"))
+             for layout in ("bshd", "bhsd") for scaling in NUMBER_SCALINGS for _, mask, hidden in MASKINGS[1:]
+             for upcast, first in ((False, False), (True, False), (True, True))]
 # A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling,
 # then a causal -inf where or not.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)

@@ -412,7 +412,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             if _runs_as_written(rewrite, [read(v) for v in inputs]):
                 for j in sorted(rewrite.match.program_eqns):  # (all before the anchor, i, or it)
                     e = jaxpr.eqns[j]
-                    env.update(zip(e.outvars, bind_equation(e, map(read, e.invars))))
+                    env.update(zip(e.outvars, _compat.run_equation(e, list(map(read, e.invars)))))
                 continue
             replace = functools.partial(rewrite.match.pattern.replace, *map(read, inputs),
                                         backend=backend, **rewrite.params)
@@ -428,7 +428,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
                 params[name] = _rebuilt(eqn.params[name], plans, backend)
             outs = bind_equation(eqn, map(read, eqn.invars), params)
         else:
-            outs = bind_equation(eqn, map(read, eqn.invars))
+            outs = _compat.run_equation(eqn, list(map(read, eqn.invars)))
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
 

@@ -52,7 +52,7 @@ class Fused:
     def _evaluate(self, env: dict, eqns) -> list:
         read = lambda v: v.val if isinstance(v, Literal) else env[v]
         for eqn in eqns:
-            env[eqn.outvars[0]] = _compat.bind_equation(eqn, [read(v) for v in eqn.invars])[0]
+            env[eqn.outvars[0]] = _compat.run_equation(eqn, [read(v) for v in eqn.invars])[0]
         return [env[v] for v, _ in self.group.outputs]
 
     @functools.cached_property
