@@ -205,6 +205,12 @@ def test_canonical_form_spells_a_softmax_written_by_hand_as_jax_nn_softmax():
         assert canonicalize(kept) is kept                                                  # the outputs alone)
     in_bf16 = jax.make_jaxpr(by_hand)(x.astype(jnp.bfloat16))  # (jnp.sum's converts around the sum)
     assert "stop_gradient" in names(canonicalize(in_bf16))
+    sum_cast_first = lambda x: (lambda e: e / e.sum(-1)[..., None])(jnp.exp(x - x.max(-1)[..., None]))
+    for dtype in (jnp.bfloat16, jnp.float32):  # (in bf16, the sum is cast back before the broadcast)
+        canonical = canonicalize(jax.make_jaxpr(sum_cast_first)(x.astype(dtype)))
+        assert names(canonical) == names(jax.make_jaxpr(softmax)(x.astype(dtype)))
+        np.testing.assert_array_equal(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x.astype(dtype))[0],
+                                      sum_cast_first(x.astype(dtype)))
     assert canonicalize(jax.make_jaxpr(lambda x: jnp.exp(x - jnp.max(x, -1, keepdims=True)))(x)).jaxpr.eqns[1].primitive.name != "max"
 
 

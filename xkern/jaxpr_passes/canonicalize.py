@@ -182,10 +182,14 @@ def _through(var, readers: dict, names: set):
     return var, reader, passed
 
 
-def _hand_softmaxes(jaxpr) -> dict:
+def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
     """{maximum: its broadcast (keepdims)} of the softmaxes written by hand in `jaxpr`: max(x) along
     some axes, broadcast, subtracted from x, exp, divided by its own sum along those axes (converts
-    around the sum allowed, as jnp.sum of bf16 writes them), nothing else reading any of them."""
+    around the sum allowed, as jnp.sum of bf16 writes them), nothing else reading any of them.
+    swaps, filled here: {a sum cast back to the exps' dtype: the broadcast (keepdims) reading it},
+    where the cast comes first (`e / e.sum(-1)[..., None]` in bf16); jax.nn.softmax broadcasts
+    first. (Swapped, the same values and gradients: the broadcast only adds unit dims.)"""
+    swaps = {} if swaps is None else swaps
     readers = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
@@ -219,7 +223,11 @@ def _hand_softmaxes(jaxpr) -> dict:
         if reader is not div[0] or div[0].invars[1] is not var or passed.count("broadcast_in_dim") != 1:
             continue
         found[eqn.outvars[0]] = keep.outvars[0]
+        if passed == ["convert_element_type", "broadcast_in_dim"]:
+            convert = _only_reader(total.outvars[0], readers)
+            swaps[convert.outvars[0]] = _only_reader(convert.outvars[0], readers)
     return found
+
 
 
 def _plain(value) -> bool:
@@ -253,9 +261,17 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
-    softmax_maxima = _hand_softmaxes(jaxpr)
-    kept_maxima = set(softmax_maxima.values())
+    swaps = {}
+    softmax_maxima = _hand_softmaxes(jaxpr, swaps)
+    kept_maxima, swapped = set(softmax_maxima.values()), {id(b) for b in swaps.values()}
     for eqn in jaxpr.eqns:
+        if id(eqn) in swapped:  # (computed with the cast before it)
+            continue
+        if eqn.outvars and eqn.outvars[0] in swaps:  # broadcast first, then cast, as jax.nn.softmax
+            broadcast = swaps[eqn.outvars[0]]
+            wide = bind_equation(broadcast, [read(eqn.invars[0])], source_info=source_info)
+            env[broadcast.outvars[0]] = bind_equation(eqn, wide, source_info=source_info)[0]
+            continue
         if eqn.outvars and eqn.outvars[0] in softmax_maxima:
             env[eqn.outvars[0]] = jax.numpy.max(read(eqn.invars[0]), axis=tuple(eqn.params["axes"]),
                                                 initial=-np.inf)  # (jax.nn.softmax's spelling)
