@@ -804,8 +804,8 @@ def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
 def test_a_learned_bias_trained_runs_as_written():
     """Where a call differentiates the bias (T5's relative-position table), the kernels would add
     their work to XLA's recomputed scores (0.83x jax.jit on an H200): that call runs the program as
-    written. The forward alone, and gradients of q, k, v alone, keep the kernels; values and
-    gradients are jax.jit's either way."""
+    written, and explain says why. The forward alone, and gradients of q, k, v alone, keep the
+    kernels; values and gradients are jax.jit's either way."""
     q, k, v, do = make(2, 12, 12, 4, 4, 16, jnp.bfloat16, seed=49)
     table = jnp.asarray(np.random.default_rng(49).standard_normal((9, 4)), jnp.float32)
     padding = jnp.asarray(np.arange(12)[None, :] < np.array([12, 7])[:, None])
@@ -818,6 +818,12 @@ def test_a_learned_bias_trained_runs_as_written():
     assert launched(jax.grad(xkern.optimize(loss(f)), everything), q, k, v, table) == set()
     assert launched(jax.vmap(jax.grad(xkern.optimize(loss(f)), everything), (0, None, None, None)),
                     q[None], k, v, table) == set()
+    step = lambda argnums: (lambda q, k, v, t: jax.grad(loss(f), argnums)(q, k, v, t))  # (jax.grad inside)
+    said = lambda argnums: [(d.pattern, d.reason) for d in xkern.explain(step(argnums))(q, k, v, table).declined
+                            if d.pattern.startswith("attention/")]
+    [(pattern, reason)] = said(everything)  # explain says so, where it is the call's
+    assert "differentiates the bias" in reason and pattern.startswith("attention/einsum")
+    assert said(qkv) == [] and any(m.pattern.startswith("attention/") for m in xkern.explain(step(qkv))(q, k, v, table).matches)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     for argnums in (qkv, everything):
         got = jax.jit(jax.grad(xkern.optimize(loss(f)), argnums))(q, k, v, table)

@@ -13,7 +13,7 @@ import numpy as np
 
 from xkern import _compat, pipeline
 from xkern.jaxpr_passes.patterns import registry
-from xkern.jaxpr_passes.rewrite import Declined, evaluate, specs, traffic
+from xkern.jaxpr_passes.rewrite import Declined, evaluate, hearing_as_written, specs, traffic
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
 from xkern.memory.liveness import peak_live_bytes
 
@@ -280,8 +280,9 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _decisions(inner: list, plan, backend: str) -> tuple[list, list]:
-    """(Replaced, Declined) of the differentiated functions' plans (`inner`) and the program's."""
+def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list, list]:
+    """(Replaced, Declined) of the differentiated functions' plans (`inner`) and the program's;
+    as_written: (rewrite, reason) of those a call ran as written, declined for that reason."""
     # A candidate a differentiated function's plan already decided (taken, or declined with its
     # reason) is seen again, differentiated, in the whole program (often as a smaller spelling, a
     # line away, in the same function): say it once.
@@ -293,6 +294,10 @@ def _decisions(inner: list, plan, backend: str) -> tuple[list, list]:
     for p in (q for top in (*inner, plan) for q in top.walk()):
         declined += [d for d in p.declined if id(p) not in outer or site(d.pattern, d.location) not in decided]
         for r in p.rewrites.values():
+            reason = next((why for heard, why in as_written if heard is r), None)
+            if reason is not None:
+                declined.append(Declined(r.pattern, r.location, reason, r.match.anchor))
+                continue
             inputs, residual = r.inputs()
             replace = functools.partial(r.match.pattern.replace, backend=backend, **r.params)
             if residual is not None:
@@ -316,14 +321,15 @@ def explain(fun: Callable, *, backend: str | None = None):
         args, kwargs = jax.tree.map(lambda a: jax.numpy.asarray(a) if type(a) in (int, float, complex) else a,
                                     (args, kwargs))
         _inner_plans.plans = inner = []
-        try:
-            traced = _trace(fun, args, kwargs, chosen)
-        finally:
-            _inner_plans.plans = None
-        plan = pipeline.plan(traced.closed, chosen)
-        rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
+        with hearing_as_written() as as_written:  # (the rewrites a call runs as written: Pattern.xla_when)
+            try:
+                traced = _trace(fun, args, kwargs, chosen)
+            finally:
+                _inner_plans.plans = None
+            plan = pipeline.plan(traced.closed, chosen)
+            rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
         launched = kernel_names(rewritten)
-        matches, declined = _decisions(inner, plan, chosen)
+        matches, declined = _decisions(inner, plan, chosen, as_written)
         # (a matmul epilogue's derivative is planned with it, but runs only if the program differentiates)
         matches = [m for m in matches if "in the backward pass" not in m.pattern or set(m.kernels) <= set(launched)]
         before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))

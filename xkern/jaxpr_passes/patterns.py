@@ -77,11 +77,11 @@ class Pattern:
     # in a program that shards them: where the program constrains another dim to be sharded, the
     # match is left to XLA (rewrite.unsplit_sharding). None: the leading dim only.
     split_dims: Callable[[int, int], set] | None = None
-    # xla_when(input values, params): whether this call runs the matched equations themselves
-    # (jax.jit's program) rather than the replacement, decided on the values the program passes
-    # when it runs (tracers: whether a transformation differentiates them). Only where the
-    # replacement ignores no input at these params. None: always the replacement.
-    xla_when: Callable[[list, dict], bool] | None = None
+    # xla_when(input values, params): why this call runs the matched equations themselves (jax.jit's
+    # program) rather than the replacement, or None; decided on the values the program passes when
+    # it runs (tracers: whether a transformation differentiates them). Only where the replacement
+    # ignores no input at these params. None: always the replacement.
+    xla_when: Callable[[list, dict], str | None] | None = None
 
 
 @dataclasses.dataclass

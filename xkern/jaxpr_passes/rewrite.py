@@ -6,9 +6,11 @@ builds the rewritten program, with each equation's source info carried over.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import threading
 from typing import Any
 
 import jax
@@ -409,7 +411,10 @@ def evaluate(plan: Plan, args, backend: str) -> list:
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
             inputs, residual = rewrite.inputs()
-            if _runs_as_written(rewrite, [read(v) for v in inputs]):
+            reason = _runs_as_written(rewrite, [read(v) for v in inputs])
+            if reason:
+                if _AS_WRITTEN.heard is not None:
+                    _AS_WRITTEN.heard.append((rewrite, reason))
                 for j in sorted(rewrite.match.program_eqns):  # (all before the anchor, i, or it)
                     e = jaxpr.eqns[j]
                     env.update(zip(e.outvars, _compat.run_equation(e, list(map(read, e.invars)))))
@@ -433,11 +438,29 @@ def evaluate(plan: Plan, args, backend: str) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _runs_as_written(rewrite: Rewrite, values: list) -> bool:
-    """Whether this call of a rewrite runs its matched equations instead (Pattern.xla_when)."""
+def _runs_as_written(rewrite: Rewrite, values: list) -> str | None:
+    """Why this call of a rewrite runs its matched equations instead (Pattern.xla_when), or None."""
     pattern = rewrite.match.pattern
-    return (pattern.xla_when is not None and rewrite.residual_add is None and not pattern.ignores(rewrite.params)
-            and pattern.xla_when(values, rewrite.params))
+    if pattern.xla_when is None or rewrite.residual_add is not None or pattern.ignores(rewrite.params):
+        return None
+    return pattern.xla_when(values, rewrite.params)
+
+
+class _Heard(threading.local):
+    heard: list | None = None  # (rewrite, reason) of each run as written, while explain listens
+
+
+_AS_WRITTEN = _Heard()
+
+
+@contextlib.contextmanager
+def hearing_as_written():
+    """A list of (rewrite, reason) for each rewrite evaluated as written (Pattern.xla_when) meanwhile."""
+    previous, _AS_WRITTEN.heard = _AS_WRITTEN.heard, []
+    try:
+        yield _AS_WRITTEN.heard
+    finally:
+        _AS_WRITTEN.heard = previous
 
 
 def _rebuilt(value, plans: list[Plan], backend: str):
