@@ -801,6 +801,39 @@ def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
     _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
+@pytest.mark.parametrize("form", ["jnp.repeat, then [b, h, s, d] matmuls", "repeat_kv (broadcast, reshape)",
+                                  "jnp.tile (not GQA's grouping)"])
+def test_kv_heads_repeated_by_the_program_are_read_once(form):
+    """GQA as ports write it: k and v repeated over the heads to q's count (jnp.repeat, as HF's Flax
+    Llama/Mistral; repeat_kv's broadcast and reshape), then attention. The kernels read k and v
+    unrepeated, as GQA, and the repeats are gone from the program; jnp.tile's order (head j is
+    k's j % g) is not GQA's, and stays. jax.jit's values and gradients either way."""
+    q, k, v, do = make(2, 16, 16, 4, 2, 16, jnp.bfloat16, seed=51)
+
+    def repeat(x):
+        if form.startswith("jnp.repeat"):
+            return jnp.repeat(x, 2, axis=2)
+        if form.startswith("jnp.tile"):
+            return jnp.tile(x, (1, 1, 2, 1))
+        b, s, g, d = x.shape
+        return jnp.broadcast_to(x[:, :, :, None, :], (b, s, g, 2, d)).reshape(b, s, 2 * g, d)
+
+    def f(q, k, v):
+        k, v = repeat(k), repeat(v)
+        if not form.startswith("jnp.repeat"):
+            p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(16), axis=-1)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+        q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
+        s = jnp.where(jnp.tril(jnp.ones((16, 16), bool)), q @ k.swapaxes(-2, -1) / jnp.sqrt(16).astype(q.dtype),
+                      jnp.finfo(q.dtype).min)
+        return (jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype) @ v).transpose(0, 2, 1, 3)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/")
+    primitives = {e.primitive.name for e in jax.make_jaxpr(xkern.optimize(f))(q, k, v).jaxpr.eqns}
+    assert bool(primitives & {"reshape", "broadcast_in_dim", "tile"}) == form.startswith("jnp.tile"), primitives
+    _equals_jax_jit_in_float32(f, q, k, v, do)
+
+
 def test_a_learned_bias_trained_runs_as_written():
     """Where a call differentiates the bias (T5's relative-position table), the kernels would add
     their work to XLA's recomputed scores (0.83x jax.jit on an H200): that call runs the program as

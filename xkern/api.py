@@ -299,7 +299,8 @@ def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list,
                 declined.append(Declined(r.pattern, r.location, reason, r.match.anchor))
                 continue
             inputs, residual = r.inputs()
-            replace = functools.partial(r.match.pattern.replace, backend=backend, **r.params)
+            replace = lambda *a, r=r, **kw: r.match.pattern.replace(*r.adapted(list(a)), backend=backend,
+                                                                     **r.params, **kw)
             if residual is not None:
                 inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
             replaced = jax.make_jaxpr(replace)(*(None if v is None else specs([v.aval])[0] for v in inputs))

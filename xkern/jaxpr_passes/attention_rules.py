@@ -621,7 +621,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                            {3, 4} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
-                   split_dims=_split_dims(layout), xla_when=_bias_trained if with_bias else None)
+                   split_dims=_split_dims(layout), xla_when=_bias_trained if with_bias else None,
+                   substitutes=None if getattr(fn, "grouped", False) else _unrepeated_kv(layout))
 
 
 def _bias_trained(values: list, params: dict) -> str | None:
@@ -636,6 +637,61 @@ def _bias_trained(values: list, params: dict) -> str | None:
                 "(XLA would recompute them beside the kernels): run as written")
     return None
 
+
+
+def _producing(graph, var, name: str):
+    """The equation of primitive `name` producing `var`, else None."""
+    if isinstance(var, Literal) or var not in graph.producer:
+        return None
+    eqn = graph.eqns[graph.producer[var][0]]
+    return eqn if eqn.primitive.name == name else None
+
+
+def _repeated(graph, var, axis: int):
+    """(source, n, perm) where `var` is jnp.repeat(source, n, axis) (or HF's repeat_kv: broadcast to
+    [..., g, n, ...] and reshaped), moved by a transpose `perm` or not (None), with n > 1; else None.
+    (Repeated so, head j is source head j // n: the kernels' GQA grouping. A tile's is j % g.)"""
+    perm, transpose = None, _producing(graph, var, "transpose")
+    if transpose is not None:
+        perm, var = tuple(transpose.params["permutation"]), transpose.invars[0]
+        axis = perm[axis]
+    reshape = _producing(graph, var, "reshape")
+    if reshape is None or reshape.params.get("dimensions") is not None:
+        return None
+    shape, wide = tuple(var.aval.shape), reshape.invars[0]
+    if len(wide.aval.shape) != len(shape) + 1:
+        return None
+    g, n = wide.aval.shape[axis:axis + 2]
+    if n < 2 or tuple(wide.aval.shape) != (*shape[:axis], g, n, *shape[axis + 1:]):
+        return None
+    kept = tuple(i for i in range(len(shape) + 1) if i != axis + 1)  # the source's dims in `wide`
+    while (eqn := _producing(graph, wide, "broadcast_in_dim")) is not None:
+        source, dims = eqn.invars[0], tuple(eqn.params["broadcast_dimensions"])
+        if isinstance(source, Literal):
+            return None
+        if dims == kept and source.aval.dtype == var.aval.dtype:
+            return source, n, perm
+        if dims != tuple(range(len(shape) + 1)) or source.aval.shape[axis + 1] != 1:
+            return None
+        wide = source  # (a broadcast of the group axis from 1 to n, after an expand_dims)
+    return None
+
+
+def _unrepeated_kv(layout: str):
+    """Pattern.substitutes: k and v repeated n times over the heads (jnp.repeat, HF's repeat_kv) by
+    the program, as GQA ports write it: the kernels read them unrepeated, as GQA (k/v heads divide
+    q's), so the repeats are not made; their gradients sum over each group, as the repeat's do."""
+    heads = 1 if layout.startswith("bhsd") else 2
+
+    def substitutes(match, params) -> dict:
+        if layout == MQA or len(match.inputs) < 3:
+            return {}
+        found = [_repeated(match.graph, v, heads) for v in match.inputs[1:3]]
+        if None in found or found[0][1:] != found[1][1:]:
+            return {}
+        adapt = (lambda x: x) if found[0][2] is None else (lambda x, perm=found[0][2]: jnp.transpose(x, perm))
+        return {i: (source, adapt) for i, (source, _, _) in zip((1, 2), found)}
+    return substitutes
 
 def _split_dims(layout: str):
     """The dims of each input the kernels split across devices: batch and heads (kernels/attention's

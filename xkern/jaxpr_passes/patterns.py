@@ -82,6 +82,10 @@ class Pattern:
     # it runs (tracers: whether a transformation differentiates them). Only where the replacement
     # ignores no input at these params. None: always the replacement.
     xla_when: Callable[[list, dict], str | None] | None = None
+    # substitutes(match, params): {input index: (program value, adapt)}: the replacement reads
+    # adapt(that value) for the input instead, where the matched input is computed from a smaller
+    # one (attention's k and v repeated over the heads: the kernels read the k/v heads as GQA).
+    substitutes: Callable[["Match", dict], dict] | None = None
 
 
 @dataclasses.dataclass

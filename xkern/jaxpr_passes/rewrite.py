@@ -36,6 +36,7 @@ class Rewrite:
     params: dict
     location: str
     residual_add: int | None = None  # the folded add h = x + r making the first input (see below)
+    substituted: dict = dataclasses.field(default_factory=dict)  # input index -> (value, adapt): Pattern.substitutes
 
     @property
     def pattern(self) -> str:
@@ -45,11 +46,17 @@ class Rewrite:
         """The program values the replacement takes (None for those it ignores at these params), and
         the residual r (None: no folded add)."""
         ignored = self.match.pattern.ignores(self.params)
-        inputs = [None if n in ignored else v for n, v in enumerate(self.match.inputs)]
+        inputs = [None if n in ignored else self.substituted[n][0] if n in self.substituted else v
+                  for n, v in enumerate(self.match.inputs)]
         if self.residual_add is None:
             return inputs, None
         x, r = self.match.graph.eqns[self.residual_add].invars
         return [x, *inputs[1:]], r
+
+    def adapted(self, values: list) -> list:
+        """The replacement's arguments from the values of inputs(): substituted ones adapted."""
+        return [self.substituted[n][1](x) if n in self.substituted and x is not None else x
+                for n, x in enumerate(values)]
 
 
 @dataclasses.dataclass
@@ -319,12 +326,13 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
                 if by_cost:
                     too_costly.append(frozenset(match.program_eqns))
                 continue
-            plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]))
+            substituted = {} if pattern.substitutes is None or pattern.xla_when else pattern.substitutes(match, params)
+            plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]), substituted=substituted)
             claimed |= match.program_eqns - match.shared  # shared ones stay, for every match reading them
             plan.skip |= match.program_eqns - {i} - match.shared
             break
     _fold_residual_adds(plan, graph, claimed)
-    if any(r.match.pattern.ignores(r.params) for r in plan.rewrites.values()):
+    if any(r.match.pattern.ignores(r.params) or r.substituted for r in plan.rewrites.values()):
         _drop_unread(plan)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
     # several spellings declined at one place, the largest (tried first) that the program does
@@ -366,7 +374,8 @@ def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
 
 
 def _drop_unread(plan: Plan) -> None:
-    """What only inputs the replacements ignore needed (a constant mask read as causal) is dead."""
+    """What only inputs the replacements ignore needed (a constant mask read as causal), or read
+    through a substitute (the repeat of k/v heads), is dead."""
     def reads(i, eqn):
         if i in plan.rewrites:
             inputs, residual = plan.rewrites[i].inputs()
@@ -419,7 +428,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
                     e = jaxpr.eqns[j]
                     env.update(zip(e.outvars, _compat.run_equation(e, list(map(read, e.invars)))))
                 continue
-            replace = functools.partial(rewrite.match.pattern.replace, *map(read, inputs),
+            replace = functools.partial(rewrite.match.pattern.replace, *rewrite.adapted(list(map(read, inputs))),
                                         backend=backend, **rewrite.params)
             with _compat.user_context(eqn.source_info):
                 if residual is None:
