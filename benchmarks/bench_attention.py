@@ -151,6 +151,16 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
+def _repeated_kv(q, k, v, rng):
+    """GQA as Llama ports write it by hand: k and v repeated to q's heads (jnp.repeat), [b, h, s, d]
+    matmuls, causal by a where with finfo.min, softmax in float32. (The kernels read k, v unrepeated.)"""
+    k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    s = q @ k.swapaxes(-2, -1) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, jnp.finfo(s.dtype).min)
+    return (jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype) @ v).transpose(0, 2, 1, 3)
+
+
 def _temperature_per_head(q, k, v, rng):
     """By hand, causal, the scores times a learned temperature per head ([h, 1, 1], in q's dtype)."""
     t = (1 + jnp.arange(q.shape[2], dtype=jnp.float32) / q.shape[2]).astype(q.dtype).reshape(-1, 1, 1) / 16
@@ -297,7 +307,7 @@ def _vjp_at(f, args, do):
 def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
     HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
-    by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
+    by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
     table's gradient). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
@@ -308,6 +318,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
+              ("by hand: GQA 32/8 by jnp.repeat, causal", (4, 4096, 32, 128), _repeated_kv, 2),
               ("Gemma: GQA 32/8, causal + padding mask", (4, 4096, 32, 128), _gemma(4, 4096, 8), 2),
               ("Gemma 2: GQA 32/16, soft cap 50, causal + padding mask", (4, 4096, 32, 128),
                _gemma(4, 4096, 16, 50.0), 2),
@@ -320,9 +331,9 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
               ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
               ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1)]
-    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8}
+    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8}
     if not on_gpu:
-        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1}
+        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1, "by hand: GQA": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
                    _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
