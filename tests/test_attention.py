@@ -837,8 +837,9 @@ def test_kv_heads_repeated_by_the_program_are_read_once(form):
 def test_a_learned_bias_trained_runs_as_written():
     """Where a call differentiates the bias (T5's relative-position table), the kernels would add
     their work to XLA's recomputed scores (0.83x jax.jit on an H200): that call runs the program as
-    written, and explain says why. The forward alone, and gradients of q, k, v alone, keep the
-    kernels; values and gradients are jax.jit's either way."""
+    written, and explain says why; decided where jax.grad is applied, inside the jitted function or
+    around it. The forward alone, and gradients of q, k, v alone, keep the kernels; values and
+    gradients are jax.jit's either way."""
     q, k, v, do = make(2, 12, 12, 4, 4, 16, jnp.bfloat16, seed=49)
     table = jnp.asarray(np.random.default_rng(49).standard_normal((9, 4)), jnp.float32)
     padding = jnp.asarray(np.arange(12)[None, :] < np.array([12, 7])[:, None])
@@ -851,6 +852,9 @@ def test_a_learned_bias_trained_runs_as_written():
     assert launched(jax.grad(xkern.optimize(loss(f)), everything), q, k, v, table) == set()
     assert launched(jax.vmap(jax.grad(xkern.optimize(loss(f)), everything), (0, None, None, None)),
                     q[None], k, v, table) == set()
+    # ... decided where the gradient is taken, also around the jitted function
+    assert launched(jax.grad(xkern.jit(loss(f)), everything), q, k, v, table) == set()
+    assert launched(jax.grad(xkern.jit(loss(f)), qkv), q, k, v, table) >= {"attention_fwd", "attention_bwd_dkdv"}
     step = lambda argnums: (lambda q, k, v, t: jax.grad(loss(f), argnums)(q, k, v, t))  # (jax.grad inside)
     said = lambda argnums: [(d.pattern, d.reason) for d in xkern.explain(step(argnums))(q, k, v, table).declined
                             if d.pattern.startswith("attention/")]
@@ -859,9 +863,11 @@ def test_a_learned_bias_trained_runs_as_written():
     assert said(qkv) == [] and any(m.pattern.startswith("attention/") for m in xkern.explain(step(qkv))(q, k, v, table).matches)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     for argnums in (qkv, everything):
-        got = jax.jit(jax.grad(xkern.optimize(loss(f)), argnums))(q, k, v, table)
-        for g, w in zip(got, jax.jit(jax.grad(loss(f), argnums))(*f32, table)):
-            close(g, w, jnp.bfloat16)
+        want = jax.jit(jax.grad(loss(f), argnums))(*f32, table)
+        for got in (jax.jit(jax.grad(xkern.optimize(loss(f)), argnums))(q, k, v, table),
+                    jax.grad(xkern.jit(loss(f)), argnums)(q, k, v, table)):
+            for g, w in zip(got, want):
+                close(g, w, jnp.bfloat16)
 
 
 def _spelled(layout, scaling, mask, softmax, upcast, bias):

@@ -14,22 +14,6 @@ from jax._src import source_info_util as _source_info
 from jax._src.dispatch import apply_primitive  # eager evaluation of a primitive
 
 
-def differentiated(x, depth: int = 8) -> bool:
-    """Whether `x` is a tracer some transformation differentiates (jax.grad, vjp, jvp, linearize:
-    a value depending on what is differentiated), looking through vmap's batch tracers. (Not where
-    a jitted function is differentiated from outside: its body is traced before it is.)"""
-    from jax._src.interpreters import ad, batching
-
-    kinds = tuple(k for k in (getattr(ad, "JVPTracer", None), getattr(ad, "LinearizeTracer", None)) if k)
-    for _ in range(depth):
-        if isinstance(x, kinds):
-            return True
-        if not isinstance(x, batching.BatchTracer):
-            return False
-        x = x.val
-    return False
-
-
 def user_context(source_info):
     """A context in which new equations get `source_info` (the user's line), not the interpreter's."""
     name_stack = _source_info.current_name_stack() + source_info.name_stack

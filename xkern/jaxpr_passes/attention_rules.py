@@ -46,7 +46,6 @@ import numpy as np
 
 from jax.extend.core import Literal
 
-from xkern import _compat
 from xkern.jaxpr_passes.graph import constant_value
 from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
 from xkern.kernels import attention as kernels
@@ -625,14 +624,14 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    substitutes=None if getattr(fn, "grouped", False) else _unrepeated_kv(layout))
 
 
-def _bias_trained(values: list, params: dict) -> str | None:
+def _bias_trained(perturbed: list[bool], params: dict) -> str | None:
     """Why a call that differentiates the bias (a learned one: T5's relative-position table) runs as written: its
     gradient is the scores' (dS), which the kernels do not write, so XLA recomputes the scores for
     it, and the kernels' work is on top of XLA's. H200, T5's b32 s512 h16 d64: 0.83x jax.jit with the
     table's gradient, against 1.18x for the forward alone (h200-attention-t5-session39.json). Such a
     call runs the program as written (jax.jit's); the forward alone, and training where the bias is a
     constant or a mask, keep the kernels."""
-    if params.get("bias_kind") is None and _compat.differentiated(values[3]):
+    if params.get("bias_kind") is None and perturbed[3]:
         return ("this call differentiates the bias, whose gradient needs the scores the kernels do not write "
                 "(XLA would recompute them beside the kernels): run as written")
     return None

@@ -77,11 +77,11 @@ class Pattern:
     # in a program that shards them: where the program constrains another dim to be sharded, the
     # match is left to XLA (rewrite.unsplit_sharding). None: the leading dim only.
     split_dims: Callable[[int, int], set] | None = None
-    # xla_when(input values, params): why this call runs the matched equations themselves (jax.jit's
-    # program) rather than the replacement, or None; decided on the values the program passes when
-    # it runs (tracers: whether a transformation differentiates them). Only where the replacement
-    # ignores no input at these params. None: always the replacement.
-    xla_when: Callable[[list, dict], str | None] | None = None
+    # xla_when(perturbed, params): why a differentiated call runs the matched equations themselves
+    # (jax.jit's program) rather than the replacement, or None; perturbed: whether each input is
+    # differentiated (rewrite._per_differentiation). Only where the replacement ignores no input at
+    # these params. None: always the replacement.
+    xla_when: Callable[[list[bool], dict], str | None] | None = None
     # substitutes(match, params): {input index: (program value, adapt)}: the replacement reads
     # adapt(that value) for the input instead, where the matched input is computed from a smaller
     # one (attention's k and v repeated over the heads: the kernels read the k/v heads as GQA).

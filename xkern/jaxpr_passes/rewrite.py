@@ -420,13 +420,10 @@ def evaluate(plan: Plan, args, backend: str) -> list:
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
             inputs, residual = rewrite.inputs()
-            reason = _runs_as_written(rewrite, [read(v) for v in inputs])
-            if reason:
-                if _AS_WRITTEN.heard is not None:
-                    _AS_WRITTEN.heard.append((rewrite, reason))
-                for j in sorted(rewrite.match.program_eqns):  # (all before the anchor, i, or it)
-                    e = jaxpr.eqns[j]
-                    env.update(zip(e.outvars, _compat.run_equation(e, list(map(read, e.invars)))))
+            if _may_run_as_written(rewrite):
+                reads = _external_reads(rewrite, jaxpr)
+                with _compat.user_context(eqn.source_info):
+                    env[eqn.outvars[0]] = _per_differentiation(rewrite, jaxpr, reads, backend)(*map(read, reads))
                 continue
             replace = functools.partial(rewrite.match.pattern.replace, *rewrite.adapted(list(map(read, inputs))),
                                         backend=backend, **rewrite.params)
@@ -447,12 +444,58 @@ def evaluate(plan: Plan, args, backend: str) -> list:
     return [read(v) for v in jaxpr.outvars]
 
 
-def _runs_as_written(rewrite: Rewrite, values: list) -> str | None:
-    """Why this call of a rewrite runs its matched equations instead (Pattern.xla_when), or None."""
+def _may_run_as_written(rewrite: Rewrite) -> bool:
+    """Whether the rewrite's pattern may run its matched equations instead (Pattern.xla_when)."""
     pattern = rewrite.match.pattern
-    if pattern.xla_when is None or rewrite.residual_add is not None or pattern.ignores(rewrite.params):
-        return None
-    return pattern.xla_when(values, rewrite.params)
+    return (pattern.xla_when is not None and rewrite.residual_add is None and not rewrite.substituted
+            and not pattern.ignores(rewrite.params))
+
+
+def _external_reads(rewrite: Rewrite, jaxpr) -> list:
+    """The program values the matched equations read (its inputs, constants), each once."""
+    made = {v for j in rewrite.match.program_eqns for v in jaxpr.eqns[j].outvars}
+    reads = [*rewrite.match.inputs, *(v for j in sorted(rewrite.match.program_eqns) for v in jaxpr.eqns[j].invars)]
+    return list(dict.fromkeys(v for v in reads if not isinstance(v, Literal) and v not in made))
+
+
+def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
+    """The rewrite as a function of the values it reads, deciding when it is differentiated, from
+    which of them are (custom_vjp's symbolic zeros): the replacement, or the matched equations as
+    written where Pattern.xla_when gives a reason (heard by explain). The decision is made wherever
+    the differentiation is applied, inside the jitted function or around it (jax.grad(xkern.jit(f))).
+    Undifferentiated: the replacement."""
+    match, pattern = rewrite.match, rewrite.match.pattern
+    at = {v: n for n, v in enumerate(reads)}
+    out = jaxpr.eqns[match.anchor].outvars[0]
+
+    def replacement(*values):
+        return pattern.replace(*(values[at[v]] for v in match.inputs), backend=backend, **rewrite.params)
+
+    def as_written(*values):
+        env = dict(zip(reads, values))
+        read = lambda v: v.val if isinstance(v, Literal) else env[v]
+        for j in sorted(match.program_eqns):
+            e = jaxpr.eqns[j]
+            env.update(zip(e.outvars, _compat.run_equation(e, [read(v) for v in e.invars])))
+        return env[out]
+
+    @jax.custom_vjp
+    def op(*values):
+        return replacement(*values)
+
+    def fwd(*primals):
+        perturbed = {v: p.perturbed for v, p in zip(reads, primals)}
+        reason = pattern.xla_when([perturbed[v] for v in match.inputs], rewrite.params)
+        if reason and _AS_WRITTEN.heard is not None:
+            _AS_WRITTEN.heard.append((rewrite, reason))
+        return jax.vjp(as_written if reason else replacement, *(p.value for p in primals))
+
+    def bwd(vjp, d_out):
+        if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+            return (None,) * len(reads)
+        return tuple(vjp(d_out))
+    op.defvjp(fwd, bwd, symbolic_zeros=True)
+    return op
 
 
 class _Heard(threading.local):
