@@ -872,8 +872,11 @@ def test_a_learned_bias_trained_runs_as_written():
 
 def _spelled(layout, scaling, mask, softmax, upcast, bias):
     """Attention as a model might write it: einsum or matmuls, a scaling, a bias added or subtracted,
-    an upcast, a causal / padding / hidden-keys mask, jax.nn's softmax or one written out."""
+    an upcast, a causal / padding / hidden-keys mask, jax.nn's softmax or one written out; k and v
+    of fewer heads than q repeated to q's (jnp.repeat, as GQA ports write it)."""
     def f(q, k, v, b, m):
+        if k.shape[2] != q.shape[2]:
+            k, v = (jnp.repeat(a, q.shape[2] // k.shape[2], axis=2) for a in (k, v))
         if layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
             s = q @ k.swapaxes(-2, -1)
@@ -932,13 +935,16 @@ def test_masks_with_a_bias_after_a_cast_or_unscaled_are_found(spelling, pattern)
 @given(layout=st.sampled_from(["bshd", "bhsd"]), scaling=st.sampled_from(["*", "/", "none", "/sqrt"]),
        mask=st.sampled_from(["none", "causal", "padding", "hidden"]), softmax=st.sampled_from(["jax.nn", "by hand", "by hand, [..., None]"]),
        upcast=st.booleans(), bias=st.sampled_from(["none", "+", "-"]), bf16=st.booleans(),
-       shape=st.sampled_from([(1, 5, 1, 8), (2, 16, 3, 16), (1, 33, 2, 8)]), seed=st.integers(0, 1 << 16))
-def test_random_attention_spellings_equal_jax_jit(layout, scaling, mask, softmax, upcast, bias, bf16, shape, seed):
+       shape=st.sampled_from([(1, 5, 1, 8), (2, 16, 3, 16), (1, 33, 2, 8), (1, 12, 4, 8)]),
+       grouped=st.booleans(), seed=st.integers(0, 1 << 16))
+def test_random_attention_spellings_equal_jax_jit(layout, scaling, mask, softmax, upcast, bias, bf16, shape, grouped,
+                                                  seed):
     """Whatever a spelling matches (or not), xkern.jit gives jax.jit's values and gradients: a
-    template that took a near-miss would show here."""
+    template that took a near-miss would show here. grouped: k and v of half q's heads, repeated
+    (where q's heads are even)."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     b, s, h, d = shape
-    q, k, v, do = make(b, s, s, h, h, d, dtype, seed=seed)
+    q, k, v, do = make(b, s, s, h, h // 2 if grouped and h % 2 == 0 else h, d, dtype, seed=seed)
     rng = np.random.default_rng(seed)
     bias_array = jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.float32 if upcast else dtype)
     seen = jnp.asarray(np.arange(s)[None, None, None, :] < rng.integers(1, s + 1, (b, 1, 1, 1)))
