@@ -253,10 +253,21 @@ def _tensor_parallel_cases(rng):
             q, k, v, mask=m, kv_lengths=jnp.asarray([16, 9, 3, 16], jnp.int32)), mask, P(None, "model"), True),
         ("multi-query: one k/v head", lambda q, k, v, n: xkern.ops.attention(q, k[:, :, :1], v[:, :, :1]),
          None, None, False),
+        ("GQA by jnp.repeat, by hand", lambda q, k, v, n: xkern.optimize(_repeated_kv_attention)(q, k, v),
+         None, None, True),
     ]
 
 
-@pytest.mark.parametrize("case", range(4), ids=[c[0] for c in _tensor_parallel_cases(np.random.default_rng(0))])
+def _repeated_kv_attention(q, k, v):
+    """Causal GQA with k and v repeated to q's heads (jnp.repeat), as Llama ports write it: the
+    kernels read them unrepeated, split along the heads as the repeat's operands are sharded."""
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype), v)
+
+
+@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _tensor_parallel_cases(np.random.default_rng(0))])
 def test_attention_splits_its_heads_as_tensor_parallelism_shards_them(case, mesh2d):
     """q, k, v sharded [data, -, model, -]: each device launches on its examples and its heads (q's
     and k/v's alike), so no operand is gathered, and the outputs and gradients keep jax.jit's
@@ -283,7 +294,7 @@ def test_attention_splits_its_heads_as_tensor_parallelism_shards_them(case, mesh
 
 def _reference_attention(name, q, k, v, extra):
     """jax.nn's attention (XLA) for each case of _tensor_parallel_cases."""
-    if name == "causal GQA":
+    if name in ("causal GQA", "GQA by jnp.repeat, by hand"):
         return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     if name == "bias per head":
         return jax.nn.dot_product_attention(q, k, v, bias=extra.astype(q.dtype))
