@@ -10,7 +10,8 @@ A spelling is three choices, combined:
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
 and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
-flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize. eps is read off the program (any value; the exact re-trace checks it).
+flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm
+(written here as those libraries compute them: neither is a dependency). eps is read off the program (any value; the exact re-trace checks it).
 A norm of h = x + r (a residual connection) also takes the add: the kernel reads x and r and writes
 the normalized rows and h, one pass fewer than an add and a norm (xkern/jaxpr_passes/rewrite.py).
 
@@ -25,6 +26,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from xkern.jaxpr_passes.patterns import Pattern, literal_at
 from xkern.kernels import norms as kernels
@@ -129,6 +131,42 @@ def standardize(x, *, eps):
     return jax.nn.standardize(x, axis=-1, epsilon=eps)
 
 
+def haiku_layer_norm(n_params: int):
+    """hk.LayerNorm(-1, create_scale, create_offset) as Haiku computes it, in x's dtype: the scale
+    folded into the inverse deviation first, `scale * rsqrt(var + eps) * (x - mean) + offset`
+    (without a scale or offset, Haiku multiplies by 1 and adds 0 of x's dtype)."""
+    def fn(x, *params, eps):
+        scale = params[0] if params else np.array(1.0, x.dtype)
+        offset = params[1] if len(params) > 1 else np.array(0.0, x.dtype)
+        variance = jnp.var(x, -1, keepdims=True)
+        inv = scale * jax.lax.rsqrt(variance + jax.lax.convert_element_type(eps, variance.dtype))
+        return inv * (x - jnp.mean(x, -1, keepdims=True)) + offset
+    fn.__name__ = f"haiku.LayerNorm({n_params} params)"
+    return fn
+
+
+def haiku_rms_norm(x, scale, *, eps):
+    """hk.RMSNorm(-1): its scale and mean square broadcast to x's shape, `x * scale * rsqrt(ms + eps)`."""
+    mean_squared = jnp.broadcast_to(jnp.mean(jnp.square(x), -1, keepdims=True), x.shape)
+    return x * jnp.broadcast_to(scale, x.shape) * jax.lax.rsqrt(mean_squared + eps)
+
+
+def equinox_layer_norm(n_params: int):
+    """eqx.nn.LayerNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result cast
+    back), the variance clamped at 0, `weight * out + bias`."""
+    def fn(x, *params, eps):
+        h = x.astype(jnp.result_type(x.dtype, F32))
+        variance = jnp.maximum(0.0, jnp.var(h, -1, keepdims=True))
+        out = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(variance + eps)
+        if params:
+            out = params[0].astype(h.dtype) * out
+        if len(params) > 1:
+            out = out + params[1].astype(h.dtype)
+        return out.astype(x.dtype)
+    fn.__name__ = f"equinox.nn.LayerNorm({n_params} params)"
+    return fn
+
+
 # --------------------------------------------------------------------------------------------------
 # Matching and replacing
 # --------------------------------------------------------------------------------------------------
@@ -226,6 +264,9 @@ def _spellings():
 
 PATTERNS = _spellings() + [
     _pattern("layer_norm/jax.nn.standardize", "layer_norm", standardize, 0, _param_dtypes(ALL)),
+    _pattern("rms_norm/haiku.RMSNorm", "rms_norm", haiku_rms_norm, 1, _param_dtypes(ALL), "*scale"),
+    *(_pattern(f"layer_norm/{fn.__name__}", "layer_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
+      for n in (0, 1, 2) for fn in (haiku_layer_norm(n), equinox_layer_norm(n))),
 ]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [
