@@ -277,21 +277,26 @@ def test_flax_nnx_norms_in_mixed_precision_round_their_parameters_as_nnx_does(mo
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_a_per_example_layer_norm_mapped_by_vmap_is_found(dtype):
-    """Equinox's LayerNorm normalizes one example (every axis of a 1-D x), in float32 with the
-    variance clamped at 0, and models map it over the batch with jax.vmap: the mapped program is the
-    2-D template's (equinox.nn.LayerNorm's spelling), found, and equals jax.jit's, gradients included."""
+def test_a_per_example_norm_mapped_by_vmap_is_found(rms, dtype):
+    """Equinox's LayerNorm and RMSNorm normalize one example (every axis of a 1-D x), in float32
+    (the layer norm's variance clamped at 0), then `weight * out + bias` (the RMS norm's bias too, the
+    kernels' bias), and models map them over the batch with jax.vmap: the mapped program is found
+    (equinox.nn's spellings) and equals jax.jit's, gradients included."""
     x, _, scale, bias, dy = make((6, 37), dtype, seed=8)
     scale, bias = scale.astype(jnp.float32), bias.astype(jnp.float32)
 
     def per_example(x, scale, bias):
         h = x.astype(jnp.float32)
-        inv = jax.lax.rsqrt(jnp.maximum(0.0, jnp.var(h, keepdims=True)) + 1e-5)
-        return (scale * ((h - jnp.mean(h, keepdims=True)) * inv) + bias).astype(x.dtype)
+        if rms:
+            out = jax.lax.rsqrt(jnp.mean(h ** 2) + 1e-5) * h
+        else:
+            out = (h - jnp.mean(h, keepdims=True)) * jax.lax.rsqrt(jnp.maximum(0.0, jnp.var(h, keepdims=True)) + 1e-5)
+        return (scale * out + bias).astype(x.dtype)
     f = jax.vmap(per_example, (0, None, None))
     [match] = xkern.explain(f)(x, scale, bias).matches
-    assert match.pattern == "layer_norm/equinox.nn.LayerNorm(2 params)"
+    assert match.pattern == f"{'rms_norm/equinox.nn.RMSNorm' if rms else 'layer_norm/equinox.nn.LayerNorm'}(2 params)"
     loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy.astype(jnp.float32)))
     f32 = [a.astype(jnp.float32) for a in (x, scale, bias)]
     close(xkern.jit(f)(x, scale, bias), jax.jit(f)(*f32), dtype)

@@ -10,7 +10,7 @@ A spelling is three choices, combined:
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
 and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
-flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm
+flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm and RMSNorm
 (written here as those libraries compute them: neither is a dependency). eps is read off the program (any value; the exact re-trace checks it).
 A norm of h = x + r (a residual connection) also takes the add: the kernel reads x and r and writes
 the normalized rows and h, one pass fewer than an add and a norm (xkern/jaxpr_passes/rewrite.py).
@@ -151,6 +151,21 @@ def haiku_rms_norm(x, scale, *, eps):
     return x * jnp.broadcast_to(scale, x.shape) * jax.lax.rsqrt(mean_squared + eps)
 
 
+def equinox_rms_norm(n_params: int):
+    """eqx.nn.RMSNorm (one example, mapped by jax.vmap): in float32, `rsqrt(mean(x**2) + eps) * x`,
+    then `weight * out + bias` (a bias by default)."""
+    def fn(x, *params, eps):
+        h = x.astype(jnp.result_type(x.dtype, F32))
+        out = jax.lax.rsqrt(jnp.mean(h ** 2, -1) + eps)[..., None] * h  # (one row's mean: a scalar, mapped)
+        if params:
+            out = params[0].astype(h.dtype) * out
+        if len(params) > 1:
+            out = out + params[1].astype(h.dtype)
+        return out.astype(x.dtype)
+    fn.__name__ = f"equinox.nn.RMSNorm({n_params} params)"
+    return fn
+
+
 def equinox_layer_norm(n_params: int):
     """eqx.nn.LayerNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result cast
     back), the variance clamped at 0, `weight * out + bias`."""
@@ -201,9 +216,10 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
         scale = params[0] if params else None
         if affine == "*(1+scale)":
             scale = 1 + scale  # as the program computes it, in scale's dtype
-        if op == "rms_norm":
-            return kernels.rms_norm(x, scale, eps, residual=residual, out_dtype=out_dtype, backend=backend)
         bias = params[1] if len(params) > 1 else None
+        if op == "rms_norm":
+            return kernels.rms_norm(x, scale, eps, bias=bias, residual=residual, out_dtype=out_dtype,
+                                    backend=backend)
         return kernels.layer_norm(x, scale, bias, eps, residual=residual, out_dtype=out_dtype,
                                   backend=backend)
 
@@ -267,6 +283,8 @@ PATTERNS = _spellings() + [
     _pattern("rms_norm/haiku.RMSNorm", "rms_norm", haiku_rms_norm, 1, _param_dtypes(ALL), "*scale"),
     *(_pattern(f"layer_norm/{fn.__name__}", "layer_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
       for n in (0, 1, 2) for fn in (haiku_layer_norm(n), equinox_layer_norm(n))),
+    *(_pattern(f"rms_norm/{fn.__name__}", "rms_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
+      for n in (1, 2) for fn in (equinox_rms_norm(n),)),
 ]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [

@@ -518,10 +518,11 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, residual=None, ou
     return _norm("layer_norm", x, scale, bias, eps, residual, backend, False, out_dtype)
 
 
-def rms_norm(x, scale=None, eps: float = 1e-6, *, residual=None, out_dtype=None,
+def rms_norm(x, scale=None, eps: float = 1e-6, *, bias=None, residual=None, out_dtype=None,
              backend: str | None = None):
-    """RMSNorm over the last axis, float32 math; with `residual`, as `layer_norm`."""
-    return _norm("rms_norm", x, scale, None, eps, residual, backend, True, out_dtype)
+    """RMSNorm over the last axis, float32 math, then `* scale + bias` (a bias, as Equinox's RMSNorm
+    has by default); with `residual`, as `layer_norm`."""
+    return _norm("rms_norm", x, scale, bias, eps, residual, backend, True, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
