@@ -131,17 +131,20 @@ def standardize(x, *, eps):
     return jax.nn.standardize(x, axis=-1, epsilon=eps)
 
 
-def haiku_layer_norm(n_params: int):
-    """hk.LayerNorm(-1, create_scale, create_offset) as Haiku computes it, in x's dtype: the scale
-    folded into the inverse deviation first, `scale * rsqrt(var + eps) * (x - mean) + offset`
-    (without a scale or offset, Haiku multiplies by 1 and adds 0 of x's dtype)."""
+def haiku_layer_norm(n_params: int, fast: bool = False):
+    """hk.LayerNorm(-1, create_scale, create_offset, use_fast_variance=fast) as Haiku computes it,
+    in x's dtype: the scale folded into the inverse deviation first, `scale * rsqrt(var + eps) *
+    (x - mean) + offset` (without a scale or offset, Haiku multiplies by 1 and adds 0 of x's dtype);
+    the fast variance is E[x^2] - E[x]^2 (the kernels' two-pass variance agrees where it does not cancel)."""
     def fn(x, *params, eps):
         scale = params[0] if params else np.array(1.0, x.dtype)
         offset = params[1] if len(params) > 1 else np.array(0.0, x.dtype)
-        variance = jnp.var(x, -1, keepdims=True)
+        mean = jnp.mean(x, -1, keepdims=True)
+        variance = (jnp.mean(jnp.square(x), -1, keepdims=True) - jnp.square(mean) if fast
+                    else jnp.var(x, -1, keepdims=True))
         inv = scale * jax.lax.rsqrt(variance + jax.lax.convert_element_type(eps, variance.dtype))
-        return inv * (x - jnp.mean(x, -1, keepdims=True)) + offset
-    fn.__name__ = f"haiku.LayerNorm({n_params} params)"
+        return inv * (x - mean) + offset
+    fn.__name__ = f"haiku.LayerNorm({n_params} params{', fast variance' if fast else ''})"
     return fn
 
 
@@ -282,7 +285,7 @@ PATTERNS = _spellings() + [
     _pattern("layer_norm/jax.nn.standardize", "layer_norm", standardize, 0, _param_dtypes(ALL)),
     _pattern("rms_norm/haiku.RMSNorm", "rms_norm", haiku_rms_norm, 1, _param_dtypes(ALL), "*scale"),
     *(_pattern(f"layer_norm/{fn.__name__}", "layer_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
-      for n in (0, 1, 2) for fn in (haiku_layer_norm(n), equinox_layer_norm(n))),
+      for n in (0, 1, 2) for fn in (haiku_layer_norm(n), haiku_layer_norm(n, fast=True), equinox_layer_norm(n))),
     *(_pattern(f"rms_norm/{fn.__name__}", "rms_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
       for n in (1, 2) for fn in (equinox_rms_norm(n),)),
 ]
