@@ -154,34 +154,23 @@ def haiku_rms_norm(x, scale, *, eps):
     return x * jnp.broadcast_to(scale, x.shape) * jax.lax.rsqrt(mean_squared + eps)
 
 
-def equinox_rms_norm(n_params: int):
-    """eqx.nn.RMSNorm (one example, mapped by jax.vmap): in float32, `rsqrt(mean(x**2) + eps) * x`,
-    then `weight * out + bias` (a bias by default)."""
+def equinox_norm(op: str, n_params: int):
+    """eqx.nn.LayerNorm / RMSNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result
+    cast back); the layer norm's variance clamped at 0, the RMS norm's `rsqrt(mean(x**2) + eps) * x`
+    (one row's mean: a scalar, mapped); then `weight * out + bias` (the RMS norm's bias too, by default)."""
     def fn(x, *params, eps):
         h = x.astype(jnp.result_type(x.dtype, F32))
-        out = jax.lax.rsqrt(jnp.mean(h ** 2, -1) + eps)[..., None] * h  # (one row's mean: a scalar, mapped)
+        if op == "rms_norm":
+            out = jax.lax.rsqrt(jnp.mean(h ** 2, -1) + eps)[..., None] * h
+        else:
+            variance = jnp.maximum(0.0, jnp.var(h, -1, keepdims=True))
+            out = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(variance + eps)
         if params:
             out = params[0].astype(h.dtype) * out
         if len(params) > 1:
             out = out + params[1].astype(h.dtype)
         return out.astype(x.dtype)
-    fn.__name__ = f"equinox.nn.RMSNorm({n_params} params)"
-    return fn
-
-
-def equinox_layer_norm(n_params: int):
-    """eqx.nn.LayerNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result cast
-    back), the variance clamped at 0, `weight * out + bias`."""
-    def fn(x, *params, eps):
-        h = x.astype(jnp.result_type(x.dtype, F32))
-        variance = jnp.maximum(0.0, jnp.var(h, -1, keepdims=True))
-        out = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(variance + eps)
-        if params:
-            out = params[0].astype(h.dtype) * out
-        if len(params) > 1:
-            out = out + params[1].astype(h.dtype)
-        return out.astype(x.dtype)
-    fn.__name__ = f"equinox.nn.LayerNorm({n_params} params)"
+    fn.__name__ = f"equinox.nn.{'RMSNorm' if op == 'rms_norm' else 'LayerNorm'}({n_params} params)"
     return fn
 
 
@@ -284,10 +273,11 @@ def _spellings():
 PATTERNS = _spellings() + [
     _pattern("layer_norm/jax.nn.standardize", "layer_norm", standardize, 0, _param_dtypes(ALL)),
     _pattern("rms_norm/haiku.RMSNorm", "rms_norm", haiku_rms_norm, 1, _param_dtypes(ALL), "*scale"),
-    *(_pattern(f"layer_norm/{fn.__name__}", "layer_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
-      for n in (0, 1, 2) for fn in (haiku_layer_norm(n), haiku_layer_norm(n, fast=True), equinox_layer_norm(n))),
-    *(_pattern(f"rms_norm/{fn.__name__}", "rms_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
-      for n in (1, 2) for fn in (equinox_rms_norm(n),)),
+    *(_pattern(f"{op}/{fn.__name__}", op, fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
+      for op, n, fn in (*(("layer_norm", n, f) for n in (0, 1, 2) for f in (haiku_layer_norm(n),
+                                                                          haiku_layer_norm(n, fast=True),
+                                                                          equinox_norm("layer_norm", n))),
+                        *(("rms_norm", n, equinox_norm("rms_norm", n)) for n in (1, 2)))),
 ]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [
