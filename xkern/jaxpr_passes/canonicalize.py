@@ -32,7 +32,10 @@ and dead equations found.
   maximum taken with -inf, its gradient stopped), so its patterns (and attention's) see one
   spelling. Only where nothing else reads the maximum, the exps or their sum: the softmax does not
   change when its inputs shift together, so no gradient flows through the maximum and stopping it
-  changes nothing; `m + log(sum(exp(x - m)))` sharing them is another function.
+  changes nothing; `m + log(sum(exp(x - m)))` sharing them is another function. (A sum cast back
+  before it is broadcast, bf16 `e / e.sum(-1)[..., None]`, is broadcast first, as jax.nn.softmax
+  does.) The stop_gradient is marked: where no kernel takes the softmax, the program runs it as
+  the identity it was (_compat.run_equation), so its bf16 gradient is the one written.
 The program is re-traced through an interpreter that does all seven (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
@@ -227,7 +230,6 @@ def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
             convert = _only_reader(total.outvars[0], readers)
             swaps[convert.outvars[0]] = _only_reader(convert.outvars[0], readers)
     return found
-
 
 
 def _plain(value) -> bool:
