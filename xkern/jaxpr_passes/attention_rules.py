@@ -625,17 +625,16 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 
 
 def _bias_trained(perturbed: list[bool], params: dict) -> str | None:
-    """Why a call that differentiates the bias (a learned one: T5's relative-position table) runs as written: its
-    gradient is the scores' (dS), which the kernels do not write, so XLA recomputes the scores for
-    it, and the kernels' work is on top of XLA's. H200, T5's b32 s512 h16 d64: 0.83x jax.jit with the
-    table's gradient, against 1.18x for the forward alone (h200-attention-t5-session39.json). Such a
-    call runs the program as written (jax.jit's); the forward alone, and training where the bias is a
-    constant or a mask, keep the kernels."""
+    """Pattern.xla_when: why a call that differentiates the bias (a learned one: T5's relative-position
+    table) runs as written, or None. The bias's gradient is the scores' (dS), which the kernels do not
+    write, so XLA recomputes the scores for it, and the kernels' work is on top of XLA's. H200, T5's
+    b32 s512 h16 d64: 0.83x jax.jit with the table's gradient, against 1.18x for the forward alone
+    (h200-attention-t5-session39.json). Such a call runs the program as written (jax.jit's); the
+    forward alone, and training where the bias is a constant or a mask, keep the kernels."""
     if params.get("bias_kind") is None and perturbed[3]:
         return ("this call differentiates the bias, whose gradient needs the scores the kernels do not write "
                 "(XLA would recompute them beside the kernels): run as written")
     return None
-
 
 
 def _producing(graph, var, name: str):
