@@ -569,6 +569,25 @@ def test_jax_nn_key_padding_mask_without_grouped_heads():
         close(g, w, jnp.bfloat16)
 
 
+def test_jax_nn_with_a_padding_bias_made_in_the_program_is_found():
+    # jnp.where(mask, 0., -1e9) is weakly typed (Python numbers): jax.nn casts it to float32 before
+    # adding it, a cast the canonical form drops, so the bias templates meet it.
+    q, k, v, do = make(2, 12, 12, 4, 2, 16, jnp.bfloat16, seed=17)
+
+    def f(q, k, v, lengths):
+        bias = jnp.where(jnp.arange(12)[None, :] < lengths[:, None], 0.0, -1e9)[:, None, None, :]
+        return jax.nn.dot_product_attention(q, k, v, bias=bias)
+    lengths = jnp.array([7, 12])
+    [match] = [m for m in xkern.explain(f)(q, k, v, lengths).matches if m.pattern.startswith("attention")]
+    assert match.pattern.startswith("attention/jax.nn.dot_product_attention+bias")
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, lengths), jax.jit(f)(*f32, lengths), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v, lengths).astype(jnp.float32) * do.astype(jnp.float32)))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v),
+                    jax.jit(jax.grad(loss(f), (0, 1, 2)))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 def _by_hand_masked(layout, fill, mask=None, bias=None, upcast=True):
     """A hand-written attention with a boolean mask applied by `where` (fill) or an additive bias."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd")}[layout]

@@ -236,6 +236,26 @@ def test_a_hand_written_softmax_no_kernel_takes_keeps_its_own_gradient():
     assert not np.array_equal(np.asarray(stopped, np.float32), np.asarray(want, np.float32))
 
 
+def test_canonical_form_drops_casts_that_only_make_a_weak_type_strong():
+    """A cast to a value's own dtype from a weakly typed one (jnp.where of Python numbers) computes
+    nothing: readers take the value itself, and an output keeps its type (strong, as written)."""
+    def f(mask, x):
+        weak = jnp.where(mask, 0.0, -1e9)  # float32, weakly typed
+        strong = jax.lax.convert_element_type(weak, jnp.float32)
+        return x + strong, strong, strong.astype(jnp.bfloat16)
+    mask, x = rand((4, 6)) > 0, rand((4, 6), seed=4)
+    closed = jax.make_jaxpr(f)(mask, x)
+    converts = lambda closed: [e.params["new_dtype"] for e in closed.jaxpr.eqns
+                               if e.primitive.name == "convert_element_type"]
+    assert converts(closed) == [jnp.float32, jnp.bfloat16]
+    canonical = canonicalize(closed)
+    assert converts(canonical) == [jnp.bfloat16, jnp.float32]  # the one to float32: the output's, at the end
+    assert [v.aval.weak_type for v in canonical.jaxpr.outvars] == [False] * 3
+    for got, want in zip(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, mask, x), f(mask, x)):
+        np.testing.assert_array_equal(got, want)
+    assert canonicalize(canonical) is canonical
+
+
 def test_canonical_form_broadcasts_a_constant_once():
     """jax.vmap broadcasts a literal twice (to the example's shape, then over the batch), where the
     unmapped program broadcasts it once: the canonical form has the one broadcast, so patterns

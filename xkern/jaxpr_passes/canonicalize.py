@@ -36,7 +36,12 @@ and dead equations found.
   before it is broadcast, bf16 `e / e.sum(-1)[..., None]`, is broadcast first, as jax.nn.softmax
   does.) The stop_gradient is marked: where no kernel takes the softmax, the program runs it as
   the identity it was (_compat.run_equation), so its bf16 gradient is the one written.
-The program is re-traced through an interpreter that does all seven (source info kept).
+- Weak types dropped, not cast: `convert_element_type` to a value's own dtype, only making a weakly
+  typed value (`jnp.where(mask, 0., -1e9)`, a Python number's array) strongly typed, computes
+  nothing, but stands between a pattern's equations (jax.nn.dot_product_attention casts such a
+  bias; a strongly typed one it does not). Readers take the weak value; the program's outputs keep
+  their types (cast back at the end where one became weak).
+The program is re-traced through an interpreter that does all eight (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -113,9 +118,10 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
                          source_info=source_info)
 
 
-def _read_vars(jaxpr) -> set:
-    """The values some equation of `jaxpr` reads, or its outputs."""
-    return {v for v in (*jaxpr.outvars, *(u for e in jaxpr.eqns for u in e.invars)) if not isinstance(v, Literal)}
+def _read_vars(jaxpr, outputs: bool = True) -> set:
+    """The values some equation of `jaxpr` reads, or its outputs (unless not `outputs`)."""
+    return {v for v in (*(jaxpr.outvars if outputs else ()), *(u for e in jaxpr.eqns for u in e.invars))
+            if not isinstance(v, Literal)}
 
 
 def _iota_broadcast(eqn, producers: dict):
@@ -232,6 +238,16 @@ def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
     return found
 
 
+def _weak_cast(eqn, eqn_reads: set) -> bool:
+    """Whether `eqn` only makes a weakly typed value strongly typed (the same dtype) for equations
+    (eqn_reads: the values equations read) to read. (One only an output reads stays: the cast back.)"""
+    if (eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], Literal)
+            or eqn.outvars[0] not in eqn_reads):
+        return False
+    aval = eqn.invars[0].aval
+    return aval.weak_type and not eqn.params.get("weak_type") and aval.dtype == eqn.params["new_dtype"]
+
+
 def _plain(value) -> bool:
     """Whether a param is plain data (so equal params mean the same computation), not a jaxpr or a
     function."""
@@ -263,7 +279,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
-    swaps = {}
+    swaps, eqn_reads = {}, _read_vars(jaxpr, outputs=False)
     softmax_maxima = _hand_softmaxes(jaxpr, swaps)
     kept_maxima, swapped = set(softmax_maxima.values()), {id(b) for b in swaps.values()}
     for eqn in jaxpr.eqns:
@@ -282,6 +298,9 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             kept = bind_equation(eqn, [read(v) for v in eqn.invars], source_info=source_info)[0]
             with jax.named_scope(_compat.HAND_SOFTMAX_SCOPE):
                 env[eqn.outvars[0]] = jax.lax.stop_gradient(kept)
+            continue
+        if _weak_cast(eqn, eqn_reads):
+            env[eqn.outvars[0]] = read(eqn.invars[0])
             continue
         squared = _squared(eqn)
         if squared is not None:
@@ -310,7 +329,10 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             if key is not None:
                 seen[key] = (outs, invals)  # invals kept alive: their ids are in the key
         env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    # (an output that a dropped cast left weakly typed is cast as the program's was)
+    return [jax.lax.convert_element_type(read(v), v.aval.dtype)
+            if not isinstance(v, Literal) and not v.aval.weak_type and getattr(read(v), "weak_type", False)
+            else read(v) for v in jaxpr.outvars]
 
 
 def _needs_rewriting(jaxpr) -> bool:
@@ -318,8 +340,10 @@ def _needs_rewriting(jaxpr) -> bool:
     if _hand_softmaxes(jaxpr):
         return True
     keys, filled, iotas, transposes, read_vars = set(), {}, {}, {}, _read_vars(jaxpr)
+    eqn_reads = _read_vars(jaxpr, outputs=False)
     for eqn in jaxpr.eqns:
         if (_inlined_body(eqn, read_vars) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
+                or _weak_cast(eqn, eqn_reads)
                 or _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes)):
             return True
         _note_filled(eqn, filled, None)
