@@ -258,6 +258,16 @@ def _levanter(s):
     return attend
 
 
+def _folded(q, k, v, rng):
+    """diffusers' Flax attention (Stable Diffusion's UNet): the heads folded into the batch
+    (head_to_batch_dim), scores "b i d, b j d -> b i j" times dim_head ** -0.5, softmax, @ v, unfolded."""
+    b, s, h, d = q.shape
+    fold = lambda x: x.transpose(0, 2, 1, 3).reshape(b * h, x.shape[1], d)
+    scores = jnp.einsum("b i d, b j d->b i j", fold(q), fold(k)) * d ** -0.5
+    out = jnp.einsum("b i j, b j d -> b i d", jax.nn.softmax(scores, axis=-1), fold(v))
+    return out.reshape(b, h, s, d).transpose(0, 2, 1, 3)
+
+
 def _t5(b, s, h, table=None):
     """T5's attention (t5x's layers): unscaled scores in float32 plus a relative-position bias per
     head [1, h, q, k] (from a table of 32 buckets, here clipped offsets) and a padding bias (the
@@ -310,7 +320,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
-    table's gradient). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    table's gradient), diffusers' (heads folded into the batch, head dims 40 and 64). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -330,7 +340,9 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                _maxtext(4, 4096, 8, True), 2),
               ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
               ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
-              ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1)]
+              ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1),
+              ("diffusers Flax (SD 1.5 UNet): heads folded into the batch, d 40", (2, 4096, 8, 40), _folded, 1),
+              ("diffusers Flax (SDXL UNet): heads folded into the batch, d 64", (2, 4096, 10, 64), _folded, 1)]
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8}
     if not on_gpu:
         kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1, "by hand: GQA": 1}

@@ -820,6 +820,28 @@ def test_multi_query_attention_with_kv_of_no_heads_dim_is_found(form):
     _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
+@pytest.mark.parametrize("form", ["diffusers' einsums, cross-attention", "matmuls, float32 softmax, causal"])
+def test_heads_folded_into_the_batch_are_found(form):
+    """q, k, v [batch * heads, seq, d], as diffusers' Flax attention (Stable Diffusion's UNet) and
+    code that folds the heads into the batch write it: each entry is a batch of one head for the
+    kernels. Cross-attention (fewer keys than queries, not a tile's multiple) and a causal tril."""
+    cross = form.startswith("diffusers")
+    q, k, v, do = make(6, 13, 7 if cross else 13, 1, 1, 16, jnp.bfloat16, seed=52)
+    q, k, v, do = (a[:, :, 0] for a in (q, k, v, do))
+
+    def f(q, k, v):
+        if cross:
+            scores = jnp.einsum("b i d, b j d->b i j", q, k) * 16 ** -0.5
+            return jnp.einsum("b i j, b j d -> b i d", jax.nn.softmax(scores, axis=-1), v)
+        scores = q @ k.transpose(0, 2, 1) / jnp.sqrt(16).astype(q.dtype)
+        scores = jnp.where(jnp.tril(jnp.ones((13, 13), bool)), scores, -jnp.inf)
+        return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype) @ v
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum[bsd]")
+    assert ("+causal" in match.pattern) != cross
+    _equals_jax_jit_in_float32(f, q, k, v, do)
+
+
 @pytest.mark.parametrize("form", ["jnp.repeat, then [b, h, s, d] matmuls", "repeat_kv (broadcast, reshape)",
                                   "jnp.tile (not GQA's grouping)"])
 def test_kv_heads_repeated_by_the_program_are_read_once(form):

@@ -547,6 +547,9 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     assert cost.decline_reason("attention", bshd, {"scale": 0.125}, "triton") is None
     assert "too small" in cost.decline_reason("attention", [ShapedArray((1, 16, 2, 64), jnp.bfloat16)] * 3,
                                               {"scale": 0.125}, "triton")
+    folded = lambda b, sq, sk: [ShapedArray((b, sq, 40), jnp.bfloat16)] + [ShapedArray((b, sk, 40), jnp.bfloat16)] * 2
+    assert cost.decline_reason("attention", folded(16, 4096, 4096), {}, "triton") is None  # heads in the batch
+    assert "too small" in cost.decline_reason("attention", folded(16, 256, 77), {}, "triton")
     # decoding by the cache's bytes: XLA reads a grouped cache at ~1.2 TB/s, one k/v head per q head
     # (or a batch of 1) at ~3.4; a small cache stays with XLA (h200-decode-session16.json)
     step = lambda b, h, hk, sk: [ShapedArray((b, 1, h, 128), jnp.bfloat16)] + [ShapedArray((b, sk, hk, 128),

@@ -12,7 +12,8 @@ an optional causal mask from tril / iota applied with a -inf
 applied with `where` and a large negative fill, or an additive bias (float mask) of those shapes,
 softmax (jax.nn's, in float32 for half-precision inputs or not), einsum with v, in the
 [batch, seq, heads, dim] layout or the [batch, heads, seq, dim] one (whose replacement transposes
-in and out). The scale and the fill are read off the program.
+in and out), or with the heads folded into the batch, [batch * heads, seq, dim] (diffusers' Flax
+attention: each entry a batch of one head). The scale and the fill are read off the program.
 
 jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
 masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
@@ -178,6 +179,10 @@ SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q
 # Multi-query attention with k and v of no heads dim ([b, k, d]; PaLM's einsum "bhid,bjd->bhij"),
 # q [b, h, q, d]: the kernels take one k/v head.
 MQA = "bhsd,mqa"
+# Heads folded into the batch: q, k, v [batch * heads, seq, d] (diffusers' Flax attention, Stable
+# Diffusion's UNet: "b i d, b j d -> b i j"; `q @ k.transpose(0, 2, 1)` after a head_to_batch_dim):
+# the kernels take each entry as a batch of one head.
+FOLDED = "bsd"
 
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
@@ -204,7 +209,7 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     upcast_first (with `upcast`): the scores are cast to float32 before the mask and the causal where,
     not after them (the fill is then a float32 literal)."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
-              "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"),
+              "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"), FOLDED: ("bqd,bkd->bqk", "bqk,bkd->bqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
     def qk_einsum(q, k, **kw):  # Gemma's GQA: q's heads grouped by k/v head, scores [b, q, heads, k]
@@ -341,10 +346,12 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
         q, k, v = match.input_avals[:3]
         if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
             return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
-        if q.ndim != 4 or k.ndim != (3 if layout == MQA else 4) or k.shape != v.shape:
-            return "not 4-D q, k, v" if layout != MQA else "not 4-D q and 3-D k, v"
+        rank = {MQA: (4, 3), FOLDED: (3, 3)}.get(layout, (4, 4))
+        if (q.ndim, k.ndim) != rank or k.shape != v.shape:
+            return f"not {rank[0]}-D q and {rank[1]}-D k, v"
         heads_dim = 1 if layout.startswith("bhsd") else 2
-        d, heads, kv_heads = q.shape[3], q.shape[heads_dim], 1 if layout == MQA else k.shape[heads_dim]
+        d, heads = q.shape[-1], 1 if layout == FOLDED else q.shape[heads_dim]
+        kv_heads = 1 if layout in (MQA, FOLDED) else k.shape[heads_dim]
         if d > kernels.MAX_HEAD_DIM:
             return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
         if kv_heads == 0 or heads % kv_heads:
@@ -518,9 +525,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     shapes = shapes or MASK_SHAPES
 
     def example(dtype):
-        q = jax.ShapeDtypeStruct((2, 8, 4, 16), dtype)
+        q = jax.ShapeDtypeStruct((8, 8, 16) if layout == FOLDED else (2, 8, 4, 16), dtype)
         kv = jax.ShapeDtypeStruct((2, 8, 2, 16) if getattr(fn, "grouped", False) else (2, 4, 16) if layout == MQA
-                                  else (2, 8, 4, 16), dtype)
+                                  else q.shape, dtype)
         b, s, h = (2, 4, 8) if layout.startswith("bhsd") else (2, 8, 4)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
         bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
@@ -571,6 +578,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             scale = 1 / scale
         if layout == MQA:  # k, v [b, k, d]: one k/v head
             q, k, v = q.transpose(0, 2, 1, 3), k[:, :, None], v[:, :, None]
+        elif layout == FOLDED:  # [b * h, s, d]: a batch of one head each
+            q, k, v = (a[:, :, None] for a in (q, k, v))
         elif layout == "bhsd":
             q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))
         mask = extras[-1] if with_mask and mask_kind is None else hidden_by_bias
@@ -597,7 +606,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
-        return out.transpose(0, 2, 1, 3) if layout.startswith("bhsd") else out
+        return out.transpose(0, 2, 1, 3) if layout.startswith("bhsd") else out[:, :, 0] if layout == FOLDED else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
                       **(dict(zip(("left", "right"), EXAMPLE_WINDOW)) if window else {}),
@@ -621,7 +630,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
                    split_dims=_split_dims(layout), xla_when=_bias_trained if with_bias else None,
-                   substitutes=None if getattr(fn, "grouped", False) else _unrepeated_kv(layout))
+                   substitutes=None if getattr(fn, "grouped", False) or layout == FOLDED else _unrepeated_kv(layout))
 
 
 def _bias_trained(perturbed: list[bool], params: dict) -> str | None:
@@ -696,7 +705,7 @@ def _split_dims(layout: str):
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
     where the scores are ordered so)."""
     heads = 1 if layout.startswith("bhsd") else 2
-    return lambda i, ndim: ({0} if layout == MQA and i in (1, 2) else {0, heads} if i < 3
+    return lambda i, ndim: ({0} if layout == MQA and i in (1, 2) or layout == FOLDED else {0, heads} if i < 3
                             else {0, 2 if layout.startswith("bqhk") else 1})
 
 
@@ -718,6 +727,10 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast e
                       causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd", MQA) for causal in (False, True) for upcast in (False, True)
              for scaling in NUMBER_SCALINGS]
+# Heads folded into the batch (diffusers' Flax attention), causal or not.
+PATTERNS += [_pattern(by_hand(FOLDED, causal, upcast, scaling), HALF if upcast else ALL, layout=FOLDED,
+                      causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
+             for causal in (False, True) for upcast in (False, True) for scaling in NUMBER_SCALINGS]
 # A mask of the keys hidden, applied as where(hidden, fill, scores) (nanoGPT's `tril == 0`).
 PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=True), HALF if upcast else ALL,
                       layout=layout, with_mask=mask, fill=True, shapes=SCORE_SHAPES, scaling=scaling,

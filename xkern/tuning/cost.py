@@ -10,6 +10,8 @@ a call) than with those declined.
 """
 from __future__ import annotations
 
+import types
+
 import numpy as np
 
 CUSTOM_CALL_US = 6.7
@@ -102,6 +104,8 @@ def _attention(avals, params) -> str | None:
     accept): sequences are longer than head counts wherever the estimate matters. Decoding (few
     queries against a cache) is bound by reading the cache instead: see _decoding."""
     q, k = avals[0], avals[1]
+    if q.ndim == 3:  # heads folded into the batch, [b * h, s, d]: one head each
+        q, k = (_one_head(a) for a in (q, k))
     d = q.shape[-1]
     if (reason := _decoding(q, k, avals[3:])) != "not decoding":
         return reason
@@ -112,6 +116,12 @@ def _attention(avals, params) -> str | None:
         return None
     return (f"too small: {flops / 1e9:.2f} GFLOP; estimated {ours:.1f} us as a kernel vs {xla:.1f} us "
             f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
+
+
+def _one_head(aval):
+    """A [b, s, d] aval as [b, s, 1, d]."""
+    return types.SimpleNamespace(shape=(aval.shape[0], aval.shape[1], 1, aval.shape[2]), dtype=aval.dtype,
+                                 ndim=4)
 
 
 # Attention with dropout, H200 bf16, flax's dropout_rate 0.1 with a padding mask: XLA's program, which
