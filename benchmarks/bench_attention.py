@@ -127,10 +127,11 @@ def _dropout_cases(on_gpu: bool) -> list[Case]:
                      3e-2, int(3.5 * flops), memory=True)]
     return out
 
-def _hf_flax(b, s, causal, dropout):
+def _hf_flax(b, s, causal, dropout, weights_dtype=None):
     """Attention as HF's Flax ports write it: the padding (and causal) mask made a bias of 0 or
     finfo.min, then flax's dot_product_attention_weights (dropout broadcast over batch and heads) and
-    the einsum with v. The last 1/8 of each row's keys are padding."""
+    the einsum with v. The last 1/8 of each row's keys are padding. weights_dtype: float32 as EasyLM's
+    LLaMA asks (q and k promoted; a float32 result), else q's."""
     import flax.linen as nn
     mask = jnp.broadcast_to(jnp.arange(s) < s - s // 8, (b, 1, 1, s))
     if causal:
@@ -139,7 +140,8 @@ def _hf_flax(b, s, causal, dropout):
     def attend(q, k, v, rng):
         bias = jax.lax.select(mask > 0, jnp.zeros(mask.shape, q.dtype), jnp.full(mask.shape, jnp.finfo(q.dtype).min))
         weights = nn.dot_product_attention_weights(q, k, bias=bias, dropout_rng=rng, dropout_rate=dropout,
-                                                   broadcast_dropout=True, deterministic=dropout == 0, dtype=q.dtype)
+                                                   broadcast_dropout=True, deterministic=dropout == 0,
+                                                   dtype=weights_dtype or q.dtype)
         return jnp.einsum("...hqk,...khd->...qhd", weights, v)
     return attend
 
@@ -316,7 +318,8 @@ def _vjp_at(f, args, do):
 
 def _spelling_cases(on_gpu: bool) -> list[Case]:
     """Spellings from real models, under xkern.optimize against the same program under jax.jit:
-    HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias), a float32 product
+    HF Flax BERT (padding bias, dropout 0.1), HF Flax Llama (causal + padding bias; EasyLM's, float32
+    weights), a float32 product
     by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
@@ -325,6 +328,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
               ("HF Flax Llama: causal + padding bias", (4, 4096, 32, 128), _hf_flax(4, 4096, True, 0.0), 2),
+              ("HF Flax (EasyLM's LLaMA): float32 weights, causal + padding bias", (4, 4096, 32, 128),
+               _hf_flax(4, 4096, True, 0.0, jnp.float32), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
@@ -346,7 +351,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8}
     if not on_gpu:
         kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1, "by hand: GQA": 1}
-        cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0)
+        cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0,
+                                               jnp.float32 if "float32 weights" in n else None)
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else
                    _gpt_oss(1, 40, 2, 8 if "window" in n else None) if "gpt-oss" in n else
                    _maxtext(1, 40, 1, "float32" in n) if "MaxText" in n else

@@ -1059,10 +1059,12 @@ def test_scores_ordered_b_q_h_k_are_found(form, pattern, kernel_causal):
         assert np.abs(np.asarray(got[1, 5, 2], np.float32)).max() > 0
 
 
-@pytest.mark.parametrize("form", ["padding", "causal and padding", "padding, dropout"])
+@pytest.mark.parametrize("form", ["padding", "causal and padding", "padding, dropout",
+                                  "EasyLM: float32 weights, causal and padding"])
 def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
     """HF's Flax ports turn their masks into a bias (0 or finfo.min, in the model's dtype) and call
     flax's dot_product_attention_weights with it (and dropout when training), then the einsum with v.
+    EasyLM's LLaMA asks for float32 weights (q and k promoted): a float32 result.
     An entry whose every key is padding averages every value, and its gradient reaches q and k through
     the bias's add, as under XLA (with dropout, formed 3 queries at a time here)."""
     import flax.linen as nn
@@ -1074,22 +1076,25 @@ def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
     q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=21)
     valid = jnp.arange(s)[None, :] < jnp.array([s, 11, 0])[:, None]
     mask = valid[:, None, None, :]
-    if form == "causal and padding":
+    if form.endswith("causal and padding"):
         mask = nn.combine_masks(mask, nn.make_causal_mask(jnp.ones((b, s)), dtype=bool))
-    dropout = form.endswith("dropout")
+    dropout, easylm = form.endswith("dropout"), form.startswith("EasyLM")
 
     def f(q, k, v, mask=mask):
         bias = jax.lax.select(mask > 0, jnp.full(mask.shape, 0.0).astype(q.dtype),
                               jnp.full(mask.shape, jnp.finfo(q.dtype).min).astype(q.dtype))
         weights = nn.dot_product_attention_weights(q, k, bias=bias, dropout_rng=jax.random.key(2),
                                                    dropout_rate=0.1 if dropout else 0.0, broadcast_dropout=True,
-                                                   deterministic=not dropout, dtype=q.dtype)
+                                                   deterministic=not dropout,
+                                                   dtype=jnp.promote_types(q.dtype, jnp.float32) if easylm else q.dtype)
         return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
     [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.pattern.startswith("attention/")]
-    assert match.pattern == f"attention/flax.linen.dot_product_attention+bias(broadcast){'+dropout' * dropout}"
+    assert match.pattern == ("attention/flax.linen.dot_product_attention_weights(float32)+bias(broadcast)" if easylm
+                             else f"attention/flax.linen.dot_product_attention+bias(broadcast){'+dropout' * dropout}")
     assert match.params.get("bias_kind") == "mask"  # run as a mask: its tile lists skip what it hides
     got, want = xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v)
+    assert got.dtype == want.dtype == (jnp.float32 if easylm else jnp.bfloat16)
     assert np.abs(np.asarray(got[2], np.float32)).max() > 0  # the all-padding entry: the mean of v
     close(got, want, jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))

@@ -132,6 +132,19 @@ def flax_attention(mask: str | None, bias: str | None = None, force_fp32: bool =
     return fn
 
 
+def flax_float32_weights(bias: str):
+    """flax.linen.dot_product_attention_weights with dtype=float32 (q and k promoted to it), then the
+    einsum with v in its own dtype: a float32 result (EasyLM's LLaMA: its weights' dtype
+    jnp.promote_types(dtype, float32), with an HF-style bias in q's dtype)."""
+    def fn(q, k, v, *extras):
+        import flax.linen as nn
+        weights = nn.dot_product_attention_weights(q, k, bias=extras[0], dtype=jnp.float32)
+        return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+    fn.__name__ = f"flax.linen.dot_product_attention_weights(float32)+bias{bias}"
+    fn.float32_out = True
+    return fn
+
+
 def flax_attention_dropout(mask: str | None, bias: str | None = None):
     """flax.linen.dot_product_attention with dropout (dropout_rate > 0, not deterministic): the
     probabilities times a multiplier made from random bits (the last input: how it is made, broadcast
@@ -787,6 +800,9 @@ if FLAX:
     PATTERNS += [_pattern(flax_attention(None, bias), ALL, params=False, with_bias=bias, shapes=SCORE_SHAPES,
                           float32_bias=False, scaling="/sqrt(d)") for bias in SCORE_SHAPES]
 # (flax.linen.dot_product_attention without a mask is one of them: with flax installed, its name is kept.)
+if FLAX:
+    PATTERNS += [_pattern(flax_float32_weights(bias), HALF, params=False, with_bias=bias, shapes=SCORE_SHAPES,
+                          float32_bias=False) for bias in SCORE_SHAPES]
 # Where the scale and the float32 cast come elsewhere: q scaled before the product (with a mask, as
 # flax writes it), the product in float32 (preferred_element_type) or cast to it, then scaled.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", scaling, mask=mask, scores=scores),
