@@ -1,4 +1,5 @@
-"""xkern rope against the same math under jax.jit, both layouts, half-width float32 tables.
+"""xkern rope against the same math under jax.jit, both layouts, half-width float32 tables; and
+Meta's Llama spelling (pairs as complex numbers times freqs_cis) under xkern.optimize vs jax.jit.
 
 Minimum bytes: the forward reads x and writes y (2 tensors); forward+backward returns y and dx, so
 it also reads dy and writes dx (4 tensors). The tables (cos and sin, [seq, head_dim / 2] float32)
@@ -9,7 +10,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import xkern
 from benchmarks.harness import Case
+from xkern.jaxpr_passes.rope_rules import complex_form, precision
 from xkern.kernels.rope import reference, rope
 
 
@@ -25,10 +28,15 @@ def cases(on_gpu: bool) -> list[Case]:
         return (jax.random.normal(kx, shape, jnp.bfloat16), jnp.cos(angles), jnp.sin(angles),
                 jax.random.normal(kd, shape, jnp.bfloat16))
 
+    def metas(x, c, s):  # q upcast, times cos + i sin as complex pairs, cast back
+        return precision(complex_form, "upcast")(x, jax.lax.complex(c, s)[None, :, None, :])
+
     out = []
-    for name, interleaved in (("rope", False), ("rope interleaved", True)):
-        ours = lambda x, c, s, interleaved=interleaved: rope(x, c, s, interleaved=interleaved)
-        ref = lambda x, c, s, interleaved=interleaved: reference(x, c, s, interleaved)
+    for name, interleaved, ours, ref in (
+            ("rope", False, lambda x, c, s: rope(x, c, s), lambda x, c, s: reference(x, c, s, False)),
+            ("rope interleaved", True, lambda x, c, s: rope(x, c, s, interleaved=True),
+             lambda x, c, s: reference(x, c, s, True)),
+            ("rope, Meta's Llama complex form, xkern.optimize vs jax.jit", True, xkern.optimize(metas), metas)):
         fwd = lambda f: (lambda x, c, s, dy: f(x, c, s))
 
         def both(f):  # value and x-gradient, as in a training step

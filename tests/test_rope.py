@@ -179,7 +179,12 @@ def test_bad_input_names_the_argument():
 # --------------------------------------------------------------------------------------------------
 
 def _pattern_args(pattern, example, shape=(2, 5, 3, 8), seed=0):
-    """x and tables for `pattern`'s example (x dtype, table dtype, table of lower rank than x)."""
+    """x and tables for `pattern`'s example (x dtype, table dtype, table of lower rank than x; for
+    the complex form, whether the table is of lower rank: its one table, cos + i sin)."""
+    if "complex" in pattern.name:
+        x, cos, sin, _ = make(shape, pattern.example(example)[0].dtype, False, seed)
+        table = jax.lax.complex(cos, sin)
+        return x, table[:, None, :] if example else table[None, :, None, :]
     x_dtype, table_dtype, fewer = example
     form = max((f for f in rope_rules.FORMS if pattern.name[len("rope/"):].startswith(f)), key=len)
     x, cos, sin, _ = make(shape, x_dtype, rope_rules.FORMS[form][2], seed, table_dtype)
@@ -201,12 +206,12 @@ def test_each_spelling_is_found_and_equals_jax_jit(name):
 
 
 @pytest.mark.parametrize("name", ["rope/x*cos+rotate_half(x)*sin+cast back", "rope/concatenate(split)",
-                                  "rope/interleaved/stack(pairs)+upcast"])
+                                  "rope/interleaved/stack(pairs)+upcast", "rope/interleaved/complex multiply+upcast"])
 def test_spellings_differentiate_through_the_kernels(name):
     pattern = next(p for p in rope_rules.PATTERNS if p.name == name)
-    x, cos, sin = _pattern_args(pattern, pattern.dtypes[-1], seed=7)
+    x, *tables = _pattern_args(pattern, pattern.dtypes[-1], seed=7)
     dy = make(x.shape, jnp.float32, False, seed=8)[-1]
-    loss = lambda x: jnp.sum(pattern.fn(x, cos, sin).astype(jnp.float32) * dy)
+    loss = lambda x: jnp.sum(pattern.fn(x, *tables).astype(jnp.float32) * dy)
     assert "rope_bwd" in kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(loss)))(x))
     close(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.jit(jax.grad(loss))(x), x.dtype.type)
 
@@ -227,6 +232,35 @@ def test_table_layouts_read_off_the_program():
         report = xkern.explain(f)(*args)
         assert len(report.matches) == 1 and report.matches[0].op == "rope", name
         close(xkern.jit(f)(*args), jax.jit(f)(*args), jnp.float32)
+
+
+def test_complex_rotation_as_metas_llama_writes_it():
+    """Meta's Llama reference (and EasyLM): freqs_cis = cos + i sin, taken per example by position
+    ids ([b, s, 1, d/2]), q and k upcast, their pairs as complex numbers times it, cast back. Found
+    for both, equal to jax.jit's; the parts stacked the other way round (not a rotation) are not."""
+    x, cos, sin, dy = make((2, 6, 3, 8), jnp.bfloat16, False, seed=11)
+    freqs_cis = jax.lax.complex(cos, sin)  # [s, d/2]
+    positions = jnp.array([[0, 1, 2, 3, 4, 5], [2, 3, 4, 5, 0, 1]])
+    complex_rope = rope_rules.precision(rope_rules.complex_form, "upcast")
+
+    def apply_rotary_emb(xq, xk, positions, rope=complex_rope):
+        table = jnp.take(freqs_cis, positions, axis=0)[:, :, None, :]
+        return rope(xq, table), rope(xk, table)
+    k = x[:, ::-1]
+    report = xkern.explain(apply_rotary_emb)(x, k, positions)
+    assert [m.pattern for m in report.matches if m.op == "rope"] == ["rope/interleaved/complex multiply+upcast"] * 2
+    for got, want in zip(xkern.jit(apply_rotary_emb)(x, k, positions), jax.jit(apply_rotary_emb)(x, k, positions)):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        close(got, want, jnp.bfloat16)
+    loss = lambda x: jnp.sum(apply_rotary_emb(x, k, positions)[0].astype(jnp.float32) * dy)
+    close(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.jit(jax.grad(loss))(x), jnp.bfloat16)
+    def swapped(x, table):
+        pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+        rotated = jax.lax.complex(pairs[..., 0], pairs[..., 1]) * table
+        return jnp.stack((jnp.imag(rotated), jnp.real(rotated)), axis=-1).reshape(x.shape).astype(x.dtype)
+    near_miss = lambda x, k, positions: apply_rotary_emb(x, k, positions, swapped)
+    assert not [m for m in xkern.explain(near_miss)(x, k, positions).matches if m.op == "rope"]
+    close(xkern.jit(near_miss)(x, k, positions)[0], jax.jit(near_miss)(x, k, positions)[0], jnp.bfloat16)
 
 
 def test_near_misses_are_not_rewritten():

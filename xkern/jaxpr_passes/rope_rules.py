@@ -10,6 +10,9 @@ Forms (x [..., seq, heads, d]; cos and sin broadcast against x, or against its h
                                stack([x1*cos - x2*sin, x2*cos + x1*sin], -1) back to [..., d]
   interleaved/rotate_every_two HF Flax GPT-J: x*cos + rotate_every_two(x)*sin, rotate_every_two =
                                stack([-x[..., 1::2], x[..., ::2]], -1) back to [..., d]
+  interleaved/complex multiply Meta's Llama reference, EasyLM: the pairs of float32 x as complex
+                               numbers times a complex64 table freqs_cis (cos + i sin, [..., d/2]),
+                               stack([real, imag], -1) back to [..., d]
 Precisions, each form: plain (x and tables of one dtype; or half-precision x with float32 tables,
 which jnp promotes to a float32 result); the promoted result cast back to x's dtype (HF Flax
 Llama); x upcast to float32 first, with or without the cast back. Each is what the kernel computes:
@@ -82,11 +85,11 @@ def precision(fn, kind: str):
     if kind == "plain":
         return fn
     if kind == "cast back":
-        pattern = lambda x, cos, sin: fn(x, cos, sin).astype(x.dtype)
+        pattern = lambda x, *tables: fn(x, *tables).astype(x.dtype)
     elif kind == "upcast":
-        pattern = lambda x, cos, sin: fn(x.astype(F32), cos, sin).astype(x.dtype)
+        pattern = lambda x, *tables: fn(x.astype(F32), *tables).astype(x.dtype)
     else:
-        pattern = lambda x, cos, sin: fn(x.astype(F32), cos, sin)
+        pattern = lambda x, *tables: fn(x.astype(F32), *tables)
     pattern.__name__ = f"{fn.__name__}_{kind.replace(' ', '_')}"
     return pattern
 
@@ -176,3 +179,44 @@ def _pattern(form: str, kind: str) -> Pattern:
 
 
 PATTERNS = [_pattern(form, kind) for form in FORMS for kind in EXAMPLES]
+
+
+def complex_form(x, freqs_cis):
+    """Meta's Llama (and EasyLM's) apply_rotary_emb for one of q, k: x in float32."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    rotated = jax.lax.complex(pairs[..., 0], pairs[..., 1]) * freqs_cis
+    return jnp.stack((jnp.real(rotated), jnp.imag(rotated)), axis=-1).reshape(*rotated.shape[:-1], -1)
+
+
+def _complex_pattern(kind: str) -> Pattern:
+    """The complex form: x float32 as written ("plain"), or upcast to it first, the result cast back
+    ("upcast") or not ("float32"). The kernel takes the table's real and imaginary parts."""
+    fn = precision(complex_form, kind)
+
+    def example(fewer):
+        table = (4, 1, 4) if fewer else (1, 4, 1, 4)
+        return (jax.ShapeDtypeStruct((2, 4, 3, 8), F32 if kind == "plain" else BF16),
+                jax.ShapeDtypeStruct(table, jnp.complex64))
+
+    def check(match, params) -> str | None:
+        x, table = match.input_avals
+        if table.dtype != jnp.complex64:
+            return f"a table of dtype {table.dtype}: the kernel's angles are float32 (complex64)"
+        return _check(False)(_Avals(x, table), params)
+
+    def replace(x, freqs_cis, *, backend):
+        out_dtype = jax.eval_shape(fn, x, freqs_cis).dtype
+        return apply_rope(x, jnp.real(freqs_cis), jnp.imag(freqs_cis), interleaved=True, full_width=False,
+                          out_dtype=out_dtype, backend=backend)
+
+    return Pattern(name=f"rope/interleaved/complex multiply{SUFFIX[kind]}", op="rope", fn=fn, dtypes=(False, True),
+                   example=example, params_of=lambda match: {}, check=check, replace=replace)
+
+
+class _Avals:
+    """What _check reads of a match (its input avals), the complex table standing for cos and sin."""
+    def __init__(self, x, table):
+        self.input_avals = (x, table, table)
+
+
+PATTERNS += [_complex_pattern(kind) for kind in ("plain", "upcast", "float32")]
