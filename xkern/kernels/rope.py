@@ -327,11 +327,12 @@ def rope(x, cos, sin, *, interleaved: bool = False, out_dtype=None, backend: str
 
 def aot_cases():
     """(name, kernel, signature, config): both layouts, half- and full-width tables, forward and
-    backward, in bfloat16 (float32 for the half rotation only), at Llama's 32 heads of 128."""
+    backward, in bfloat16 and float32 (half-width tables only for float32 pairs: Meta's complex form),
+    at Llama's 32 heads of 128."""
     config = default_config(4 * 4096, 32, 128, "triton")
     for dtype in ("bf16", "fp32"):
-        for interleaved in ((False, True) if dtype == "bf16" else (False,)):
-            for full in (False, True):
+        for interleaved in (False, True):
+            for full in ((False, True) if dtype == "bf16" or not interleaved else (False,)):
                 for backward in (False, True):
                     tag = (f"rope/{dtype}/{'interleaved' if interleaved else 'half'}/"
                            f"{'full' if full else 'half'}_cos/{'bwd' if backward else 'fwd'}")
