@@ -1499,6 +1499,12 @@ def test_explain_names_attention_no_spelling_took():
     [note] = notes(per_head, q, k, v, jnp.linspace(0.2, 0.3, 16, dtype=jnp.bfloat16))
     assert note.pattern == "attention" and "attention.py" in note.location
     assert notes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v) == []
+    # AlphaFold's batch of batches ([b, r, s, h, c]): the 4-D templates match its equations but not
+    # its ranks; the note alone speaks for it, not their failed re-trace
+    five_d = lambda q, k, v: jnp.einsum("...hqk,...khc->...qhc",
+                                        jax.nn.softmax(jnp.einsum("...qhc,...khc->...hqk", q * 0.25, k)), v)
+    declined = xkern.explain(five_d)(q[None], k[None], v[None]).declined
+    assert [d.reason for d in declined if d.pattern.startswith("attention")] == [UNMATCHED_ATTENTION]
     w, labels = jnp.ones((16, 50)), jnp.zeros((2, 16), jnp.int32)
     lm = lambda w: jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(q[:, :, 0].astype(jnp.float32) @ w), labels[
         ..., None], -1))

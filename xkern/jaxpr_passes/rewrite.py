@@ -273,27 +273,31 @@ UNMATCHED_ATTENTION = ("a softmax between two matrix products, as in attention, 
                        "exist in memory")
 
 
-def _attention_left_as_softmax(plan: Plan, graph: Graph) -> list[Declined]:
+def _attention_left_as_softmax(plan: Plan, graph: Graph) -> tuple[list[Declined], set[int]]:
     """explain's note at each softmax (fused or not) that reads a batched matrix product (over batch
     and heads, as q k^T) a few equations back and feeds one a few equations on: attention that no
-    attention pattern took. (An LM head's product has no batch axes.)"""
+    attention pattern took. (An LM head's product has no batch axes.) Also the equations a few past
+    each such softmax: an attention spelling's look-alike ending there is said better by the note."""
     def batched_product(j: int) -> bool:
         eqn = graph.eqns[j]
         return eqn.primitive.name == "dot_general" and bool(eqn.params["dimension_numbers"][1][0])
 
-    def reaches(start: int, step, depth: int) -> bool:
-        frontier, seen = [start], {start}
+    def reached(start: int, step, depth: int) -> tuple[bool, set[int]]:
+        frontier, seen, found = [start], {start}, False
         for _ in range(depth):
             frontier = [j for i in frontier for j in step(i) if j not in seen and not seen.add(j)]
-            if any(batched_product(j) for j in frontier):
-                return True
-        return False
+            found = found or any(batched_product(j) for j in frontier)
+        return found, seen
     back = lambda i: [graph.producer[v][0] for v in graph.eqns[i].invars if isinstance(v, Var) and v in graph.producer]
     on = lambda i: [j for v in graph.eqns[i].outvars for j in graph.consumers.get(v, ())]
     softmaxes = {i: r.location for i, r in plan.rewrites.items() if r.match.pattern.op in ("softmax", "log_softmax")}
     softmaxes.update({d.anchor: d.location for d in plan.declined if d.pattern.startswith(("softmax/", "log_softmax/"))})
-    return [Declined("attention", where, UNMATCHED_ATTENTION, i) for i, where in sorted(softmaxes.items())
-            if reaches(i, back, 12) and reaches(i, on, 4)]
+    notes, after = [], set()
+    for i, where in sorted(softmaxes.items()):
+        if reached(i, on, 4)[0] and reached(i, back, 12)[0]:
+            notes.append(Declined("attention", where, UNMATCHED_ATTENTION, i))
+            after |= reached(i, on, 8)[1]
+    return notes, after
 
 
 def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
@@ -340,8 +344,9 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     speaker: dict[int, Declined] = {}
     for d in sorted(plan.declined, key=lambda d: d.reason.startswith(NEAR_MISS)):
         speaker.setdefault(d.anchor, d)
-    plan.declined = [d for d in plan.declined if d.anchor not in claimed and speaker[d.anchor] is d]
-    plan.declined += _attention_left_as_softmax(plan, graph)
+    notes, after_notes = _attention_left_as_softmax(plan, graph)
+    plan.declined = [d for d in plan.declined if d.anchor not in claimed and speaker[d.anchor] is d and not (
+        d.anchor in after_notes and d.pattern.startswith("attention/") and d.reason.startswith(NEAR_MISS))] + notes
     for i in sorted(plan.live - claimed):
         eqn = graph.eqns[i]
         if eqn.primitive.name in OPAQUE:
