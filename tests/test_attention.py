@@ -2338,6 +2338,28 @@ def test_jax_nn_key_value_seq_lengths_are_kv_lengths(shape, causal):
         close(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("causal, kv", [(False, False), (True, True)], ids=["queries", "causal, queries and keys"])
+def test_jax_nn_query_seq_lengths_zero_the_padded_queries(causal, kv):
+    """jax.nn.dot_product_attention(query_seq_lengths=...) (and key_value_seq_lengths): each query
+    past its length gets zeros and passes no gradient, as jax.nn makes it, whatever its q holds (NaN
+    here: jax.nn's dk is NaN then, 0 * NaN, the kernels' is not); lengths of 0 and past the end; GQA."""
+    q, k, v, do = make(3, 13, 11, 4, 2, 16, jnp.float32, seed=13)
+    q_lengths, kv_lengths = jnp.array([7, 13, 0], jnp.int32), jnp.array([5, 0, 20], jnp.int32)
+
+    def f(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, query_seq_lengths=q_lengths, is_causal=causal,
+                                            key_value_seq_lengths=kv_lengths if kv else None)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern == (f"attention/jax.nn.dot_product_attention{'(causal)' * causal}+query_seq_lengths"
+                             f"{'+key_value_seq_lengths' * kv}")
+    hidden_nan = q.at[0, 9, 1, 3].set(jnp.nan)  # a padded query
+    close(xkern.jit(f)(hidden_nan, k, v), jax.jit(f)(hidden_nan, k, v), jnp.float32)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v) * do))
+    for got, want in zip(jax.jit(jax.grad(loss(xkern.optimize(f)), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)):
+        close(got, want, jnp.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sliding windows (local_window_size)
 # --------------------------------------------------------------------------------------------------

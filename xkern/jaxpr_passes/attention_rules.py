@@ -70,22 +70,25 @@ MASK_SHAPES = {"[b,h,q,k]": (2, 4, 8, 8), "[b,1,q,k]": (2, 1, 8, 8), "[1,1,q,k]"
 
 
 def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = True, lengths: bool = False,
-                 window: bool = False, bias_kind: str = ""):
+                 window: bool = False, bias_kind: str = "", query_lengths: bool = False):
     """jax.nn's attention, traced with grouped k/v heads (grouped) or as many k/v heads as q heads:
     a mask broadcast over heads traces one broadcast more when k/v heads are grouped, so those masks
     take a template of each kind. lengths: with key_value_seq_lengths (the last input), as a decode
     step against a padded cache passes them. window: with local_window_size=(left, right), params
     (jax.nn builds the window from two position constants: the template's last inputs). bias_kind:
-    the bias's shape and dtype, where they are not [b,h,q,k] float32 (they change the trace)."""
+    the bias's shape and dtype, where they are not [b,h,q,k] float32 (they change the trace).
+    query_lengths: with query_seq_lengths (an input before any key_value_seq_lengths)."""
     def fn(q, k, v, *extras, scale, left=None, right=None):
         return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
                                             mask=extras[-1] if mask else None, scale=scale, is_causal=causal,
+                                            query_seq_lengths=extras[-1 - lengths] if query_lengths else None,
                                             key_value_seq_lengths=extras[-1] if lengths else None,
                                             local_window_size=(left, right) if window else None)
     fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' + bias_kind if bias else ''}"
-                   f"{'+mask' + mask if mask else ''}{'+key_value_seq_lengths' if lengths else ''}"
+                   f"{'+mask' + mask if mask else ''}{'+query_seq_lengths' if query_lengths else ''}"
+                   f"{'+key_value_seq_lengths' if lengths else ''}"
                    f"{'+local_window_size' if window else ''}{'' if grouped else ', one k/v head per q head'}")
-    fn.grouped = grouped
+    fn.grouped, fn.query_lengths = grouped, query_lengths
     return fn
 
 
@@ -107,6 +110,18 @@ def _lengths_as_jax_nn(q, k, lengths):
     empty = lengths <= 0
     return (jnp.where(empty[:, None, None, None], jnp.zeros((), q.dtype), q),
             jnp.where(empty, k.shape[1], lengths).astype(jnp.int32))
+
+
+def _padded_queries(query_lengths, sq: int):
+    """[batch, sq, 1, 1]: the queries at or past query_seq_lengths."""
+    return (jnp.arange(sq)[None, :] >= query_lengths[:, None])[:, :, None, None]
+
+
+def _padded_queries_as_jax_nn(out, query_lengths):
+    """jax.nn's result for the queries at or past query_seq_lengths: zero (it multiplies its output
+    by their padding mask), no gradient through them. The kernels compute those rows (their q zeroed:
+    whatever padding holds, NaN too, is hidden) as any other; their result is replaced."""
+    return jnp.where(_padded_queries(query_lengths, out.shape[1]), jnp.zeros((), out.dtype), out)
 
 
 def _causal_empty_as_jax_nn(out, v, lengths):
@@ -546,7 +561,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
                                      jnp.float32 if float32_bias else dtype),) if with_bias else ()
         mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
-        lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
+        lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) * (with_lengths + getattr(fn, "query_lengths", False))
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
                 "select": (jax.ShapeDtypeStruct((b, h, s, s), jnp.bool_),)}[dropout]
         scale = ((jax.ShapeDtypeStruct((), jnp.float32),) if scaling in ARRAY_SCALINGS else
@@ -605,6 +620,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         elif mask is not None and with_mask == "[q,k]":
             mask = mask[None, None]
         lengths = extras[-1] if with_lengths else None
+        if getattr(fn, "query_lengths", False):
+            q = jnp.where(_padded_queries(extras[-1 - with_lengths], q.shape[1]), jnp.zeros((), q.dtype), q)
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
         banded = window or mask_kind == "window"  # a band can hide every key of a query
@@ -619,6 +636,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
+        if getattr(fn, "query_lengths", False):
+            out = _padded_queries_as_jax_nn(out, extras[-1 - with_lengths])
         return out.transpose(0, 2, 1, 3) if layout.startswith("bhsd") else out[:, :, 0] if layout == FOLDED else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
@@ -732,6 +751,8 @@ PATTERNS += [_pattern(nn_attention(causal, True, None, grouped, bias_kind=f"{sha
                       ALL if f32 else HALF, causal=causal, with_bias=shape, float32_bias=f32)
              for causal in (False, True) for shape in MASK_SHAPES for f32 in (True, False)
              if not (f32 and shape == "[b,h,q,k]") for grouped in ((True, False) if shape != "[b,h,q,k]" else (True,))]
+PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=kv, query_lengths=True), ALL, causal=causal,
+                      with_lengths=kv) for causal in (False, True) for grouped in (True, False) for kv in (False, True)]
 PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), ALL, causal=causal, with_lengths=True)
              for causal in (False, True) for grouped in (True, False)]
 PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causal=causal, window=True)
