@@ -270,6 +270,15 @@ def _folded(q, k, v, rng):
     return out.reshape(b, h, s, d).transpose(0, 2, 1, 3)
 
 
+def _padded_queries_and_keys(q, k, v, rng):
+    """jax.nn.dot_product_attention with query_seq_lengths and key_value_seq_lengths (the last 1/8 of
+    each sequence padding; the lengths a constant of the program, as if given), causal: padded
+    queries are zeros."""
+    lengths = np.full((q.shape[0],), q.shape[1] - q.shape[1] // 8, np.int32)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+                                        key_value_seq_lengths=lengths)
+
+
 def _t5(b, s, h, table=None):
     """T5's attention (t5x's layers): unscaled scores in float32 plus a relative-position bias per
     head [1, h, q, k] (from a table of 32 buckets, here clipped offsets) and a padding bias (the
@@ -323,7 +332,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
-    table's gradient), diffusers' (heads folded into the batch, head dims 40 and 64). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    table's gradient), diffusers' (heads folded into the batch, head dims 40 and 64), jax.nn's with
+    padded queries and keys (query_seq_lengths, key_value_seq_lengths). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -346,6 +356,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
               ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
               ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1),
+              ("jax.nn: query_seq_lengths + key_value_seq_lengths, causal", (4, 4096, 32, 128),
+               _padded_queries_and_keys, 2),
               ("diffusers Flax (SD 1.5 UNet): heads folded into the batch, d 40", (2, 4096, 8, 40), _folded, 1),
               ("diffusers Flax (SDXL UNet): heads folded into the batch, d 64", (2, 4096, 10, 64), _folded, 1)]
     kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8}
