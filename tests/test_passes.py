@@ -256,6 +256,18 @@ def test_canonical_form_drops_casts_that_only_make_a_weak_type_strong():
     assert canonicalize(canonical) is canonical
 
 
+def test_results_keep_their_weak_types():
+    """A kernel's result is strongly typed; where the program's was weak (jnp.where of Python
+    numbers), xkern returns it weak, as jax.jit does: the caller's arithmetic promotes it alike."""
+    g = lambda n: (jnp.where(n > 0, 1.0, 2.0), n * 2)
+    n = rand((4, 6))
+    assert kernel_names(jax.make_jaxpr(xkern.optimize(g))(n))  # (a generated kernel makes the first)
+    for got, want in zip(xkern.jit(g)(n), jax.jit(g)(n)):
+        assert (got.dtype, got.weak_type) == (want.dtype, want.weak_type)
+        np.testing.assert_array_equal(got, want)
+    assert (xkern.jit(g)(n)[0] + jnp.ones(6, jnp.bfloat16)).dtype == jnp.bfloat16
+
+
 def test_canonical_form_broadcasts_a_constant_once():
     """jax.vmap broadcasts a literal twice (to the example's shape, then over the batch), where the
     unmapped program broadcasts it once: the canonical form has the one broadcast, so patterns

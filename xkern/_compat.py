@@ -48,6 +48,17 @@ def run_equation(eqn, invals, params=None) -> list:
     return bind_equation(eqn, invals, params)
 
 
+def typed_as(value, aval):
+    """`value` with `aval`'s weak type, where only that differs: a kernel's result is strongly typed
+    where the program's was weak (`jnp.where(x > 0, 1., 2.)`), which would change how the caller's
+    arithmetic promotes it. (jax's public convert_element_type only makes values strong.)"""
+    weak = getattr(aval, "weak_type", False)
+    if getattr(jax.typeof(value), "weak_type", weak) == weak:
+        return value
+    from jax._src.lax.lax import _convert_element_type
+    return _convert_element_type(value, aval.dtype, weak_type=weak)
+
+
 _XKERN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 

@@ -446,7 +446,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
         else:
             outs = _compat.run_equation(eqn, list(map(read, eqn.invars)))
         env.update(zip(eqn.outvars, outs))
-    return [read(v) for v in jaxpr.outvars]
+    return [read(v) if isinstance(v, Literal) else _compat.typed_as(read(v), v.aval) for v in jaxpr.outvars]
 
 
 def _may_run_as_written(rewrite: Rewrite) -> bool:
