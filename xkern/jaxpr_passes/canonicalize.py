@@ -330,9 +330,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
                 seen[key] = (outs, invals)  # invals kept alive: their ids are in the key
         env.update(zip(eqn.outvars, outs))
     # (an output that a dropped cast left weakly typed is cast as the program's was)
-    return [jax.lax.convert_element_type(read(v), v.aval.dtype)
-            if not isinstance(v, Literal) and not v.aval.weak_type and getattr(read(v), "weak_type", False)
-            else read(v) for v in jaxpr.outvars]
+    return [read(v) if isinstance(v, Literal) else _compat.typed_as(read(v), v.aval) for v in jaxpr.outvars]
 
 
 def _needs_rewriting(jaxpr) -> bool:
