@@ -279,6 +279,16 @@ def _padded_queries_and_keys(q, k, v, rng):
                                         key_value_seq_lengths=lengths)
 
 
+def _window_and_padding(q, k, v, rng):
+    """jax.nn.dot_product_attention with a causal sliding window (1024 keys, as Gemma's local layers;
+    a quarter of a short sequence) and a padding mask [b, 1, 1, k] (the last 1/8 of the last
+    example's keys; a constant of the program, as if given), GQA."""
+    b, s = q.shape[:2]
+    padding = np.arange(s)[None, :] < np.asarray([s] * (b - 1) + [s - s // 8])[:, None]
+    return jax.nn.dot_product_attention(q, k, v, mask=padding[:, None, None, :], is_causal=True,
+                                        local_window_size=(min(1024, s // 4), 0))
+
+
 def _t5(b, s, h, table=None):
     """T5's attention (t5x's layers): unscaled scores in float32 plus a relative-position bias per
     head [1, h, q, k] (from a table of 32 buckets, here clipped offsets) and a padding bias (the
@@ -333,7 +343,9 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
     table's gradient), diffusers' (heads folded into the batch, head dims 40 and 64), jax.nn's with
-    padded queries and keys (query_seq_lengths, key_value_seq_lengths). FLOPs counted as if unmasked (the causal ones: half). Needs flax."""
+    padded queries and keys (query_seq_lengths, key_value_seq_lengths), with a sliding window and a
+    padding mask. FLOPs counted as if unmasked (the causal ones: half, the windowed ones: the scores
+    inside). Needs flax."""
     if importlib.util.find_spec("flax") is None:
         return []
     cases_ = [("HF Flax BERT: padding bias, dropout 0.1", (32, 512, 16, 64), _hf_flax(32, 512, False, 0.1), 1),
@@ -358,11 +370,13 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1),
               ("jax.nn: query_seq_lengths + key_value_seq_lengths, causal", (4, 4096, 32, 128),
                _padded_queries_and_keys, 2),
+              ("jax.nn: GQA 32/8, causal sliding window 1024 + padding mask", (4, 4096, 32, 128),
+               _window_and_padding, 4096 * 4096 / _window_visible(4096, 1024, 0)),
               ("diffusers Flax (SD 1.5 UNet): heads folded into the batch, d 40", (2, 4096, 8, 40), _folded, 1),
               ("diffusers Flax (SDXL UNet): heads folded into the batch, d 64", (2, 4096, 10, 64), _folded, 1)]
-    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8}
+    kv_heads_of = {"Gemma:": 8, "Gemma 2": 16, "gpt-oss": 8, "MaxText": 8, "by hand: GQA": 8, "jax.nn: GQA": 8}
     if not on_gpu:
-        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1, "by hand: GQA": 1}
+        kv_heads_of = {"Gemma:": 1, "Gemma 2": 1, "gpt-oss": 1, "MaxText": 1, "by hand: GQA": 1, "jax.nn: GQA": 1}
         cases_ = [(n, (1, 40, 2, 64), _hf_flax(1, 40, "causal" in n, 0.1 if "dropout" in n else 0.0,
                                                jnp.float32 if "float32 weights" in n else None)
                    if "HF" in n else _gemma(1, 40, 1, 50.0 if "soft cap" in n else None) if "Gemma" in n else

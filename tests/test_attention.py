@@ -2404,6 +2404,27 @@ def test_jax_nn_local_window_size_is_found(causal, grouped):
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("causal,mask_shape,grouped", [(False, (2, 1, 40, 36), True), (True, (2, 4, 40, 36), True),
+                                                       (False, (1, 1, 40, 36), False)])
+def test_jax_nn_local_window_size_with_a_mask_is_found(causal, mask_shape, grouped):
+    """jax.nn.dot_product_attention with local_window_size and a mask (it joins the two): the
+    kernels take both; a query whose window the mask hides entirely averages every value, as
+    jax.nn's fill gives it (the first query's row here). Values and gradients equal jax.jit's."""
+    q, k, v, do = make(2, 40, 36, 4, 2 if grouped else 4, 16, jnp.bfloat16, seed=23)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    mask = jnp.asarray(np.random.default_rng(23).random(mask_shape) > 0.4).at[..., 0, :].set(False)
+    window = (9, 0) if causal else (3, 1)
+    f = lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=causal, local_window_size=window)
+    [match] = xkern.explain(f)(q, k, v, mask).matches
+    assert match.pattern.startswith(f"attention/jax.nn.dot_product_attention{'(causal)' if causal else ''}+mask")
+    assert "+local_window_size" in match.pattern and (match.params["left"], match.params["right"]) == window
+    close(xkern.jit(f)(q, k, v, mask), jax.jit(f)(*f32, mask), jnp.bfloat16)
+    loss = lambda f: (lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * do.astype(jnp.float32)))
+    got = jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(q, k, v)
+    for g, w in zip(got, jax.jit(jax.grad(loss(f), (0, 1, 2)))(*f32)):
+        close(g, w, jnp.bfloat16)
+
+
 def test_constant_band_masks_run_as_windows():
     """A sliding-window mask the program builds from constants (Flax users combine a causal mask with
     a band) is read when planning and runs as the windowed kernels; a band that differs between

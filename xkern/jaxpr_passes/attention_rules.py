@@ -572,6 +572,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
                 keep=None, bias_kind=None, scale_value=None, cap=None):
         multiplier, sink = None, None
+        if window:  # jax.nn's two position constants (None: ignored)
+            extras = extras[:-2]
         if sinks:
             extras, sink = extras[:-1], extras[-1]
         if scaling in ARRAY_SCALINGS:  # a constant scale goes to the kernels; else q is scaled by it
@@ -645,11 +647,13 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                       **({"keep": EXAMPLE_KEEP} if dropout == "select" else {}),
                       **({"cap": EXAMPLE_CAP} if softcap else {})}
     arrays = scaling in ARRAY_SCALINGS
-    mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks
+    mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks - 2 * window
 
     def facts_of(match) -> dict:
-        facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask else
-                 _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False) else {})
+        # (beside a window, a mask goes to the kernels as it is: read from constants, it could be a
+        # second window)
+        facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask and not window
+                 else _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False) else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
@@ -658,7 +662,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    check=_check(layout, dropout, sinks, scaling == ROW_SCALING, arrays), replace=replace,
                    facts_of=facts_of,
                    ignores=lambda params: ({3 + bool(with_bias and with_mask)} if params.get("mask_kind") else
-                                           {3, 4} if window else set()),
+                                           {3 + bool(with_mask), 4 + bool(with_mask)} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
                    split_dims=_split_dims(layout), xla_when=_bias_trained if with_bias else None,
@@ -757,6 +761,11 @@ PATTERNS += [_pattern(nn_attention(causal, False, None, grouped, lengths=True), 
              for causal in (False, True) for grouped in (True, False)]
 PATTERNS += [_pattern(nn_attention(causal, False, None, window=True), ALL, causal=causal, window=True)
              for causal in (False, True)]  # (the same template with one k/v head per q head)
+# A window and a mask together (jax.nn joins them): the kernels take both.
+PATTERNS += [_pattern(nn_attention(causal, False, mask, grouped, window=True), ALL, causal=causal, with_mask=mask,
+                      window=True)
+             for causal in (False, True) for mask in MASK_SHAPES
+             for grouped in ((True, False) if mask != "[b,h,q,k]" else (True,))]
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling), HALF if upcast else ALL, layout=layout,
                       causal=causal, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd", MQA) for causal in (False, True) for upcast in (False, True)
