@@ -972,6 +972,45 @@ def test_masks_with_a_bias_after_a_cast_or_unscaled_are_found(spelling, pattern)
     _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
+@pytest.mark.parametrize("form", ["np.sqrt(d), bias in q's dtype, padding mask", "float32 product, float32 bias, causal",
+                                  "np.sqrt(d) by matmuls, bias per key"])
+def test_float32_scores_with_a_bias_are_found(form):
+    """Scores promoted to float32 before a bias is added: divided by np.sqrt(d) (a float32 number,
+    not a Python one, so bf16 scores become float32) or computed in float32 (preferred_element_type)
+    and scaled; the bias in q's dtype (promoted) or float32, [1, h, q, k] or one value per key;
+    causal or with a padding mask; the probabilities cast back. One kernel call; jax.jit's values
+    and gradients."""
+    q, k, v, do = make(2, 12, 12, 3, 3, 16, jnp.bfloat16, seed=51)
+    rng = np.random.default_rng(51)
+    f32_bias = form.startswith("float32")
+    bias = jnp.asarray(rng.standard_normal((2, 1, 1, 12) if "per key" in form else (1, 3, 12, 12)),
+                       jnp.float32 if f32_bias else jnp.bfloat16)
+    seen = jnp.asarray(np.arange(12)[None, None, None, :] < np.array([12, 5])[:, None, None, None])
+
+    def f(q, k, v):
+        if "matmuls" in form:
+            q_, k_ = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+            s = q_ @ k_.swapaxes(-2, -1) / np.sqrt(16)
+        elif f32_bias:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * 0.25
+        else:
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(16)
+        s = s + bias
+        if "padding" in form:
+            s = jnp.where(seen, s, -1e9)
+        elif "causal" in form:
+            s = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        if "matmuls" in form:
+            return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    assert f(q, k, v).dtype == jnp.bfloat16
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/einsum") and "product" in match.pattern, match.pattern
+    assert ("float32 bias" if f32_bias else "+bias") in match.pattern, match.pattern
+    _equals_jax_jit_in_float32(f, q, k, v, do)
+
+
 @settings(max_examples=6, deadline=None)
 @given(layout=st.sampled_from(["bshd", "bhsd"]), scaling=st.sampled_from(["*", "/", "none", "/sqrt"]),
        mask=st.sampled_from(["none", "causal", "padding", "hidden"]), softmax=st.sampled_from(["jax.nn", "by hand", "by hand, [..., None]"]),

@@ -842,6 +842,14 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast or scores != "scaled q", sc
              for causal, mask in ((False, None), (True, None), *((False, m) for m in SCORE_SHAPES))
              for upcast in ((False, True) if scores == "scaled q" else (True,))
              if not (FLAX and (scores, layout, scaling, causal, mask, upcast) == FLAX_SPELLING)]
+# The same float32 scores (the product cast, as a float32 scale such as np.sqrt(d) promotes it, or
+# computed in float32), then a bias (in q's dtype, promoted, or float32), causal or with a mask.
+PATTERNS += [_pattern(by_hand(layout, causal, True, scaling, mask=mask, bias=bias, float32_bias=f32, scores=scores),
+                      HALF, layout=layout, causal=causal, with_mask=mask, with_bias=bias, fill=bool(mask),
+                      shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling)
+             for scores in SCORES[2:4] for layout in ("bshd", "bhsd") for scaling in ("*scale", "/divisor")
+             for bias in SCORE_SHAPES for f32 in (False, True)
+             for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))]
 # Multi-query attention with q scaled first (PaLM's: `q * scale`, then "bhid,bjd->bhij"), causal or
 # with a mask of the keys seen or hidden.
 PATTERNS += [_pattern(by_hand(MQA, causal, upcast, scaling, mask=mask, scores="scaled q", hidden=hidden),
