@@ -153,6 +153,16 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
+def _np_sqrt_and_bias(q, k, v, rng):
+    """By hand, the product divided by np.sqrt(d) (a float32 number: the scores become float32), a
+    padding bias in q's dtype added (the last 1/8 of the last example's keys at -1e9), softmax,
+    probabilities cast back."""
+    b, s = q.shape[:2]
+    bias = np.where(np.arange(s)[None, :] < np.asarray([s] * (b - 1) + [s - s // 8])[:, None], 0.0, -1e9)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) + jnp.asarray(bias, q.dtype)[:, None, None]
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
+
+
 def _repeated_kv(q, k, v, rng):
     """GQA as Llama ports write it by hand: k and v repeated to q's heads (jnp.repeat), [b, h, s, d]
     matmuls, causal by a where with finfo.min, softmax in float32. (The kernels read k, v unrepeated.)"""
@@ -353,6 +363,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("HF Flax (EasyLM's LLaMA): float32 weights, causal + padding bias", (4, 4096, 32, 128),
                _hf_flax(4, 4096, True, 0.0, jnp.float32), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
+              ("by hand: / np.sqrt(d) (float32 scores) + padding bias", (4, 4096, 32, 128), _np_sqrt_and_bias, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
               ("by hand: GQA 32/8 by jnp.repeat, causal", (4, 4096, 32, 128), _repeated_kv, 2),
