@@ -953,11 +953,14 @@ def _spelled(layout, scaling, mask, softmax, upcast, bias):
     (("bshd", "/sqrt", "padding", "jax.nn", True, "none"), "attention/einsum[bshd]/sqrt(d)+mask"),
     (("bhsd", "*", "causal", "by hand", True, "none"), "attention/einsum[bhsd]+causal+float32 softmax cast before"),
     (("bshd", "none", "padding", "jax.nn", False, "none"), "attention/einsum[bshd](unscaled)+mask"),
-    (("bhsd", "none", "hidden", "jax.nn", True, "+"), "attention/einsum[bhsd](unscaled)+bias(broadcast)+hidden mask")])
+    (("bhsd", "none", "hidden", "jax.nn", True, "+"), "attention/einsum[bhsd](unscaled)+bias(broadcast)+hidden mask"),
+    (("bshd", "*", "padding", "jax.nn", False, "-"), "attention/einsum[bshd]-bias(broadcast)+mask(broadcast)"),
+    (("bhsd", "/", "hidden", "by hand", False, "-"), "attention/einsum[bhsd]/divisor-bias(broadcast)+hidden mask")])
 def test_masks_with_a_bias_after_a_cast_or_unscaled_are_found(spelling, pattern):
-    """Spellings the random test below found left to XLA: a bias and a mask together, the scores
-    cast to float32 before the mask (or the causal where), a mask on unscaled scores. Each is one
-    template now; the kernels give jax.jit's values and gradients (a bias in q's dtype, [1, h, q, k])."""
+    """Spellings the random test below found left to XLA: a bias and a mask together (the bias
+    subtracted too), the scores cast to float32 before the mask (or the causal where), a mask on
+    unscaled scores. Each is one template now; the kernels give jax.jit's values and gradients (a
+    bias in q's dtype, [1, h, q, k])."""
     q, k, v, do = make(2, 12, 12, 3, 3, 16, jnp.bfloat16, seed=50)
     rng = np.random.default_rng(50)
     bias = jnp.asarray(rng.standard_normal((1, 3, 12, 12)), jnp.bfloat16)
@@ -973,13 +976,14 @@ def test_masks_with_a_bias_after_a_cast_or_unscaled_are_found(spelling, pattern)
 
 
 @pytest.mark.parametrize("form", ["np.sqrt(d), bias in q's dtype, padding mask", "float32 product, float32 bias, causal",
-                                  "np.sqrt(d) by matmuls, bias per key"])
+                                  "np.sqrt(d) by matmuls, bias per key", "q scaled, bias per key, padding mask, cast"])
 def test_float32_scores_with_a_bias_are_found(form):
     """Scores promoted to float32 before a bias is added: divided by np.sqrt(d) (a float32 number,
     not a Python one, so bf16 scores become float32) or computed in float32 (preferred_element_type)
     and scaled; the bias in q's dtype (promoted) or float32, [1, h, q, k] or one value per key;
-    causal or with a padding mask; the probabilities cast back. One kernel call; jax.jit's values
-    and gradients."""
+    causal or with a padding mask; the probabilities cast back. Or q scaled first, a bias and a mask
+    in q's dtype, then the cast to float32 for the softmax. One kernel call; jax.jit's values and
+    gradients."""
     q, k, v, do = make(2, 12, 12, 3, 3, 16, jnp.bfloat16, seed=51)
     rng = np.random.default_rng(51)
     f32_bias = form.startswith("float32")
@@ -988,7 +992,9 @@ def test_float32_scores_with_a_bias_are_found(form):
     seen = jnp.asarray(np.arange(12)[None, None, None, :] < np.array([12, 5])[:, None, None, None])
 
     def f(q, k, v):
-        if "matmuls" in form:
+        if form.startswith("q scaled"):
+            s = jnp.einsum("bqhd,bkhd->bhqk", q * 16 ** -0.5, k)
+        elif "matmuls" in form:
             q_, k_ = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
             s = q_ @ k_.swapaxes(-2, -1) / np.sqrt(16)
         elif f32_bias:
@@ -1000,13 +1006,14 @@ def test_float32_scores_with_a_bias_are_found(form):
             s = jnp.where(seen, s, -1e9)
         elif "causal" in form:
             s = jnp.where(jnp.tril(jnp.ones((12, 12), bool)), s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(v.dtype)
         if "matmuls" in form:
             return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v)
     assert f(q, k, v).dtype == jnp.bfloat16
     [match] = xkern.explain(f)(q, k, v).matches
-    assert match.pattern.startswith("attention/einsum") and "product" in match.pattern, match.pattern
+    assert match.pattern.startswith("attention/einsum"), match.pattern
+    assert ("float32 softmax" if form.startswith("q scaled") else "product") in match.pattern, match.pattern
     assert ("float32 bias" if f32_bias else "+bias") in match.pattern, match.pattern
     _equals_jax_jit_in_float32(f, q, k, v, do)
 

@@ -794,16 +794,19 @@ PATTERNS += [_pattern(by_hand(layout, causal, True, scaling, mask=mask, hidden=h
                       layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES,
                       scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for scaling in NUMBER_SCALINGS for causal, mask, hidden in MASKINGS]
-# A bias added, then a mask (of the keys seen or hidden): in q's dtype, or a float32 bias and
-# softmax, or a bias in q's dtype cast before the mask. (A bias broadcast to the scores, as ALiBi's
-# and a relative-position table's are; every template costs start-up time, so not every combination.)
+# A bias added (or subtracted, as ALiBi's `- slope * distance`), then a mask (of the keys seen or
+# hidden): in q's dtype, or a float32 bias and softmax, or (added) a bias in q's dtype with a float32
+# softmax, the cast before the mask or after it. (A bias broadcast to the scores, as ALiBi's and a
+# relative-position table's are; every template costs start-up time, so not every combination.)
+# (upcast, upcast_first, float32_bias)
+BIAS_FORMS = ((False, False, False), (True, False, True), (True, True, False), (True, False, False))
 PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, mask=mask, hidden=hidden, bias="(broadcast)",
-                              float32_bias=upcast and not first, upcast_first=first),
+                              float32_bias=f32, upcast_first=first, subtracted=subtracted),
                       HALF if upcast else ALL, layout=layout, with_bias="(broadcast)", with_mask=mask, fill=True,
-                      shapes=SCORE_SHAPES, float32_bias=upcast and not first, scaling=scaling,
-                      params=scaling in ("*scale", "/divisor"))
+                      shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for scaling in NUMBER_SCALINGS for _, mask, hidden in MASKINGS[1:]
-             for upcast, first in ((False, False), (True, False), (True, True))]
+             for upcast, first, f32 in BIAS_FORMS for subtracted in (False, True)
+             if not (subtracted and upcast and not f32)]
 # A bias (T5's relative positions per head, its gradient taken by XLA; ALiBi's), after any scaling,
 # then a causal -inf where or not.
 PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float32_bias=f32),  # (float32 q: one form)
