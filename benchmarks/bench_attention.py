@@ -153,12 +153,18 @@ def _float32_product(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1).astype(q.dtype), v)
 
 
+def _last_example_padding(b: int, s: int) -> np.ndarray:
+    """[b, s] keys seen: all of them, but the last 1/8 of the last example's (a constant of the
+    program, as if given)."""
+    return np.arange(s)[None, :] < np.asarray([s] * (b - 1) + [s - s // 8])[:, None]
+
+
 def _np_sqrt_and_bias(q, k, v, rng):
     """By hand, the product divided by np.sqrt(d) (a float32 number: the scores become float32), a
     padding bias in q's dtype added (the last 1/8 of the last example's keys at -1e9), softmax,
     probabilities cast back."""
     b, s = q.shape[:2]
-    bias = np.where(np.arange(s)[None, :] < np.asarray([s] * (b - 1) + [s - s // 8])[:, None], 0.0, -1e9)
+    bias = np.where(_last_example_padding(b, s), 0.0, -1e9)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]) + jnp.asarray(bias, q.dtype)[:, None, None]
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
 
@@ -294,7 +300,7 @@ def _window_and_padding(q, k, v, rng):
     a quarter of a short sequence) and a padding mask [b, 1, 1, k] (the last 1/8 of the last
     example's keys; a constant of the program, as if given), GQA."""
     b, s = q.shape[:2]
-    padding = np.arange(s)[None, :] < np.asarray([s] * (b - 1) + [s - s // 8])[:, None]
+    padding = _last_example_padding(b, s)
     return jax.nn.dot_product_attention(q, k, v, mask=padding[:, None, None, :], is_causal=True,
                                         local_window_size=(min(1024, s // 4), 0))
 
