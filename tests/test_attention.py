@@ -911,6 +911,28 @@ def test_a_learned_bias_trained_runs_as_written():
                 close(g, w, jnp.bfloat16)
 
 
+def test_a_float32_bias_on_half_scores_gives_a_float32_result():
+    """bf16 scores plus a float32 bias (AlphaFold's padding bias, its softmax left as it is) are
+    float32, and so are the probabilities that weight v: the result is float32. The kernels returned
+    it in bf16 (and a gradient through it failed to trace); now they store their float32 accumulator.
+    Values and gradients against jax.jit's in float32."""
+    def f(q, k, v, keys):
+        bias = (1e4 * (keys - 1.0))[:, None, None, :]
+        return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(jnp.einsum("bqhc,bkhc->bhqk", q * 0.25, k) + bias), v)
+
+    q, k, v, do = make(2, 11, 11, 2, 2, 16, jnp.bfloat16, seed=54)
+    keys = jnp.asarray(np.arange(11)[None, :] < np.array([11, 5])[:, None], jnp.float32)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    out = xkern.jit(f)(q, k, v, keys)
+    assert out.dtype == jax.jit(f)(q, k, v, keys).dtype == jnp.float32
+    assert [m.op for m in xkern.explain(f)(q, k, v, keys).matches].count("attention") == 1
+    close(out, jax.jit(f)(*f32, keys), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, keys) * do.astype(jnp.float32))
+    for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
+        assert g.dtype == jnp.bfloat16
+        close(g, w, jnp.bfloat16)
+
+
 def _spelled(layout, scaling, mask, softmax, upcast, bias):
     """Attention as a model might write it: einsum or matmuls, a scaling, a bias added or subtracted,
     an upcast, a causal / padding / hidden-keys mask, jax.nn's softmax or one written out; k and v

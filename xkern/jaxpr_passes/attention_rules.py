@@ -38,6 +38,7 @@ mapped over heads and batch by jax.vmap) is found as the vmaps trace it.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -216,7 +217,8 @@ FOLDED = "bsd"
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
             scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False,
-            hidden: bool = False, subtracted: bool = False, upcast_first: bool = False):
+            hidden: bool = False, subtracted: bool = False, upcast_first: bool = False,
+            second_bias: str | None = None):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -235,7 +237,9 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     those seen (nanoGPT's where(tril == 0, -inf, scores)). subtracted: the bias is subtracted
     (`scores - 1e6 * triu(ones, 1)`, a mask as some courses write it; ALiBi's `- slope * distance`).
     upcast_first (with `upcast`): the scores are cast to float32 before the mask and the causal where,
-    not after them (the fill is then a float32 literal)."""
+    not after them (the fill is then a float32 literal). second_bias (with `bias`): a key of
+    SCORE_SHAPES, a second bias added after the first (AlphaFold's: a padding bias, then the pair
+    representation's bias per head), its input after the first's."""
     qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
               "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"), FOLDED: ("bqd,bkd->bqk", "bqk,bkd->bqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
@@ -290,6 +294,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             scores = jnp.tanh(scores / params["cap"]) * params["cap"]
         if bias:
             scores = scores - extras[0] if subtracted else scores + extras[0]
+        if second_bias:
+            scores = scores + extras[1]
         if upcast_first:
             scores = scores.astype(jnp.float32)
         if mask == "[b,q,k]":  # Gemma's: [b, q, 1, k] against its [b, q, heads, k] scores
@@ -311,11 +317,16 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
-    fn.float32_out, fn.upcast, fn.hidden, fn.subtracted = float32_out, upcast, hidden, subtracted
+    # (a float32 bias promotes half-precision scores: their float32 probabilities weight v as they
+    # are, a float32 result, unless the softmax is upcast and cast back)
+    fn.float32_out = float32_out or bool(bias and float32_bias and not upcast)
+    fn.upcast, fn.hidden, fn.subtracted = upcast, hidden, subtracted
+    fn.second_bias = second_bias
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else '(unscaled)' if scaling == UNSCALED else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
                    f"{('-' if subtracted else '+') + ('float32 bias' if float32_bias else 'bias') + bias if bias else ''}"
+                   f"{'+' + ('float32 bias' if float32_bias else 'bias') + second_bias if second_bias else ''}"
                    f"{('+hidden mask' if hidden else '+mask') + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
                    f"{' cast before masking' if upcast_first else ''}"
@@ -551,6 +562,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     the probabilities) or "select" (the last input is the boolean keep; param keep, its probability).
     softcap: the scores are capped (param cap). sinks: a column of sink logits (the last input)."""
     shapes = shapes or MASK_SHAPES
+    second_bias = getattr(fn, "second_bias", None)  # (by_hand's: a second bias, after the first)
 
     def example(dtype):
         q = jax.ShapeDtypeStruct((8, 8, 16) if layout == FOLDED else (2, 8, 4, 16), dtype)
@@ -558,8 +570,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                   else q.shape, dtype)
         b, s, h = (2, 4, 8) if layout.startswith("bhsd") else (2, 8, 4)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
-        bias = (jax.ShapeDtypeStruct(shape(with_bias) if isinstance(with_bias, str) else (2, 4, 8, 8),
-                                     jnp.float32 if float32_bias else dtype),) if with_bias else ()
+        bias = tuple(jax.ShapeDtypeStruct(shape(key) if isinstance(key, str) else (2, 4, 8, 8),
+                                          jnp.float32 if float32_bias else dtype)
+                     for key in (with_bias, second_bias) if key)
         mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) * (with_lengths + getattr(fn, "query_lengths", False))
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
@@ -593,6 +606,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
+        if second_bias:  # the kernels take one bias: the two summed (broadcast to both's shape)
+            bias = extras[0] + extras[1]
         if bias is not None and getattr(fn, "subtracted", False):
             bias = -bias
         hidden_by_bias = extras[0] == 0 if bias_kind == "mask" and mask_kind is None else None
@@ -653,7 +668,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         # (beside a window, a mask goes to the kernels as it is: read from constants, it could be a
         # second window)
         facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask and not window
-                 else _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False) else {})
+                 else _bias_facts(match) if with_bias and not (getattr(fn, "subtracted", False) or second_bias)
+                 else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,
@@ -665,18 +681,20 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                            {3 + bool(with_mask), 4 + bool(with_mask)} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
-                   split_dims=_split_dims(layout), xla_when=_bias_trained if with_bias else None,
+                   split_dims=_split_dims(layout),
+                   xla_when=functools.partial(_bias_trained, biases=2 if second_bias else 1) if with_bias else None,
                    substitutes=None if getattr(fn, "grouped", False) or layout == FOLDED else _unrepeated_kv(layout))
 
 
-def _bias_trained(perturbed: list[bool], params: dict) -> str | None:
+def _bias_trained(perturbed: list[bool], params: dict, biases: int = 1) -> str | None:
     """Pattern.xla_when: why a call that differentiates the bias (a learned one: T5's relative-position
     table) runs as written, or None. The bias's gradient is the scores' (dS), which the kernels do not
     write, so XLA recomputes the scores for it, and the kernels' work is on top of XLA's. H200, T5's
     b32 s512 h16 d64: 0.83x jax.jit with the table's gradient, against 1.18x for the forward alone
     (h200-attention-t5-session39.json). Such a call runs the program as written (jax.jit's); the
-    forward alone, and training where the bias is a constant or a mask, keep the kernels."""
-    if params.get("bias_kind") is None and perturbed[3]:
+    forward alone, and training where the bias is a constant or a mask, keep the kernels. biases: how
+    many inputs from the fourth on are biases (AlphaFold's padding bias and pair bias: two)."""
+    if params.get("bias_kind") is None and any(perturbed[3:3 + biases]):
         return ("this call differentiates the bias, whose gradient needs the scores the kernels do not write "
                 "(XLA would recompute them beside the kernels): run as written")
     return None

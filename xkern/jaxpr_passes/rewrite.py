@@ -438,6 +438,7 @@ def evaluate(plan: Plan, args, backend: str) -> list:
                 else:
                     out, env[rewrite.match.inputs[0]] = replace(residual=read(residual))
                     outs = [out]
+            _check_replaced(rewrite, eqn.outvars[0].aval, outs[0])
         elif i in plan.subplans:
             params = dict(eqn.params)
             for name, plans in plan.subplans[i].items():
@@ -447,6 +448,15 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             outs = _compat.run_equation(eqn, list(map(read, eqn.invars)))
         env.update(zip(eqn.outvars, outs))
     return [read(v) if isinstance(v, Literal) else _compat.typed_as(read(v), v.aval) for v in jaxpr.outvars]
+
+
+def _check_replaced(rewrite: Rewrite, aval, value) -> None:
+    """A replacement must give the program's value its shape and dtype; anything else is xkern's bug
+    (never passed on: a bf16 result where the program's is float32 would change every later op)."""
+    got = jax.typeof(value)
+    if (got.shape, got.dtype) != (aval.shape, aval.dtype):
+        raise AssertionError(f"xkern: the replacement of {rewrite.pattern} at {rewrite.location} gives "
+                             f"{got.str_short()} where the program computes {aval.str_short()}; please report this")
 
 
 def _may_run_as_written(rewrite: Rewrite) -> bool:
@@ -474,7 +484,9 @@ def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
     out = jaxpr.eqns[match.anchor].outvars[0]
 
     def replacement(*values):
-        return pattern.replace(*(values[at[v]] for v in match.inputs), backend=backend, **rewrite.params)
+        value = pattern.replace(*(values[at[v]] for v in match.inputs), backend=backend, **rewrite.params)
+        _check_replaced(rewrite, out.aval, value)
+        return value
 
     def as_written(*values):
         env = dict(zip(reads, values))
