@@ -169,6 +169,19 @@ def _np_sqrt_and_bias(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
 
 
+def _alphafold(q, k, v, rng):
+    """AlphaFold 2's attention (its MSA row attention with the pair bias, in bf16): q scaled first, a
+    padding bias 1e9 * (mask - 1) [b, 1, 1, k] in float32 (the last 1/8 of the MSA's rows are padding,
+    every key of theirs hidden), then the pair representation's bias per head [h, q, k], float32 (made
+    from rng in both programs); the float32 softmax weights v as it is (a float32 result)."""
+    b, s, h, d = q.shape
+    rows = jnp.asarray(np.arange(b) < b - b // 8, jnp.float32)[:, None] * jnp.ones((1, s), jnp.float32)
+    pair = jax.random.normal(rng, (h, s, s), jnp.float32)
+    logits = jnp.einsum("bqhc,bkhc->bhqk", q * d ** -0.5, k) + (1e9 * (rows - 1.0))[:, None, None, :]
+    logits += jnp.expand_dims(pair, axis=0)
+    return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits), v)
+
+
 def _repeated_kv(q, k, v, rng):
     """GQA as Llama ports write it by hand: k and v repeated to q's heads (jnp.repeat), [b, h, s, d]
     matmuls, causal by a where with finfo.min, softmax in float32. (The kernels read k, v unrepeated.)"""
@@ -358,7 +371,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
-    table's gradient), diffusers' (heads folded into the batch, head dims 40 and 64), jax.nn's with
+    table's gradient), AlphaFold's (a padding bias and a pair bias, head dim 32), diffusers' (heads
+    folded into the batch, head dims 40 and 64), jax.nn's with
     padded queries and keys (query_seq_lengths, key_value_seq_lengths), with a sliding window and a
     padding mask. FLOPs counted as if unmasked (the causal ones: half, the windowed ones: the scores
     inside). Needs flax."""
@@ -385,6 +399,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("Equinox MultiheadAttention: causal", (4, 4096, 32, 128), _equinox(4096), 2),
               ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
               ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1),
+              ("AlphaFold: MSA row attention, padding bias + pair bias, d 32", (128, 384, 8, 32), _alphafold, 1),
               ("jax.nn: query_seq_lengths + key_value_seq_lengths, causal", (4, 4096, 32, 128),
                _padded_queries_and_keys, 2),
               ("jax.nn: GQA 32/8, causal sliding window 1024 + padding mask", (4, 4096, 32, 128),

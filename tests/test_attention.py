@@ -911,6 +911,58 @@ def test_a_learned_bias_trained_runs_as_written():
                 close(g, w, jnp.bfloat16)
 
 
+def _alphafold_attention(q, k, v, msa_mask, pair_bias):
+    """AlphaFold 2's attention (modules.Attention, its projections left out): q scaled first, a
+    padding bias 1e9 * (mask - 1) [b, 1, 1, k], then the pair representation's bias [h, q, k] per head."""
+    q = q * q.shape[-1] ** -0.5
+    bias = (1e9 * (msa_mask - 1.))[:, None, None, :]
+    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) + bias
+    logits += jnp.expand_dims(pair_bias, axis=0)
+    return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits), v)
+
+
+def _position_then_padding(q, k, v, table, padding):
+    """By hand in [b, h, s, d]: unscaled scores, a relative-position bias [1, h, q, k] in q's dtype,
+    then a padding bias [b, 1, 1, k], a float32 softmax."""
+    s = q @ k.swapaxes(-2, -1) + table.astype(q.dtype)[None]
+    s = (s + jnp.where(padding, 0.0, -1e9).astype(q.dtype)[:, None, None, :]).astype(jnp.float32)
+    return jax.nn.softmax(s).astype(q.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("extra", ["none", "soft cap", "dropout", "key lengths"])
+def test_rows_a_far_bias_hides_get_the_gradients_of_uniform_weights(dtype, extra):
+    """A bias of -1e9 on every key of a row (a padded batch entry, some query rows): XLA's scores
+    there all round to -1e9, so its weights are uniform; the kernels' forward agrees, but the
+    gradients they recomputed from a log-sum-exp of -1.44e9 were off by the count of keys (6x). They
+    are now XLA's, for q, k, v and the bias, against the float32 reference, in every masked_rows mode
+    (the row is not hidden by a mask: none of them applies), with GQA; rows that see a key are as
+    before."""
+    b, sq, sk, h, hk, d = 3, 9, 13, 4, 2, 16
+    q, k, v, do = make(b, sq, sk, h, hk, d, dtype, seed=55)
+    rng = np.random.default_rng(56)
+    bias = rng.standard_normal((b, h, sq, sk)).astype(np.float32)
+    bias[1] = -1e9  # a padded entry
+    bias[2, :, 3:5] = -1e9 + bias[2, :, 3:5]  # two query rows of another (their own scores lost)
+    kw = {"bias": jnp.asarray(bias)}
+    if extra == "soft cap":
+        kw["logits_soft_cap"] = 5.0
+    elif extra == "dropout":
+        kw["dropout_multiplier"] = jnp.asarray((rng.random((1, 1, sq, sk)) > 0.2) / 0.8, dtype)
+    elif extra == "key lengths":
+        kw["kv_lengths"] = jnp.asarray([13, 7, 10])
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    for rows in ("zeros", "average"):
+        run = lambda fn, args, **more: value_and_grads(lambda q, k, v, bias, **o: fn(q, k, v, bias=bias, **o),
+                                                      (*args, kw["bias"]), more.pop("do"), **more)
+        rest = {n: a for n, a in kw.items() if n != "bias"}
+        (out, grads), (want, wants) = (run(attention, (q, k, v), do=do, masked_rows=rows, **rest),
+                                       run(reference, f32, do=do.astype(jnp.float32), masked_rows=rows, **rest))
+        close(out, want, dtype)
+        for g, w in zip(grads, wants):
+            close(g, w, dtype)
+
+
 def test_a_float32_bias_on_half_scores_gives_a_float32_result():
     """bf16 scores plus a float32 bias (AlphaFold's padding bias, its softmax left as it is) are
     float32, and so are the probabilities that weight v: the result is float32. The kernels returned
@@ -931,6 +983,43 @@ def test_a_float32_bias_on_half_scores_gives_a_float32_result():
     for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.grad(loss, (0, 1, 2))(*f32)):
         assert g.dtype == jnp.bfloat16
         close(g, w, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_two_biases_are_summed_for_the_kernels(dtype):
+    """Two biases added one after the other (AlphaFold's padding and pair biases; a position bias,
+    then padding) were left to XLA, the softmax alone fused: the kernels now take their sum. Values
+    and the gradients of q, k, v against jax.jit's in float32, a batch entry with every key padded
+    (each of its queries averages every value, as XLA's -1e9 gives); a call that differentiates
+    either bias runs as written (as one bias does); a third bias is no spelling the kernels take."""
+    b, s, h, d = 3, 13, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, dtype, seed=52)
+    rng = np.random.default_rng(53)
+    keys = np.arange(s)[None, :] < np.array([s, 6, 0])[:, None]
+    msa_mask, pair_bias = jnp.asarray(keys, jnp.float32), jnp.asarray(rng.standard_normal((h, s, s)), jnp.float32)
+    launched = lambda g, *a: {n for n in kernel_names(jax.make_jaxpr(g)(*a)) if n.startswith("attention")}
+    to_bhsd = lambda arrays: [a.transpose(0, 2, 1, 3) for a in arrays]
+    for f, layout, extras in ((_alphafold_attention, "bshd", (msa_mask, pair_bias)),
+                              (_position_then_padding, "bhsd", (pair_bias, jnp.asarray(keys)))):
+        qkv, g = ((q, k, v), do) if layout == "bshd" else (to_bhsd((q, k, v)), do.transpose(0, 2, 1, 3))
+        f32 = [a.astype(jnp.float32) for a in qkv]
+        [match] = [m for m in xkern.explain(f)(*qkv, *extras).matches if m.op == "attention"]
+        assert match.pattern.startswith(f"attention/einsum[{layout}](unscaled)+") and match.pattern.count("bias") == 2
+        close(xkern.jit(f)(*qkv, *extras), jax.jit(f)(*f32, *extras), dtype)
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * g.astype(jnp.float32))
+        assert launched(jax.grad(xkern.optimize(loss), (0, 1, 2)), *qkv, *extras) >= {"attention_fwd", "attention_bwd_dkdv"}
+        got = jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(*qkv, *extras)
+        for g_, w in zip(got, jax.jit(jax.grad(loss, (0, 1, 2)))(*f32, *extras)):
+            close(g_, w, dtype)
+    # the pair bias differentiated (AlphaFold trains it): as written, jax.jit's gradients
+    loss = lambda q, k, v, pair: jnp.sum(_alphafold_attention(q, k, v, msa_mask, pair).astype(jnp.float32))
+    assert launched(jax.grad(xkern.optimize(loss), (0, 3)), q, k, v, pair_bias) == set()
+    for g_, w in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 3)))(q, k, v, pair_bias),
+                     jax.jit(jax.grad(loss, (0, 3)))(q, k, v, pair_bias)):
+        close(g_, w, dtype)
+    three = lambda q, k, v, pair: jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(
+        jnp.einsum("bqhc,bkhc->bhqk", q, k) + pair + pair[:, ::-1] + pair.swapaxes(1, 2)), v)
+    assert not [m for m in xkern.explain(three)(q, k, v, pair_bias).matches if m.op == "attention"]
 
 
 def _spelled(layout, scaling, mask, softmax, upcast, bias):

@@ -838,6 +838,14 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, scaling, bias=bias, float3
                       shapes=SCORE_SHAPES, float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for upcast in (False, True) for bias in SCORE_SHAPES
              for f32 in (True, False) for scaling in NUMBER_SCALINGS for causal in (False, True)]
+# Two biases added one after the other (AlphaFold's attention: a padding bias [b,1,1,k], then the pair
+# representation's bias per head [1,h,q,k]; a relative-position bias and then a padding bias, by
+# hand), after any scaling (AlphaFold scales q first): the kernels take their sum.
+PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, bias=first, float32_bias=f32, second_bias=second),
+                      HALF if upcast or not f32 else ALL, layout=layout, with_bias=first, shapes=SCORE_SHAPES,
+                      float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
+             for layout in ("bshd", "bhsd") for upcast in (False, True) for first in SCORE_SHAPES
+             for second in SCORE_SHAPES for f32 in (True, False) for scaling in NUMBER_SCALINGS]
 # T5's with t5x's float32_logits (T5.1.1's configs): q and k cast to float32, unscaled, a bias.
 PATTERNS += [_pattern(by_hand(layout, False, True, UNSCALED, bias=bias, float32_bias=f32, scores="float32 q, k"),
                       HALF, layout=layout, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=f32, scaling=UNSCALED,

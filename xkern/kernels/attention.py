@@ -1712,6 +1712,40 @@ def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
     return o, (q, k, v, mask, bias, kv_len, drop, o, lse)
 
 
+# A bias of -1e9 on every key of a row (AlphaFold's padding, and many ports': `(1 - mask) * -1e9`):
+# XLA's scores there are -1e9 on float32's grid of 64, the same for every key, so its softmax is
+# uniform, the mean of the values. The kernels' forward gives that too, but their log-sum-exp (-1.44e9
+# in log2 units) keeps no digit of the row's own, so the gradients they would recompute from it are
+# off by the count of keys (6x at 13). Where every key counts (no mask, causal or window), a row
+# whose log-sum-exp is below -FAR_BIAS (natural units; float32's grid there is 16, so a row's own
+# scores would have to spread over 8 to make XLA's weights differ) gets XLA's gradients of uniform
+# weights instead, around the kernels (as a row a bias of finfo.min hides). A fill between ~1e5
+# and FAR_BIAS keeps part of the row's scores in XLA's result: the kernels' gradients of such a row
+# lose precision (a relative 3% at 1e6).
+FAR_BIAS = 2.0 ** 27
+
+
+def _far_rows(lse, st: Static, mask, bias):
+    """[batch, heads, sq]: the rows a far bias hid (see FAR_BIAS), or None where none can be."""
+    if bias is None or mask is not None or st.causal or st.window is not None:
+        return None
+    return jnp.isfinite(lse) & (lse < -FAR_BIAS * LOG2E)
+
+
+def _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st: Static):
+    """dq, dk, dv of the rows a far bias hid: uniform weights over the keys inside the length (times
+    the dropout multiplier), their gradient passing the bias's add to q and k."""
+    do_far = jnp.where(jnp.transpose(far, (0, 2, 1))[..., None], do, 0)
+    delta_far = jnp.where(far, delta, 0)
+    if drop is None:
+        dv = _mean_values_vjp(do_far, v, kv_len)
+        if not st.softcap:
+            return (*_biased_empty_vjp(q, k, v, do_far, delta_far, kv_len, st.scale), dv)
+    else:
+        dv = _dropped_means_vjp(do_far, v, kv_len, drop)
+    return (*_biased_empty_chunked_vjp(q, k, v, do_far, delta_far, kv_len, drop, st.scale, st.softcap), dv)
+
+
 def _hidden_by_bias(st: Static, mask, bias) -> bool:
     """Whether rows whose keys are all hidden were hidden by a bias (or a mask standing for one,
     masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add."""
@@ -1727,7 +1761,13 @@ def _attention_bwd(st: Static, residuals, do):
 def _gradients(st: Static, residuals, do, delta):
     """dq, dk, dv, dbias (and None for the rest) from the kernels, given delta = rowsum(do * o)."""
     q, k, v, mask, bias, kv_len, drop, o, lse = residuals
-    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), lse, delta, st)
+    far = _far_rows(lse, st, mask, bias)
+    kernels_lse = lse if far is None else jnp.where(far, jnp.inf, lse)  # (the kernels' p of those rows: 0)
+    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), kernels_lse, delta, st)
+    if far is not None:
+        zeros = lambda: tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
+        more = jax.lax.cond(jnp.any(far), lambda: _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st), zeros)
+        dq, dk, dv = ((a + b).astype(a.dtype) for a, b in zip((dq, dk, dv), more))
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
         if _hidden_by_bias(st, mask, bias):  # hidden by a bias: XLA's gradient passes its add
@@ -1878,6 +1918,8 @@ def _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
                        kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
+    if (far := _far_rows(lse, st, mask, bias)) is not None:  # XLA's uniform weights there
+        p = jnp.where(far[..., None], _mean_values_parts(v, kv_len)[1][:, None, None, :], p)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf)
     ds = p * ((dp if drop is None else dp * drop.astype(jnp.float32)) - delta[..., None])
     summed = tuple(i for i in (0, 1) if bias.shape[i] == 1)
@@ -2033,8 +2075,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         the same, with the gradients XLA gives when the mask is a bias of finfo.min (HF's Flax
         ports): such a row's uniform weights pass their gradient to q and k through the scores.
     Float32 math inside; output in q's dtype. Hide keys with `mask` rather than a huge negative
-    bias: a row whose every score is below about -1e7 keeps the forward's value, but its gradients
-    lose the logsumexp's precision (the saved lse rounds to the row's max), and a bias below
+    bias: a row whose every score is between about -1e5 and -1.3e8 keeps the forward's value, but its
+    gradients lose the logsumexp's precision (the saved lse rounds to the row's max); below -1.3e8
+    (a fill of -1e9), with no mask, causal or window, the row gets XLA's uniform weights' gradients
+    (FAR_BIAS); and a bias below
     -2.3e38 (finfo.min) counts as hidden (masked_rows applies; with "average" and no mask, such a
     row also has XLA's gradients through the bias's add, for q and k).
     dropout_rate, dropout_rng, broadcast_dropout: dropout on the probabilities, as
