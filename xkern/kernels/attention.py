@@ -1764,10 +1764,10 @@ def _gradients(st: Static, residuals, do, delta):
     far = _far_rows(lse, st, mask, bias)
     kernels_lse = lse if far is None else jnp.where(far, jnp.inf, lse)  # (the kernels' p of those rows: 0)
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), kernels_lse, delta, st)
-    if far is not None:
-        zeros = lambda: tuple(jnp.zeros(a.shape, jnp.float32) for a in (q, k, v))
-        more = jax.lax.cond(jnp.any(far), lambda: _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st), zeros)
-        dq, dk, dv = ((a + b).astype(a.dtype) for a, b in zip((dq, dk, dv), more))
+    if far is not None:  # (their gradients added only where there are such rows)
+        with_far_rows = lambda: tuple((a + b).astype(a.dtype) for a, b in zip(
+            (dq, dk, dv), _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st)))
+        dq, dk, dv = jax.lax.cond(jnp.any(far), with_far_rows, lambda: (dq, dk, dv))
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
         if _hidden_by_bias(st, mask, bias):  # hidden by a bias: XLA's gradient passes its add
