@@ -1263,14 +1263,15 @@ def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
 
 def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
     """A padding bias (0 or a fill), given to jax.nn as flax.nnx passes it ([b,1,1,k], q's dtype):
-    run as a mask when the fill leaves nothing of a score (finfo.min; its rows that see no key are
-    then uniform under XLA too), kept as a bias at -1e9 in float32 (whose rounding still orders
-    them) and at -inf (XLA's NaN rows)."""
+    run as a mask when the fill leaves nothing of a score (finfo.min, and -1e9 in float32, whose grid
+    of 64 there leaves the scores of a row it hides equal: their rows that see no key are then uniform
+    under XLA too), kept as a bias at -1e7 in float32 (whose grid of 1 still orders them) and at -inf
+    (XLA's NaN rows)."""
     b, s, h, d = 2, 20, 4, 16
     q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=25)
     padding = (jnp.arange(s)[None, :] < jnp.array([s, 0])[:, None])[:, None, None, :]
-    for fill, dtype, as_mask in ((jnp.finfo(jnp.bfloat16).min, jnp.bfloat16, True), (-1e9, jnp.float32, False),
-                                 (-jnp.inf, jnp.bfloat16, False)):
+    for fill, dtype, as_mask in ((jnp.finfo(jnp.bfloat16).min, jnp.bfloat16, True), (-1e9, jnp.float32, True),
+                                 (-1e7, jnp.float32, False), (-jnp.inf, jnp.bfloat16, False)):
         f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, bias=jnp.where(padding, 0.0, fill).astype(dtype))
         [match] = [m for m in xkern.explain(f)(q, k, v).matches if m.pattern.startswith("attention/")]
         assert match.pattern.startswith("attention/jax.nn.dot_product_attention+bias[b,1,q,k]")
@@ -1281,6 +1282,10 @@ def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
     want = value_and_grads(padded(jnp.finfo(jnp.float32).min, jnp.float32), [a.astype(jnp.float32) for a in (q, k, v)],
                            do.astype(jnp.float32))
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # entry 1 sees no key: uniform, dq and dk too
+        close(g, w, jnp.bfloat16)
+    got = value_and_grads(xkern.optimize(padded(-1e9, jnp.float32)), (q, k, v), do)  # (as a mask: the same)
+    want = value_and_grads(padded(-1e9, jnp.float32), [a.astype(jnp.float32) for a in (q, k, v)], do.astype(jnp.float32))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(g, w, jnp.bfloat16)
 
 

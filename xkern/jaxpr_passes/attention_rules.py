@@ -490,9 +490,11 @@ def _uniform_value(graph, var) -> float | None:
 
 
 # A bias this negative, added to a score in float32 or bfloat16, leaves nothing of the score: a row
-# it hides entirely has equal scores, so XLA's softmax there is uniform (at -1e9 in float32 the
-# scores' rounding would still order them).
-HUGE_BIAS = -1e30
+# it hides entirely has equal scores, so XLA's softmax there is uniform. At -1e9 (float32's grid is 64
+# there) that holds while the row's own scores spread over less than 32, as the kernels assume for
+# such a row when it is a bias too (kernels.FAR_BIAS); a select between 0 and -1e9 (`jnp.where(mask,
+# 0., -1e9)`, a constant padding bias) therefore runs as a mask, whose tile lists skip what it hides.
+HUGE_BIAS = -kernels.FAR_BIAS
 
 
 def _bias_facts(match, index: int = 3) -> dict:
