@@ -988,7 +988,8 @@ def test_a_float32_bias_on_half_scores_gives_a_float32_result():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_two_biases_are_summed_for_the_kernels(dtype):
     """Two biases added one after the other (AlphaFold's padding and pair biases; a position bias,
-    then padding) were left to XLA, the softmax alone fused: the kernels now take their sum. Values
+    then padding) were left to XLA, the softmax alone fused: the kernels now take their sum, or the
+    one bias and a mask where the other is a padding bias (a select of 0 and -1e9). Values
     and the gradients of q, k, v against jax.jit's in float32, a batch entry with every key padded
     (each of its queries averages every value, as XLA's -1e9 gives); a call that differentiates
     either bias runs as written (as one bias does); a third bias is no spelling the kernels take."""
@@ -1005,6 +1006,9 @@ def test_two_biases_are_summed_for_the_kernels(dtype):
         f32 = [a.astype(jnp.float32) for a in qkv]
         [match] = [m for m in xkern.explain(f)(*qkv, *extras).matches if m.op == "attention"]
         assert match.pattern.startswith(f"attention/einsum[{layout}](unscaled)+") and match.pattern.count("bias") == 2
+        # a padding bias (a select of 0 and -1e9) is the kernels' mask: the sum [b, h, q, k] is not made
+        made = str(jax.make_jaxpr(xkern.optimize(f))(*qkv, *extras))
+        assert (f"[{b},{h},{s},{s}]" in made) == (f is _alphafold_attention)
         close(xkern.jit(f)(*qkv, *extras), jax.jit(f)(*f32, *extras), dtype)
         loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * g.astype(jnp.float32))
         assert launched(jax.grad(xkern.optimize(loss), (0, 1, 2)), *qkv, *extras) >= {"attention_fwd", "attention_bwd_dkdv"}

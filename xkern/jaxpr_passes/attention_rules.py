@@ -48,7 +48,7 @@ import numpy as np
 
 from jax.extend.core import Literal
 
-from xkern.jaxpr_passes.graph import constant_value
+from xkern.jaxpr_passes.graph import constant_value, select_fill
 from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
 from xkern.kernels import attention as kernels
 
@@ -456,39 +456,6 @@ def _mask_kind(mask) -> dict:
 SOFTMAX_AND_PRODUCTS = frozenset({"dot_general", "exp", "reduce_max"})
 
 
-SHAPING = ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims")
-
-
-def _before_shaping(graph, var) -> tuple:
-    """(the var that `var` broadcasts, reshapes or casts, the dtypes cast to on the way, last first)."""
-    casts = []
-    while not isinstance(var, Literal) and var in graph.producer:
-        eqn = graph.eqns[graph.producer[var][0]]
-        if eqn.primitive.name not in SHAPING:
-            break
-        if eqn.primitive.name == "convert_element_type":
-            casts.append(eqn.params["new_dtype"])
-        var = eqn.invars[0]
-    return var, casts
-
-
-def _uniform_value(graph, var) -> float | None:
-    """The one value every element of `var` holds, if the program makes it by broadcasting (and
-    casting) a literal or a small constant; else None."""
-    var, casts = _before_shaping(graph, var)
-    value = var.val if isinstance(var, Literal) else constant_value(graph, var, 1 << 16)
-    if value is None:
-        return None
-    value = np.asarray(value)
-    if value.size == 0 or not np.all(value == value.flat[0]):
-        return None
-    with jax.ensure_compile_time_eval():
-        x = jnp.asarray(value.flat[0])
-        for dtype in reversed(casts):
-            x = x.astype(dtype)
-        return float(x)
-
-
 # A bias this negative, added to a score in float32 or bfloat16, leaves nothing of the score: a row
 # it hides entirely has equal scores, so XLA's softmax there is uniform. At -1e9 (float32's grid is 64
 # there) that holds while the row's own scores spread over less than 32, as the kernels assume for
@@ -516,21 +483,20 @@ def _bias_facts(match, index: int = 3) -> dict:
             hides = fill <= HUGE_BIAS and bool(jnp.all(visible | (bias == fill))) and (
                 fill > -np.inf or bool(jnp.all(jnp.any(visible, -1))))
         return {"bias_kind": "mask", **_mask_kind(visible)} if hides else {}
-    var, casts = _before_shaping(graph, var)  # (a select in float32 cast to q's dtype: its values as cast)
-    eqn = graph.eqns[graph.producer[var][0]] if not isinstance(var, Literal) and var in graph.producer else None
-    if eqn is None or eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
-        return {}
+    fill = select_fill(graph, var)
+    return {"bias_kind": "mask"} if fill is not None and -np.inf < fill <= HUGE_BIAS else {}
 
-    def value(case):
-        x = _uniform_value(graph, case)
-        with jax.ensure_compile_time_eval():
-            for dtype in reversed(casts):
-                x = None if x is None else float(jnp.asarray(x).astype(dtype))
-        return x
-    values = sorted((value(case) for case in eqn.invars[1:]), key=lambda x: (x is None, x))
-    if None in values or values[1] != 0 or not (-np.inf < values[0] <= HUGE_BIAS):
-        return {}
-    return {"bias_kind": "mask"}
+
+def _mask_bias_facts(match) -> dict:
+    """Of two biases (by_hand's second_bias): {"mask_bias": its input index, ...} where one of them
+    is a padding bias standing for a mask (_bias_facts; t5x's padding bias beside the position bias,
+    last since canonicalize puts it there): the kernels take the other as the bias and this one as
+    the mask, and the sum [batch, heads, q, k] is never made."""
+    for index in (4, 3):
+        facts = _bias_facts(match, index)
+        if facts:
+            return {"mask_bias": index, **{k: v for k, v in facts.items() if k != "bias_kind"}}
+    return {}
 
 
 ARRAY_SCALINGS = ("*array", "/array")
@@ -585,7 +551,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None, bias_kind=None, scale_value=None, cap=None):
+                keep=None, bias_kind=None, scale_value=None, cap=None, mask_bias=None):
         multiplier, sink = None, None
         if window:  # jax.nn's two position constants (None: ignored)
             extras = extras[:-2]
@@ -608,11 +574,12 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
-        if second_bias:  # the kernels take one bias: the two summed (broadcast to both's shape)
-            bias = extras[0] + extras[1]
+        if second_bias:  # the kernels take one bias: the two summed, or the one not a padding mask
+            bias = extras[0] + extras[1] if mask_bias is None else extras[4 - mask_bias]
         if bias is not None and getattr(fn, "subtracted", False):
             bias = -bias
-        hidden_by_bias = extras[0] == 0 if bias_kind == "mask" and mask_kind is None else None
+        as_mask = extras[0] if bias_kind == "mask" else None if mask_bias is None else extras[mask_bias - 3]
+        hidden_by_bias = as_mask == 0 if as_mask is not None and mask_kind is None else None
         if scaling in (*ARRAY_SCALINGS, ROW_SCALING):
             pass
         elif scaling == "/sqrt(d)":  # divided by sqrt(head dim), rounded to q's dtype
@@ -649,7 +616,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or (with_bias and not with_mask)
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
-                                masked_rows="bias" if bias_kind else "average" if average else "zeros",
+                                masked_rows="bias" if as_mask is not None else "average" if average else "zeros",
                                 local_window_size=(left, right) if banded else None,
                                 dropout_multiplier=multiplier, logits_soft_cap=cap, sinks=sink,
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)
@@ -670,7 +637,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         # (beside a window, a mask goes to the kernels as it is: read from constants, it could be a
         # second window)
         facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask and not window
-                 else _bias_facts(match) if with_bias and not (getattr(fn, "subtracted", False) or second_bias)
+                 else _mask_bias_facts(match) if second_bias
+                 else _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False)
                  else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
@@ -679,7 +647,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    params_of=_params_of(params, fill, window, dropout == "select", softcap),
                    check=_check(layout, dropout, sinks, scaling == ROW_SCALING, arrays), replace=replace,
                    facts_of=facts_of,
-                   ignores=lambda params: ({3 + bool(with_bias and with_mask)} if params.get("mask_kind") else
+                   ignores=lambda params: ({params.get("mask_bias", 3 + bool(with_bias and with_mask))}
+                                           if params.get("mask_kind") else
                                            {3 + bool(with_mask), 4 + bool(with_mask)} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
@@ -695,8 +664,10 @@ def _bias_trained(perturbed: list[bool], params: dict, biases: int = 1) -> str |
     b32 s512 h16 d64: 0.83x jax.jit with the table's gradient, against 1.18x for the forward alone
     (h200-attention-t5-session39.json). Such a call runs the program as written (jax.jit's); the
     forward alone, and training where the bias is a constant or a mask, keep the kernels. biases: how
-    many inputs from the fourth on are biases (AlphaFold's padding bias and pair bias: two)."""
-    if params.get("bias_kind") is None and any(perturbed[3:3 + biases]):
+    many inputs from the fourth on are biases (AlphaFold's padding bias and pair bias: two), of which
+    params["mask_bias"] (an index) may be a padding bias standing for a mask (_mask_bias_facts)."""
+    trained = [p for n, p in enumerate(perturbed[3:3 + biases], 3) if n != params.get("mask_bias")]
+    if params.get("bias_kind") is None and any(trained):
         return ("this call differentiates the bias, whose gradient needs the scores the kernels do not write "
                 "(XLA would recompute them beside the kernels): run as written")
     return None

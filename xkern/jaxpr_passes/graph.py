@@ -131,3 +131,55 @@ def same_literal(a, b) -> bool:
 def aval_bytes(aval) -> int:
     shape = getattr(aval, "shape", ())
     return int(np.prod(shape, dtype=np.int64)) * aval.dtype.itemsize if shape else 0  # (a PRNG key's too)
+
+
+SHAPING = ("broadcast_in_dim", "convert_element_type", "reshape", "squeeze", "expand_dims")
+
+
+def before_shaping(graph: Graph, var) -> tuple:
+    """(the var that `var` broadcasts, reshapes or casts, the dtypes cast to on the way, last first)."""
+    casts = []
+    while not isinstance(var, Literal) and var in graph.producer:
+        eqn = graph.eqns[graph.producer[var][0]]
+        if eqn.primitive.name not in SHAPING:
+            break
+        if eqn.primitive.name == "convert_element_type":
+            casts.append(eqn.params["new_dtype"])
+        var = eqn.invars[0]
+    return var, casts
+
+
+def _cast(x, casts: list):
+    """The number x cast as `casts` (last first) cast it, back as a Python float."""
+    with jax.ensure_compile_time_eval():
+        x = jax.numpy.asarray(x)
+        for dtype in reversed(casts):
+            x = x.astype(dtype)
+        return float(x)
+
+
+def uniform_value(graph: Graph, var) -> float | None:
+    """The one value every element of `var` holds, if the program makes it by broadcasting (and
+    casting) a literal or a small constant; else None."""
+    var, casts = before_shaping(graph, var)
+    value = var.val if isinstance(var, Literal) else constant_value(graph, var, 1 << 16)
+    if value is None:
+        return None
+    value = np.asarray(value)
+    if value.size == 0 or not np.all(value == value.flat[0]):
+        return None
+    return _cast(value.flat[0], casts)
+
+
+def select_fill(graph: Graph, var) -> float | None:
+    """f where `var` is a select between 0 and a uniform f (`jnp.where(mask, 0., f)`, t5x's and HF's
+    padding biases), through broadcasts, reshapes and casts (its values as cast); else None."""
+    var, casts = before_shaping(graph, var)
+    eqn = graph.eqns[graph.producer[var][0]] if not isinstance(var, Literal) and var in graph.producer else None
+    if eqn is None or eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+        return None
+    values = [uniform_value(graph, case) for case in eqn.invars[1:]]
+    if None in values:
+        return None
+    values = sorted(_cast(x, casts) for x in values)
+    return values[0] if values[1] == 0 else None
