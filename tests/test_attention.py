@@ -1026,6 +1026,58 @@ def test_two_biases_are_summed_for_the_kernels(dtype):
     assert not [m for m in xkern.explain(three)(q, k, v, pair_bias).matches if m.op == "attention"]
 
 
+def _t5x_attention(q, k, v, table, padding, fill=-1e10, position_first=False):
+    """t5x's attention (T5.1.1, unscaled): the padding bias, a select between 0 and -1e10, added to the
+    relative-position bias per head [1, h, q, k] (HF's Flax T5 adds them in the other order, with
+    finfo.min), then the sum to the float32 scores."""
+    padding_bias = jax.lax.select(padding, jnp.zeros(padding.shape), jnp.full(padding.shape, fill))[:, None, None, :]
+    bias = table[None] + padding_bias if position_first else padding_bias + table[None]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_padding_bias_added_to_the_position_bias_runs_as_a_mask(dtype):
+    """t5x adds its padding bias to the position bias, then the sum [b, h, q, k] to the scores: the
+    kernels read that sum from memory (T5's training lost to jax.jit, 0.96x on an H100). They now
+    read the two for it (Pattern.substitutes), the position bias as the bias and the padding as a
+    mask; the sum is never made. Values and the gradients of q, k, v against jax.jit's in float32, a batch entry
+    with every key padded (uniform weights, as XLA's); the table trained runs as written; a fill of
+    -1e4 (BERT's) is a bias, the sum kept; a sum read elsewhere too is not split."""
+    b, s, h, d = 3, 13, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, dtype, seed=61)
+    table = jnp.asarray(np.random.default_rng(62).standard_normal((h, s, s)), jnp.float32)
+    padding = jnp.asarray(np.arange(s)[None, :] < np.array([s, 6, 0])[:, None])
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    summed = f"f32[{b},{h},{s},{s}]"  # (a [b, h, q, k] bias in the compiled forward)
+    compiled = lambda f: jax.jit(xkern.optimize(f)).lower(q, k, v, table).compile().as_text()
+    for fill, position_first in ((-1e10, False), (float(jnp.finfo(jnp.float32).min), True)):
+        f = lambda q, k, v, table: _t5x_attention(q, k, v, table, padding, fill, position_first)
+        [match] = [m for m in xkern.explain(f)(q, k, v, table).matches if m.op == "attention"]
+        assert match.params.get("bias_split"), match
+        assert summed not in compiled(f)
+        close(xkern.jit(f)(q, k, v, table), jax.jit(f)(*f32, table), dtype)
+        loss = lambda q, k, v, table: jnp.sum(f(q, k, v, table).astype(jnp.float32) * do.astype(jnp.float32))
+        for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v, table),
+                             jax.jit(jax.grad(loss, (0, 1, 2)))(*f32, table)):
+            close(got, want, dtype)
+        for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 3)))(q, k, v, table),
+                             jax.jit(jax.grad(loss, (0, 3)))(q, k, v, table)):  # (as written: jax.jit's own)
+            close(got, want, dtype)
+    some_keys = jnp.asarray(np.arange(s)[None, :] < np.array([s, 6, 1])[:, None])  # (-1e4 keeps a hidden row's
+    bert = lambda q, k, v, table: _t5x_attention(q, k, v, table, some_keys, -1e4)  # scores, to float32's grid)
+    assert summed in compiled(bert)
+    close(xkern.jit(bert)(q, k, v, table), jax.jit(bert)(*f32, table), dtype)
+
+    def also_returned(q, k, v, table):
+        bias = jnp.where(padding, 0.0, -1e10)[:, None, None, :] + table[None]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + bias
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v), bias
+    got, want = xkern.jit(also_returned)(q, k, v, table), jax.jit(also_returned)(*f32, table)
+    close(got[0], want[0], dtype)
+    assert np.array_equal(got[1], want[1])
+
+
 def _spelled(layout, scaling, mask, softmax, upcast, bias):
     """Attention as a model might write it: einsum or matmuls, a scaling, a bias added or subtracted,
     an upcast, a causal / padding / hidden-keys mask, jax.nn's softmax or one written out; k and v

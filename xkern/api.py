@@ -298,12 +298,13 @@ def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list,
             if reason is not None:
                 declined.append(Declined(r.pattern, r.location, reason, r.match.anchor))
                 continue
-            inputs, residual = r.inputs()
-            replace = lambda *a, r=r, **kw: r.match.pattern.replace(*r.adapted(list(a)), backend=backend,
-                                                                     **r.params, **kw)
-            if residual is not None:
-                inputs, replace = [*inputs, residual], lambda *a, f=replace: f(*a[:-1], residual=a[-1])
-            replaced = jax.make_jaxpr(replace)(*(None if v is None else specs([v.aval])[0] for v in inputs))
+            reads, (_, residual) = r.reads(), r.inputs()
+
+            def replace(*values, r=r, reads=reads, residual=residual):
+                read = dict(zip(reads, values)).__getitem__
+                kw = {} if residual is None else {"residual": read(residual)}
+                return r.match.pattern.replace(*r.arguments(read), backend=backend, **r.params, **kw)
+            replaced = jax.make_jaxpr(replace)(*specs([v.aval for v in reads]))
             matches.append(Replaced(r.pattern, r.match.pattern.op, r.location, kernel_names(replaced), r.params))
         role = f" ({p.role}, in the backward pass)" if p.role else ""
         for f in p.fusions.values():

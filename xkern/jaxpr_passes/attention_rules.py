@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax.extend.core import Literal
+from jax.extend.core import Literal, Var
 
 from xkern.jaxpr_passes.graph import constant_value, select_fill
 from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
@@ -489,14 +489,41 @@ def _bias_facts(match, index: int = 3) -> dict:
 
 def _mask_bias_facts(match) -> dict:
     """Of two biases (by_hand's second_bias): {"mask_bias": its input index, ...} where one of them
-    is a padding bias standing for a mask (_bias_facts; t5x's padding bias beside the position bias,
-    last since canonicalize puts it there): the kernels take the other as the bias and this one as
-    the mask, and the sum [batch, heads, q, k] is never made."""
+    is a padding bias standing for a mask (_bias_facts; a position bias, then padding, by hand): the
+    kernels take the other as the bias and this one as the mask, and the sum [batch, heads, q, k]
+    is never made."""
     for index in (4, 3):
         facts = _bias_facts(match, index)
         if facts:
             return {"mask_bias": index, **{k: v for k, v in facts.items() if k != "bias_kind"}}
     return {}
+
+
+def _padding_split(graph, var):
+    """(b, p, dtype) where the bias `var` is b + p (either order), cast to dtype or not (None), and p
+    a padding bias (a select of 0 and a finite fill <= HUGE_BIAS); else None. t5x adds its padding
+    bias to the position bias [1, h, q, k], then the sum to the scores (HF's Flax T5 the other way
+    round): the kernels take b as the bias and p as the mask, so the sum is never made."""
+    dtype = None
+    eqn = graph.eqns[graph.producer[var][0]] if isinstance(var, Var) and var in graph.producer else None
+    if eqn is not None and eqn.primitive.name == "convert_element_type":
+        dtype, var = eqn.params["new_dtype"], eqn.invars[0]
+        eqn = graph.eqns[graph.producer[var][0]] if isinstance(var, Var) and var in graph.producer else None
+    if eqn is None or eqn.primitive.name != "add" or var.aval.ndim != 4:
+        return None
+    for b, p in (eqn.invars, eqn.invars[::-1]):
+        if not (isinstance(b, Var) and isinstance(p, Var) and b.aval.ndim == p.aval.ndim == 4):
+            continue
+        fill = select_fill(graph, p)
+        if fill is not None and -np.inf < fill <= HUGE_BIAS:
+            return b, p, dtype
+    return None
+
+
+def _split_bias_facts(match) -> dict:
+    """{"bias_split": True} where the one bias (input 3) is a position bias plus a padding bias
+    (_padding_split): Pattern.substitutes then reads the two for it."""
+    return {"bias_split": True} if _padding_split(match.graph, match.inputs[3]) else {}
 
 
 ARRAY_SCALINGS = ("*array", "/array")
@@ -551,7 +578,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
     def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None, bias_kind=None, scale_value=None, cap=None, mask_bias=None):
+                keep=None, bias_kind=None, scale_value=None, cap=None, mask_bias=None, bias_split=False):
         multiplier, sink = None, None
         if window:  # jax.nn's two position constants (None: ignored)
             extras = extras[:-2]
@@ -578,7 +605,10 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             bias = extras[0] + extras[1] if mask_bias is None else extras[4 - mask_bias]
         if bias is not None and getattr(fn, "subtracted", False):
             bias = -bias
-        as_mask = extras[0] if bias_kind == "mask" else None if mask_bias is None else extras[mask_bias - 3]
+        if bias_split:  # (the bias b + p substituted by the two: _padding_split)
+            bias, as_mask = extras[0]
+        else:
+            as_mask = extras[0] if bias_kind == "mask" else None if mask_bias is None else extras[mask_bias - 3]
         hidden_by_bias = as_mask == 0 if as_mask is not None and mask_kind is None else None
         if scaling in (*ARRAY_SCALINGS, ROW_SCALING):
             pass
@@ -632,13 +662,15 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                       **({"cap": EXAMPLE_CAP} if softcap else {})}
     arrays = scaling in ARRAY_SCALINGS
     mask_index = -1 - bool(dropout) - (arrays or scaling == ROW_SCALING) - sinks - 2 * window
+    # (a bias of scores [b, h, q, k], added, alone: a position bias plus padding is split for the kernels)
+    splittable = not (getattr(fn, "subtracted", False) or layout.startswith("bqhk") or layout == FOLDED)
 
     def facts_of(match) -> dict:
         # (beside a window, a mask goes to the kernels as it is: read from constants, it could be a
         # second window)
         facts = (_mask_facts(match, mask_index, layout, getattr(fn, "hidden", False)) if with_mask and not window
                  else _mask_bias_facts(match) if second_bias
-                 else _bias_facts(match) if with_bias and not getattr(fn, "subtracted", False)
+                 else _bias_facts(match) or _split_bias_facts(match) if with_bias and splittable
                  else {})
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
@@ -654,7 +686,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
                    split_dims=_split_dims(layout),
                    xla_when=functools.partial(_bias_trained, biases=2 if second_bias else 1) if with_bias else None,
-                   substitutes=None if getattr(fn, "grouped", False) or layout == FOLDED else _unrepeated_kv(layout))
+                   substitutes=_substitutes(None if getattr(fn, "grouped", False) or layout == FOLDED
+                                            else _unrepeated_kv(layout)))
 
 
 def _bias_trained(perturbed: list[bool], params: dict, biases: int = 1) -> str | None:
@@ -709,6 +742,19 @@ def _repeated(graph, var, axis: int):
             return None
         wide = source  # (a broadcast of the group axis from 1 to n, after an expand_dims)
     return None
+
+
+def _substitutes(kv):
+    """Pattern.substitutes: k and v unrepeated (kv: _unrepeated_kv's, or None), and a bias that is a
+    position bias plus a padding bias read as the two (params' bias_split: _padding_split)."""
+    def substitutes(match, params) -> dict:
+        found = {} if kv is None else kv(match, params)
+        if params.get("bias_split"):
+            b, p, dtype = _padding_split(match.graph, match.inputs[3])
+            found[3] = ((b, p), (lambda pair: pair) if dtype is None else
+                        (lambda pair, dtype=dtype: tuple(x.astype(dtype) for x in pair)))
+        return found
+    return substitutes
 
 
 def _unrepeated_kv(layout: str):

@@ -36,15 +36,16 @@ class Rewrite:
     params: dict
     location: str
     residual_add: int | None = None  # the folded add h = x + r making the first input (see below)
-    substituted: dict = dataclasses.field(default_factory=dict)  # input index -> (value, adapt): Pattern.substitutes
+    substituted: dict = dataclasses.field(default_factory=dict)  # input index -> (value(s), adapt): Pattern.substitutes
 
     @property
     def pattern(self) -> str:
         return self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
 
     def inputs(self) -> tuple[list, Any]:
-        """The program values the replacement takes (None for those it ignores at these params), and
-        the residual r (None: no folded add)."""
+        """The program values the replacement takes, one entry an input (None for those it ignores at
+        these params; a tuple where several values substitute for one), and the residual r (None: no
+        folded add)."""
         ignored = self.match.pattern.ignores(self.params)
         inputs = [None if n in ignored else self.substituted[n][0] if n in self.substituted else v
                   for n, v in enumerate(self.match.inputs)]
@@ -53,10 +54,18 @@ class Rewrite:
         x, r = self.match.graph.eqns[self.residual_add].invars
         return [x, *inputs[1:]], r
 
-    def adapted(self, values: list) -> list:
-        """The replacement's arguments from the values of inputs(): substituted ones adapted."""
-        return [self.substituted[n][1](x) if n in self.substituted and x is not None else x
-                for n, x in enumerate(values)]
+    def reads(self) -> list:
+        """The program values the replacement reads, in order (the folded add's residual last)."""
+        inputs, residual = self.inputs()
+        return [u for v in (*inputs, residual) if v is not None for u in (v if isinstance(v, tuple) else (v,))]
+
+    def arguments(self, read) -> list:
+        """The replacement's arguments, read(value) for each program value of inputs(): substituted
+        ones adapted (a tuple's values adapted together)."""
+        inputs, _ = self.inputs()
+        value = lambda v: None if v is None else tuple(map(read, v)) if isinstance(v, tuple) else read(v)
+        return [self.substituted[n][1](value(v)) if n in self.substituted and v is not None else value(v)
+                for n, v in enumerate(inputs)]
 
 
 @dataclasses.dataclass
@@ -330,7 +339,7 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
                 if by_cost:
                     too_costly.append(frozenset(match.program_eqns))
                 continue
-            substituted = {} if pattern.substitutes is None or pattern.xla_when else pattern.substitutes(match, params)
+            substituted = {} if pattern.substitutes is None else pattern.substitutes(match, params)
             plan.rewrites[i] = Rewrite(match, params, location(graph.eqns[i]), substituted=substituted)
             claimed |= match.program_eqns - match.shared  # shared ones stay, for every match reading them
             plan.skip |= match.program_eqns - {i} - match.shared
@@ -382,9 +391,10 @@ def _drop_unread(plan: Plan) -> None:
     """What only inputs the replacements ignore needed (a constant mask read as causal), or read
     through a substitute (the repeat of k/v heads), is dead."""
     def reads(i, eqn):
-        if i in plan.rewrites:
-            inputs, residual = plan.rewrites[i].inputs()
-            return [v for v in (*inputs, residual) if v is not None]
+        if i in plan.rewrites:  # (one that may run as written also reads what its equations read)
+            rewrite = plan.rewrites[i]
+            return [*rewrite.reads(), *(_external_reads(rewrite, plan.closed.jaxpr)
+                                        if _may_run_as_written(rewrite) else ())]
         return () if i in plan.skip else eqn.invars
     plan.live = live_equations(plan.closed.jaxpr, reads) | (plan.live & plan.skip)
 
@@ -424,13 +434,14 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             continue
         if i in plan.rewrites:
             rewrite = plan.rewrites[i]
-            inputs, residual = rewrite.inputs()
+            _, residual = rewrite.inputs()
             if _may_run_as_written(rewrite):
-                reads = _external_reads(rewrite, jaxpr)
+                reads = list(dict.fromkeys([*_external_reads(rewrite, jaxpr),
+                                            *(v for v in rewrite.reads() if not isinstance(v, Literal))]))
                 with _compat.user_context(eqn.source_info):
                     env[eqn.outvars[0]] = _per_differentiation(rewrite, jaxpr, reads, backend)(*map(read, reads))
                 continue
-            replace = functools.partial(rewrite.match.pattern.replace, *rewrite.adapted(list(map(read, inputs))),
+            replace = functools.partial(rewrite.match.pattern.replace, *rewrite.arguments(read),
                                         backend=backend, **rewrite.params)
             with _compat.user_context(eqn.source_info):
                 if residual is None:
@@ -462,7 +473,7 @@ def _check_replaced(rewrite: Rewrite, aval, value) -> None:
 def _may_run_as_written(rewrite: Rewrite) -> bool:
     """Whether the rewrite's pattern may run its matched equations instead (Pattern.xla_when)."""
     pattern = rewrite.match.pattern
-    return (pattern.xla_when is not None and rewrite.residual_add is None and not rewrite.substituted
+    return (pattern.xla_when is not None and rewrite.residual_add is None
             and not pattern.ignores(rewrite.params))
 
 
@@ -483,8 +494,9 @@ def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
     at = {v: n for n, v in enumerate(reads)}
     out = jaxpr.eqns[match.anchor].outvars[0]
 
-    def replacement(*values):
-        value = pattern.replace(*(values[at[v]] for v in match.inputs), backend=backend, **rewrite.params)
+    def replacement(*values):  # (reading substitutes where the pattern has them: Rewrite.arguments)
+        read = lambda v: v.val if isinstance(v, Literal) else values[at[v]]
+        value = pattern.replace(*rewrite.arguments(read), backend=backend, **rewrite.params)
         _check_replaced(rewrite, out.aval, value)
         return value
 
@@ -612,8 +624,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     # A rewrite reads its inputs at its anchor: a group must give them as outputs even where their
     # only equation-consumer is one the match left in the program (an upcast shared with others).
     for anchor, rewrite in plan.rewrites.items():
-        inputs, residual = rewrite.inputs()
-        for v in (*inputs, residual):
+        for v in rewrite.reads():
             if isinstance(v, Var) and anchor not in graph.consumers.get(v, ()):
                 graph.consumers.setdefault(v, []).append(anchor)
     claimed = plan.skip | set(plan.rewrites)
@@ -687,10 +698,8 @@ def traffic(plan: Plan) -> tuple[int, int]:
                     if not isinstance(v, Literal) and v not in seen:
                         seen.add(v)
                         before += aval_bytes(v.aval)
-            inputs, residual = rewrite.inputs()
             outs = [graph.eqns[rewrite.match.anchor].outvars[0]] + [rewrite.match.inputs[0]] * bool(folded)
-            after += sum(aval_bytes(v.aval) for v in (*inputs, *outs) if v is not None) + (
-                aval_bytes(residual.aval) if folded else 0)
+            after += sum(aval_bytes(v.aval) for v in (*rewrite.reads(), *outs))
         for fusion in p.fusions.values():
             seen = set()
             for eqn in fusion.fused.eqns:
