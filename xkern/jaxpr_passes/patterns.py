@@ -84,7 +84,10 @@ class Pattern:
     xla_when: Callable[[list[bool], dict], str | None] | None = None
     # substitutes(match, params): {input index: (program value, adapt)}: the replacement reads
     # adapt(that value) for the input instead, where the matched input is computed from a smaller
-    # one (attention's k and v repeated over the heads: the kernels read the k/v heads as GQA).
+    # one (attention's k and v repeated over the heads: the kernels read the k/v heads as GQA), or
+    # {input index: ((values...), adapt)}, adapt taking their tuple, where it is made of several
+    # (a position bias plus a padding bias: the kernels take a bias and a mask). A call that runs
+    # as written (xla_when) reads the matched input itself.
     substitutes: Callable[["Match", dict], dict] | None = None
 
 
