@@ -2580,6 +2580,28 @@ def test_jax_nn_query_seq_lengths_zero_the_padded_queries(causal, kv):
         close(got, want, jnp.float32)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_jax_nn_lengths_of_one_number_for_every_entry(causal):
+    """Lengths made by jnp.full((b,), n) from a traced n (a decode step's position): canonicalize makes
+    them a broadcast of n, which the templates, traced with lengths [b], did not take (the scores were
+    made, the softmax alone fused). Now they do: values and gradients against jax.jit's, n of 0 (every
+    key hidden), inside and past the sequence."""
+    q, k, v, do = make(2, 13, 11, 4, 2, 16, jnp.float32, seed=14)
+
+    def f(q, k, v, n):
+        every = jnp.full((q.shape[0],), n, jnp.int32)
+        return jax.nn.dot_product_attention(q, k, v, is_causal=causal, key_value_seq_lengths=every,
+                                            query_seq_lengths=every if causal else None)
+    [match] = xkern.explain(f)(q, k, v, 5).matches
+    assert match.pattern.startswith("attention/jax.nn") and "key_value_seq_lengths" in match.pattern
+    loss = lambda f: (lambda q, k, v, n: jnp.sum(f(q, k, v, n) * do))
+    for n in (5, 0, 20):
+        close(xkern.jit(f)(q, k, v, n), jax.jit(f)(q, k, v, n), jnp.float32)
+        for got, want in zip(jax.jit(jax.grad(loss(xkern.optimize(f)), (0, 1, 2)))(q, k, v, n),
+                             jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v, n)):
+            close(got, want, jnp.float32)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sliding windows (local_window_size)
 # --------------------------------------------------------------------------------------------------

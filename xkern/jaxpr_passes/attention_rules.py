@@ -78,12 +78,15 @@ def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = Tru
     step against a padded cache passes them. window: with local_window_size=(left, right), params
     (jax.nn builds the window from two position constants: the template's last inputs). bias_kind:
     the bias's shape and dtype, where they are not [b,h,q,k] float32 (they change the trace).
-    query_lengths: with query_seq_lengths (an input before any key_value_seq_lengths)."""
+    query_lengths: with query_seq_lengths (an input before any key_value_seq_lengths). Lengths may
+    be one number for every batch entry (`jnp.full((b,), n)`, which canonicalize makes a broadcast of
+    n): the template is then traced so (_per_entry)."""
     def fn(q, k, v, *extras, scale, left=None, right=None):
         return jax.nn.dot_product_attention(q, k, v, bias=extras[0] if bias else None,
                                             mask=extras[-1] if mask else None, scale=scale, is_causal=causal,
-                                            query_seq_lengths=extras[-1 - lengths] if query_lengths else None,
-                                            key_value_seq_lengths=extras[-1] if lengths else None,
+                                            query_seq_lengths=_per_entry(extras[-1 - lengths], q) if query_lengths
+                                            else None,
+                                            key_value_seq_lengths=_per_entry(extras[-1], q) if lengths else None,
                                             local_window_size=(left, right) if window else None)
     fn.__name__ = (f"jax.nn.dot_product_attention{'(causal)' if causal else ''}{'+bias' + bias_kind if bias else ''}"
                    f"{'+mask' + mask if mask else ''}{'+query_seq_lengths' if query_lengths else ''}"
@@ -91,6 +94,11 @@ def nn_attention(causal: bool, bias: bool, mask: str | None, grouped: bool = Tru
                    f"{'+local_window_size' if window else ''}{'' if grouped else ', one k/v head per q head'}")
     fn.grouped, fn.query_lengths = grouped, query_lengths
     return fn
+
+
+def _per_entry(lengths, q):
+    """Lengths [batch]: one number broadcast to every entry of q's batch, else as they are."""
+    return jnp.full((q.shape[0],), lengths) if jnp.ndim(lengths) == 0 else lengths
 
 
 def nn_attention_per_example(causal: bool):
@@ -635,9 +643,9 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             mask = mask[:, None]
         elif mask is not None and with_mask == "[q,k]":
             mask = mask[None, None]
-        lengths = extras[-1] if with_lengths else None
+        lengths = _per_entry(extras[-1], q) if with_lengths else None
         if getattr(fn, "query_lengths", False):
-            q = jnp.where(_padded_queries(extras[-1 - with_lengths], q.shape[1]), jnp.zeros((), q.dtype), q)
+            q = jnp.where(_padded_queries(_per_entry(extras[-1 - with_lengths], q), q.shape[1]), jnp.zeros((), q.dtype), q)
         if with_lengths and not causal:
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
         banded = window or mask_kind == "window"  # a band can hide every key of a query
@@ -653,7 +661,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         if with_lengths and causal:
             out = _causal_empty_as_jax_nn(out, v, lengths)
         if getattr(fn, "query_lengths", False):
-            out = _padded_queries_as_jax_nn(out, extras[-1 - with_lengths])
+            out = _padded_queries_as_jax_nn(out, _per_entry(extras[-1 - with_lengths], out))
         return out.transpose(0, 2, 1, 3) if layout.startswith("bhsd") else out[:, :, 0] if layout == FOLDED else out
 
     example_params = {**({"scale": EXAMPLE_SCALE} if params else {}), **({"fill": EXAMPLE_FILL} if fill else {}),
