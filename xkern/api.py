@@ -13,7 +13,7 @@ import numpy as np
 
 from xkern import _compat, pipeline
 from xkern.jaxpr_passes.patterns import registry
-from xkern.jaxpr_passes.rewrite import Declined, evaluate, hearing_as_written, specs, traffic
+from xkern.jaxpr_passes.rewrite import Declined, evaluate, hearing_as_written, ran_as_written, specs, traffic
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
 from xkern.memory.liveness import peak_live_bytes
 
@@ -282,7 +282,8 @@ def _mib(n: int) -> str:
 
 def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list, list]:
     """(Replaced, Declined) of the differentiated functions' plans (`inner`) and the program's;
-    as_written: (rewrite, reason) of those a call ran as written, declined for that reason."""
+    as_written: the decisions heard (rewrite.hearing_as_written): one a call ran as written is declined
+    for its reason."""
     # A candidate a differentiated function's plan already decided (taken, or declined with its
     # reason) is seen again, differentiated, in the whole program (often as a smaller spelling, a
     # line away, in the same function): say it once.
@@ -294,7 +295,7 @@ def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list,
     for p in (q for top in (*inner, plan) for q in top.walk()):
         declined += [d for d in p.declined if id(p) not in outer or site(d.pattern, d.location) not in decided]
         for r in p.rewrites.values():
-            reason = next((why for heard, why in as_written if heard is r), None)
+            reason = ran_as_written(as_written, r)
             if reason is not None:
                 declined.append(Declined(r.pattern, r.location, reason, r.match.anchor))
                 continue

@@ -77,10 +77,10 @@ class Pattern:
     # in a program that shards them: where the program constrains another dim to be sharded, the
     # match is left to XLA (rewrite.unsplit_sharding). None: the leading dim only.
     split_dims: Callable[[int, int], set] | None = None
-    # xla_when(perturbed, params): why a differentiated call runs the matched equations themselves
-    # (jax.jit's program) rather than the replacement, or None; perturbed: whether each input is
-    # differentiated (rewrite._per_differentiation). Only where the replacement ignores no input at
-    # these params. None: always the replacement.
+    # xla_when(perturbed, params): why a call runs the matched equations themselves (jax.jit's
+    # program) rather than the replacement, or None; perturbed: whether each input is differentiated
+    # (rewrite._per_differentiation; all False where the call is not differentiated). Only where the
+    # replacement ignores no input at these params. None: always the replacement.
     xla_when: Callable[[list[bool], dict], str | None] | None = None
     # substitutes(match, params): {input index: (program value, adapt)}: the replacement reads
     # adapt(that value) for the input instead, where the matched input is computed from a smaller

@@ -488,8 +488,8 @@ def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
     """The rewrite as a function of the values it reads, deciding when it is differentiated, from
     which of them are (custom_vjp's symbolic zeros): the replacement, or the matched equations as
     written where Pattern.xla_when gives a reason (heard by explain). The decision is made wherever
-    the differentiation is applied, inside the jitted function or around it (jax.grad(xkern.jit(f))).
-    Undifferentiated: the replacement."""
+    the differentiation is applied, inside the jitted function or around it (jax.grad(xkern.jit(f)));
+    a call not differentiated asks with nothing perturbed."""
     match, pattern = rewrite.match, rewrite.match.pattern
     at = {v: n for n, v in enumerate(reads)}
     out = jaxpr.eqns[match.anchor].outvars[0]
@@ -508,16 +508,19 @@ def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
             env.update(zip(e.outvars, _compat.run_equation(e, [read(v) for v in e.invars])))
         return env[out]
 
+    def chosen(perturbed: list[bool], differentiated: bool):
+        reason = pattern.xla_when(perturbed, rewrite.params)
+        if _AS_WRITTEN.heard is not None:
+            _AS_WRITTEN.heard.append((rewrite, reason, differentiated))
+        return as_written if reason else replacement
+
     @jax.custom_vjp
-    def op(*values):
-        return replacement(*values)
+    def op(*values):  # (not differentiated; also traced, unrun, where it is)
+        return chosen([False] * len(match.inputs), False)(*values)
 
     def fwd(*primals):
         perturbed = {v: p.perturbed for v, p in zip(reads, primals)}
-        reason = pattern.xla_when([perturbed[v] for v in match.inputs], rewrite.params)
-        if reason and _AS_WRITTEN.heard is not None:
-            _AS_WRITTEN.heard.append((rewrite, reason))
-        return jax.vjp(as_written if reason else replacement, *(p.value for p in primals))
+        return jax.vjp(chosen([perturbed[v] for v in match.inputs], True), *(p.value for p in primals))
 
     def bwd(vjp, d_out):
         if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
@@ -528,15 +531,25 @@ def _per_differentiation(rewrite: Rewrite, jaxpr, reads: list, backend: str):
 
 
 class _Heard(threading.local):
-    heard: list | None = None  # (rewrite, reason) of each run as written, while explain listens
+    heard: list | None = None  # (rewrite, reason or None, differentiated) of each decision, while explain listens
 
 
 _AS_WRITTEN = _Heard()
 
 
+def ran_as_written(heard: list, rewrite: Rewrite) -> str | None:
+    """Why `rewrite` ran as written (Pattern.xla_when) in the calls heard, or None: a differentiated
+    call's decision where there was one (jax traces the undifferentiated function there too, unrun),
+    else the undifferentiated call's."""
+    decisions = [(why, differentiated) for r, why, differentiated in heard if r is rewrite]
+    decided = [why for why, differentiated in decisions if differentiated] or [why for why, _ in decisions]
+    return next((why for why in decided if why), None)
+
+
 @contextlib.contextmanager
 def hearing_as_written():
-    """A list of (rewrite, reason) for each rewrite evaluated as written (Pattern.xla_when) meanwhile."""
+    """A list of (rewrite, reason or None, differentiated) for each decision of Pattern.xla_when
+    meanwhile (ran_as_written reads it)."""
     previous, _AS_WRITTEN.heard = _AS_WRITTEN.heard, []
     try:
         yield _AS_WRITTEN.heard
