@@ -8,6 +8,7 @@ At 16384 tokens XLA's implementation would hold 32 x 16384^2 scores: there only 
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import jax
@@ -169,13 +170,19 @@ def _np_sqrt_and_bias(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1).astype(q.dtype), v)
 
 
-def _alphafold(q, k, v, rng):
+def _alphafold(q, k, v, rng, mask_as_data=False):
     """AlphaFold 2's attention (its MSA row attention with the pair bias, in bf16): q scaled first, a
     padding bias 1e9 * (mask - 1) [b, 1, 1, k] in float32 (the last 1/8 of the MSA's rows are padding,
     every key of theirs hidden), then the pair representation's bias per head [h, q, k], float32 (made
-    from rng in both programs); the float32 softmax weights v as it is (a float32 result)."""
+    from rng in both programs); the float32 softmax weights v as it is (a float32 result).
+    mask_as_data: the same mask computed from an input, as AlphaFold's msa_mask is a batch feature (a
+    constant mask's bias is 0 or -1e9, which the kernels take as a mask; one from data, a product the
+    program cannot show is 0 or -1e9, goes to them summed with the pair bias)."""
     b, s, h, d = q.shape
-    rows = jnp.asarray(np.arange(b) < b - b // 8, jnp.float32)[:, None] * jnp.ones((1, s), jnp.float32)
+    valid = np.arange(b) < b - b // 8
+    if mask_as_data:  # (always true, but read from rng: the program cannot fold it)
+        valid = valid & (jax.random.uniform(jax.random.fold_in(rng, 1), (b,)) >= 0)
+    rows = jnp.asarray(valid, jnp.float32)[:, None] * jnp.ones((1, s), jnp.float32)
     pair = jax.random.normal(rng, (h, s, s), jnp.float32)
     logits = jnp.einsum("bqhc,bkhc->bhqk", q * d ** -0.5, k) + (1e9 * (rows - 1.0))[:, None, None, :]
     logits += jnp.expand_dims(pair, axis=0)
@@ -400,6 +407,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("scores [b, q, h, k] (Levanter's order): causal", (4, 4096, 32, 128), _levanter(4096), 2),
               ("T5: unscaled, relative-position bias per head + padding", (32, 512, 16, 64), _t5(32, 512, 16), 1),
               ("AlphaFold: MSA row attention, padding bias + pair bias, d 32", (128, 384, 8, 32), _alphafold, 1),
+              ("AlphaFold: MSA row attention, the MSA mask as data, d 32", (128, 384, 8, 32),
+               functools.partial(_alphafold, mask_as_data=True), 1),
               ("jax.nn: query_seq_lengths + key_value_seq_lengths, causal", (4, 4096, 32, 128),
                _padded_queries_and_keys, 2),
               ("jax.nn: GQA 32/8, causal sliding window 1024 + padding mask", (4, 4096, 32, 128),
