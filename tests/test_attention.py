@@ -1317,6 +1317,39 @@ def test_flax_attention_with_a_bias_as_hf_ports_write_it(form, monkeypatch):
         close(g, w, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("form", ["(1 - m) * -1e9", "-1e9 * (1 - m)", "1e9 * (m - 1)"])
+def test_a_padding_bias_of_a_boolean_mask_cast_runs_as_a_mask(form):
+    """A padding bias written as arithmetic on a boolean mask cast to float ((1 - mask) * -1e9, as
+    BERT ports and tutorials write it; AlphaFold's 1e9 * (mask - 1)) holds only 0 and -1e9, as a select
+    does: it runs as a mask (its tile lists skip the padding). Values and gradients against jax.jit's in
+    float32, an entry with every key padded. A float mask given as data may hold anything between (a
+    bias), and so may a fill of -1e4 (BERT's, which float32 still orders): both stay biases."""
+    b, s, h, d = 3, 20, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, jnp.bfloat16, seed=26)
+    valid = jnp.arange(s)[None, :] < jnp.array([s, 11, 0])[:, None]
+    fill = -1e9
+    as_bias = {"(1 - m) * -1e9": lambda m: (1.0 - m) * fill, "-1e9 * (1 - m)": lambda m: fill * (1.0 - m),
+               "1e9 * (m - 1)": lambda m: -fill * (m - 1.0)}[form]
+
+    def attend(q, k, v, bias):
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / 4.0 + bias[:, None, None, :]
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+    f = lambda q, k, v, valid: attend(q, k, v, as_bias(valid.astype(jnp.float32)))
+    [match] = [m for m in xkern.explain(f)(q, k, v, valid).matches if m.op == "attention"]
+    assert match.params.get("bias_kind") == "mask", match
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, valid), jax.jit(f)(*f32, valid), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, valid).astype(jnp.float32) * do.astype(jnp.float32))
+    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
+        close(got, want, jnp.bfloat16)
+    float_data = lambda q, k, v, m: attend(q, k, v, as_bias(m))  # (a float mask given: any value)
+    bert = lambda q, k, v, valid: attend(q, k, v, (1.0 - valid.astype(jnp.float32)) * -1e4)
+    for g, m in ((float_data, valid.astype(jnp.float32)), (bert, valid)):
+        [match] = [x for x in xkern.explain(g)(q, k, v, m).matches if x.op == "attention"]
+        assert "bias_kind" not in match.params, match
+
+
 def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
     """A padding bias (0 or a fill), given to jax.nn as flax.nnx passes it ([b,1,1,k], q's dtype):
     run as a mask when the fill leaves nothing of a score (finfo.min, and -1e9 in float32, whose grid

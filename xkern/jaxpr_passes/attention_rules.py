@@ -48,7 +48,7 @@ import numpy as np
 
 from jax.extend.core import Literal, Var
 
-from xkern.jaxpr_passes.graph import constant_value, select_fill
+from xkern.jaxpr_passes.graph import constant_value, padding_fill
 from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
 from xkern.kernels import attention as kernels
 
@@ -467,14 +467,16 @@ SOFTMAX_AND_PRODUCTS = frozenset({"dot_general", "exp", "reduce_max"})
 # A bias this negative, added to a score in float32 or bfloat16, leaves nothing of the score: a row
 # it hides entirely has equal scores, so XLA's softmax there is uniform. At -1e9 (float32's grid is 64
 # there) that holds while the row's own scores spread over less than 32, as the kernels assume for
-# such a row when it is a bias too (kernels.FAR_BIAS); a select between 0 and -1e9 (`jnp.where(mask,
-# 0., -1e9)`, a constant padding bias) therefore runs as a mask, whose tile lists skip what it hides.
+# such a row when it is a bias too (kernels.FAR_BIAS); a bias of 0 or -1e9 (`jnp.where(mask, 0., -1e9)`,
+# `(1. - mask) * -1e9` of a boolean mask, a constant padding bias) therefore runs as a mask, whose
+# tile lists skip what it hides.
 HUGE_BIAS = -kernels.FAR_BIAS
 
 
 def _bias_facts(match, index: int = 3) -> dict:
-    """{"bias_kind": "mask"} when the matched bias (input `index`) is a select between 0 and a finite
-    fill <= HUGE_BIAS (HF's Flax ports: lax.select(mask > 0, 0, finfo.min)), or a constant holding
+    """{"bias_kind": "mask"} when the matched bias (input `index`) holds only 0 and a finite fill <=
+    HUGE_BIAS as a function of one boolean mask (graph.padding_fill: HF's Flax ports' lax.select(mask
+    > 0, 0, finfo.min), `(1. - mask) * -1e9` of a boolean mask cast), or a constant holding
     only those: the kernels then take `bias == 0` as a mask, whose tile lists skip what it hides, and
     treat a row it hides entirely as XLA does (masked_rows="bias"). A constant may also fill with
     -inf (gpt-oss's causal and sliding-window masks) where it hides no row entirely (XLA's row is
@@ -491,7 +493,7 @@ def _bias_facts(match, index: int = 3) -> dict:
             hides = fill <= HUGE_BIAS and bool(jnp.all(visible | (bias == fill))) and (
                 fill > -np.inf or bool(jnp.all(jnp.any(visible, -1))))
         return {"bias_kind": "mask", **_mask_kind(visible)} if hides else {}
-    fill = select_fill(graph, var)
+    fill = padding_fill(graph, var)
     return {"bias_kind": "mask"} if fill is not None and -np.inf < fill <= HUGE_BIAS else {}
 
 
@@ -509,7 +511,7 @@ def _mask_bias_facts(match) -> dict:
 
 def _padding_split(graph, var):
     """(b, p, dtype) where the bias `var` is b + p (either order), cast to dtype or not (None), and p
-    a padding bias (a select of 0 and a finite fill <= HUGE_BIAS); else None. t5x adds its padding
+    a padding bias (0 or a finite fill <= HUGE_BIAS: graph.padding_fill); else None. t5x adds its padding
     bias to the position bias [1, h, q, k], then the sum to the scores (HF's Flax T5 the other way
     round): the kernels take b as the bias and p as the mask, so the sum is never made."""
     dtype = None
@@ -522,7 +524,7 @@ def _padding_split(graph, var):
     for b, p in (eqn.invars, eqn.invars[::-1]):
         if not (isinstance(b, Var) and isinstance(p, Var) and b.aval.ndim == p.aval.ndim == 4):
             continue
-        fill = select_fill(graph, p)
+        fill = padding_fill(graph, p)
         if fill is not None and -np.inf < fill <= HUGE_BIAS:
             return b, p, dtype
     return None

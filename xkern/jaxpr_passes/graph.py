@@ -171,15 +171,54 @@ def uniform_value(graph: Graph, var) -> float | None:
     return _cast(value.flat[0], casts)
 
 
-def select_fill(graph: Graph, var) -> float | None:
-    """f where `var` is a select between 0 and a uniform f (`jnp.where(mask, 0., f)`, t5x's and HF's
-    padding biases), through broadcasts, reshapes and casts (its values as cast); else None."""
-    var, casts = before_shaping(graph, var)
-    eqn = graph.eqns[graph.producer[var][0]] if not isinstance(var, Literal) and var in graph.producer else None
-    if eqn is None or eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+# Elementwise primitives through which a value stays a function of one boolean array (each other
+# operand uniform): what a padding bias is written with.
+_BOOL_FUNCTION_OPS = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "select_n"})
+
+
+def _of_one_bool(graph: Graph, var, leaves: set, depth: int = 0):
+    """f with var == f(p) elementwise, p the one boolean array of `leaves` (filled here) it is made
+    from, through broadcasts, reshapes, casts and arithmetic with uniform operands; a uniform value
+    is a constant f. None otherwise. f maps a Python bool to a 0-d array."""
+    value = uniform_value(graph, var)
+    if value is not None:
+        dtype = var.aval.dtype
+        return lambda p: jax.numpy.asarray(value, dtype)
+    if isinstance(var, Literal) or depth > 16:
         return None
-    values = [uniform_value(graph, case) for case in eqn.invars[1:]]
-    if None in values:
+    if var.aval.dtype == np.bool_ and (var not in graph.producer or graph.eqns[graph.producer[var][0]].primitive.name
+                                       not in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")):
+        leaves.add(var)
+        return (lambda p: jax.numpy.asarray(p)) if len(leaves) == 1 else None
+    if var not in graph.producer:
         return None
-    values = sorted(_cast(x, casts) for x in values)
-    return values[0] if values[1] == 0 else None
+    eqn = graph.eqns[graph.producer[var][0]]
+    name = eqn.primitive.name
+    if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+        return _of_one_bool(graph, eqn.invars[0], leaves, depth + 1)
+    if name == "convert_element_type":
+        inner = _of_one_bool(graph, eqn.invars[0], leaves, depth + 1)
+        return None if inner is None else (lambda p: inner(p).astype(eqn.params["new_dtype"]))
+    if name not in _BOOL_FUNCTION_OPS:
+        return None
+    parts = [_of_one_bool(graph, v, leaves, depth + 1) for v in eqn.invars]
+    if None in parts or len(leaves) != 1:
+        return None
+    if name == "select_n":  # select_n(which, *cases): cases[which]
+        return lambda p: parts[1 + int(parts[0](p))](p)
+    return lambda p: eqn.primitive.bind(*(f(p) for f in parts), **eqn.params)
+
+
+def padding_fill(graph: Graph, var) -> float | None:
+    """f where `var` holds only 0 and f, as a function of one boolean array: a padding bias
+    (`jnp.where(mask, 0., f)`, t5x's and HF's; `(1. - mask) * f` and `f * (mask - 1.)` of a boolean
+    mask cast), through broadcasts, reshapes and casts; else None."""
+    f = _of_one_bool(graph, var, set())
+    if f is None:
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            values = sorted(float(f(p)) for p in (False, True))
+    except Exception:  # noqa: BLE001 - an operand that cannot be evaluated here: not a padding bias
+        return None
+    return values[0] if values[1] == 0 and values[0] != 0 else None
