@@ -176,15 +176,19 @@ def uniform_value(graph: Graph, var) -> float | None:
 _BOOL_FUNCTION_OPS = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "select_n"})
 
 
-def _of_one_bool(graph: Graph, var, leaves: set, depth: int = 0):
+def _of_one_bool(graph: Graph, var, leaves: set, visits: list):
     """f with var == f(p) elementwise, p the one boolean array of `leaves` (filled here) it is made
     from, through broadcasts, reshapes, casts and arithmetic with uniform operands; a uniform value
-    is a constant f. None otherwise. f maps a Python bool to a 0-d array."""
+    is a constant f. None otherwise (also past 32 values looked at: visits counts them). f maps a
+    Python bool to a 0-d array."""
+    visits.append(var)
+    if len(visits) > 32:
+        return None
     value = uniform_value(graph, var)
     if value is not None:
         dtype = var.aval.dtype
         return lambda p: jax.numpy.asarray(value, dtype)
-    if isinstance(var, Literal) or depth > 16:
+    if isinstance(var, Literal):
         return None
     if var.aval.dtype == np.bool_ and (var not in graph.producer or graph.eqns[graph.producer[var][0]].primitive.name
                                        not in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims")):
@@ -195,14 +199,18 @@ def _of_one_bool(graph: Graph, var, leaves: set, depth: int = 0):
     eqn = graph.eqns[graph.producer[var][0]]
     name = eqn.primitive.name
     if name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
-        return _of_one_bool(graph, eqn.invars[0], leaves, depth + 1)
+        return _of_one_bool(graph, eqn.invars[0], leaves, visits)
     if name == "convert_element_type":
-        inner = _of_one_bool(graph, eqn.invars[0], leaves, depth + 1)
+        inner = _of_one_bool(graph, eqn.invars[0], leaves, visits)
         return None if inner is None else (lambda p: inner(p).astype(eqn.params["new_dtype"]))
     if name not in _BOOL_FUNCTION_OPS:
         return None
-    parts = [_of_one_bool(graph, v, leaves, depth + 1) for v in eqn.invars]
-    if None in parts or len(leaves) != 1:
+    parts = []
+    for v in eqn.invars:
+        parts.append(_of_one_bool(graph, v, leaves, visits))
+        if parts[-1] is None or len(leaves) > 1:
+            return None
+    if len(leaves) != 1:
         return None
     if name == "select_n":  # select_n(which, *cases): cases[which]
         return lambda p: parts[1 + int(parts[0](p))](p)
@@ -213,7 +221,7 @@ def padding_fill(graph: Graph, var) -> float | None:
     """f where `var` holds only 0 and f, as a function of one boolean array: a padding bias
     (`jnp.where(mask, 0., f)`, t5x's and HF's; `(1. - mask) * f` and `f * (mask - 1.)` of a boolean
     mask cast), through broadcasts, reshapes and casts; else None."""
-    f = _of_one_bool(graph, var, set())
+    f = _of_one_bool(graph, var, set(), [])
     if f is None:
         return None
     try:
