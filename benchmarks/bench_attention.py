@@ -175,18 +175,29 @@ def _alphafold(q, k, v, rng, mask_as_data=False):
     padding bias 1e9 * (mask - 1) [b, 1, 1, k] in float32 (the last 1/8 of the MSA's rows are padding,
     every key of theirs hidden), then the pair representation's bias per head [h, q, k], float32 (made
     from rng in both programs); the float32 softmax weights v as it is (a float32 result).
-    mask_as_data: the same mask computed from an input, as AlphaFold's msa_mask is a batch feature (a
-    constant mask's bias is 0 or -1e9, which the kernels take as a mask; one from data, a product the
-    program cannot show is 0 or -1e9, goes to them summed with the pair bias)."""
+    mask_as_data: the same mask as float32 data, as AlphaFold's msa_mask is a batch feature (a constant
+    mask's bias is 0 or -1e9, which the kernels take as a mask; a float mask from data may hold any
+    number, so its bias is a bias: [b, 1, 1, k], the pair bias's companion)."""
     b, s, h, d = q.shape
-    valid = np.arange(b) < b - b // 8
-    if mask_as_data:  # (always true, but read from rng: the program cannot fold it)
-        valid = valid & (jax.random.uniform(jax.random.fold_in(rng, 1), (b,)) >= 0)
-    rows = jnp.asarray(valid, jnp.float32)[:, None] * jnp.ones((1, s), jnp.float32)
+    rows = jnp.asarray(np.arange(b) < b - b // 8, jnp.float32)[:, None] * jnp.ones((1, s), jnp.float32)
+    if mask_as_data:  # (ones but for a 2^-24 chance, read from rng: the program cannot fold them)
+        rows = rows * jnp.ceil(jax.random.uniform(jax.random.fold_in(rng, 1), (b, s)))
     pair = jax.random.normal(rng, (h, s, s), jnp.float32)
     logits = jnp.einsum("bqhc,bkhc->bhqk", q * d ** -0.5, k) + (1e9 * (rows - 1.0))[:, None, None, :]
     logits += jnp.expand_dims(pair, axis=0)
     return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits), v)
+
+
+def _int_mask_bias(q, k, v, rng):
+    """By hand, as ports of PyTorch models write it: an integer attention mask [b, k] (data: the last
+    1/8 of the last example's keys 0), the bias (1 - mask) * -10000 in q's dtype, scores / sqrt(d),
+    softmax in float32. The mask is no boolean, so its bias is a bias ([b, 1, 1, k])."""
+    b, s = q.shape[:2]
+    data = jnp.ceil(jax.random.uniform(jax.random.fold_in(rng, 1), (b, s))).astype(jnp.int32)  # ones
+    mask = data * jnp.asarray(_last_example_padding(b, s), jnp.int32)
+    bias = (1.0 - mask[:, None, None, :].astype(q.dtype)) * -10000.0
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype), v)
 
 
 def _repeated_kv(q, k, v, rng):
@@ -391,6 +402,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
                _hf_flax(4, 4096, True, 0.0, jnp.float32), 2),
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
               ("by hand: / np.sqrt(d) (float32 scores) + padding bias", (4, 4096, 32, 128), _np_sqrt_and_bias, 1),
+              ("by hand: (1 - mask) * -10000 of an integer mask as data", (4, 4096, 32, 128), _int_mask_bias, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
               ("by hand: GQA 32/8 by jnp.repeat, causal", (4, 4096, 32, 128), _repeated_kv, 2),
