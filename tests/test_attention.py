@@ -71,6 +71,11 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
                                                          "logits_soft_cap": 1.0}),  # Gemma 2's local layers
     "soft cap, mask, bias, lengths": ((2, 18, 21, 2, 2, 16), {"mask": (2, 1, 18, 21), "bias": (1, 2, 18, 21),
                                                              "kv_lengths": np.array([21, 11]), "logits_soft_cap": 1.5}),
+    # a bias the same for every query ([.., 1, k]) is read per key; with a second bias, both are read
+    "key bias per entry, gqa": ((2, 19, 23, 4, 2, 16), {"bias": (2, 1, 1, 23)}),
+    "key bias per head, mask, lengths": ((2, 18, 21, 2, 2, 16), {"bias": (1, 2, 1, 21), "mask": (2, 1, 18, 21),
+                                                                "kv_lengths": np.array([21, 11])}),
+    "pair and key biases, causal": ((2, 18, 21, 2, 2, 16), {"bias": ((1, 2, 18, 21), (2, 1, 1, 21)), "causal": True}),
 }
 
 
@@ -79,8 +84,9 @@ def _options(opts, seed=1):
     out = dict(opts)
     if "mask" in out:
         out["mask"] = jnp.asarray(rng.random(out["mask"]) > 0.3)
-    if "bias" in out:
-        out["bias"] = jnp.asarray(rng.standard_normal(out["bias"]), jnp.float32)
+    if "bias" in out:  # (a shape, or a tuple of shapes: biases added)
+        shapes = out["bias"] if isinstance(out["bias"][0], tuple) else (out["bias"],)
+        out["bias"] = tuple(jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in shapes)
     if "kv_lengths" in out:
         out["kv_lengths"] = jnp.asarray(out["kv_lengths"], jnp.int32)
     return out
@@ -92,10 +98,9 @@ def test_values_and_gradients(case, dtype):
     shape, opts = CASES[case]
     q, k, v, do = make(*shape, dtype)
     kw = _options(opts)
-    bias = kw.pop("bias", None)
-    args = (q, k, v) + (() if bias is None else (bias,))
-    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=b[0] if b else None, **kw)
-    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=b[0] if b else None, **kw)
+    args = (q, k, v, *kw.pop("bias", ()))
+    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=None if not b else b[0] if len(b) == 1 else b, **kw)
+    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=sum(b) if b else None, **kw)
     f32 = [a.astype(jnp.float32) for a in args]
     out, grads = value_and_grads(ours, args, do, **kw)
     want, grads_ref = value_and_grads(ref, f32, do.astype(jnp.float32), **kw)
@@ -326,6 +331,8 @@ def test_bad_input_names_the_argument():
              ((q, k, v), {"mask": jnp.ones((8, 8))}, TypeError, "mask must be boolean"),
              ((q, k, v), {"mask": jnp.ones((3, 8, 8), bool)}, ValueError, "mask must broadcast"),
              ((q, k, v), {"bias": jnp.ones((8, 9))}, ValueError, "bias must broadcast"),
+             ((q, k, v), {"bias": (jnp.ones((8, 8)), jnp.ones((1, 9)))}, ValueError,
+              "bias\\[1\\] must broadcast .* got shape \\(1, 9\\)"),
              ((q, k, v), {"scale": float("nan")}, ValueError, "scale must be"),
              ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be"),
              *(((q, k, v), {"logits_soft_cap": c}, ValueError, "logits_soft_cap must be a positive finite number")
@@ -988,8 +995,10 @@ def test_a_float32_bias_on_half_scores_gives_a_float32_result():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_two_biases_are_summed_for_the_kernels(dtype):
     """Two biases added one after the other (AlphaFold's padding and pair biases; a position bias,
-    then padding) were left to XLA, the softmax alone fused: the kernels now take their sum, or the
-    one bias and a mask where the other is a padding bias (a select of 0 and -1e9). Values
+    then padding) were left to XLA, the softmax alone fused: the kernels now take both (AlphaFold's
+    padding bias, from a float mask given as data, is read per key: the same for every query), or
+    the one bias and a mask where the other is a padding bias (a select of 0 and -1e9); the sum
+    [b, h, q, k] is made in neither. Values
     and the gradients of q, k, v against jax.jit's in float32, a batch entry with every key padded
     (each of its queries averages every value, as XLA's -1e9 gives); a call that differentiates
     either bias runs as written (as one bias does); a third bias is no spelling the kernels take."""
@@ -1006,9 +1015,9 @@ def test_two_biases_are_summed_for_the_kernels(dtype):
         f32 = [a.astype(jnp.float32) for a in qkv]
         [match] = [m for m in xkern.explain(f)(*qkv, *extras).matches if m.op == "attention"]
         assert match.pattern.startswith(f"attention/einsum[{layout}](unscaled)+") and match.pattern.count("bias") == 2
-        # a padding bias (a select of 0 and -1e9) is the kernels' mask: the sum [b, h, q, k] is not made
-        made = str(jax.make_jaxpr(xkern.optimize(f))(*qkv, *extras))
-        assert (f"[{b},{h},{s},{s}]" in made) == (f is _alphafold_attention)
+        # a padding bias (a select of 0 and -1e9) is the kernels' mask, one of a float mask a key bias
+        assert f"[{b},{h},{s},{s}]" not in str(jax.make_jaxpr(xkern.optimize(f))(*qkv, *extras))
+        assert [c["HAS_BIAS"] for c in _constexprs(f, *qkv, *extras)] == [3 if f is _alphafold_attention else 1]
         close(xkern.jit(f)(*qkv, *extras), jax.jit(f)(*f32, *extras), dtype)
         loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * g.astype(jnp.float32))
         assert launched(jax.grad(xkern.optimize(loss), (0, 1, 2)), *qkv, *extras) >= {"attention_fwd", "attention_bwd_dkdv"}
@@ -1348,6 +1357,40 @@ def test_a_padding_bias_of_a_boolean_mask_cast_runs_as_a_mask(form):
     for g, m in ((float_data, valid.astype(jnp.float32)), (bert, valid)):
         [match] = [x for x in xkern.explain(g)(q, k, v, m).matches if x.op == "attention"]
         assert "bias_kind" not in match.params, match
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_padding_bias_of_a_mask_given_as_data_is_read_per_key(dtype):
+    """A padding bias from a mask given as data ((1 - mask) * -10000 of an integer mask, as ports of
+    PyTorch models write it; AlphaFold's 1e9 * (mask - 1) of its float msa_mask) may hold any number,
+    so it is a bias; it is the same for every query ([b, 1, 1, k]), and the kernels read it per key
+    (HAS_BIAS 2), not a [b, 1, q, k] tile (0.25-1 GiB at b4 s4096; 1.33x / 1.05x jax.jit on an H100
+    where a mask gives 3x / 1.9x). Values and gradients against jax.jit's in float32, an entry with
+    every key padded under AlphaFold's -1e9 (uniform weights, as XLA's; -1e4 leaves such a row's
+    scores on float32's grid of 1e-3, which XLA and the kernels round apart); the compiled program
+    holds no [b, 1, q, k] bias; under vmap too."""
+    b, s, h, d = 3, 21, 4, 16
+    q, k, v, do = make(b, s, s, h, h, d, dtype, seed=27)
+    keys = lambda *n: jnp.asarray(np.arange(s)[None, :] < np.array(n)[:, None], jnp.int32)
+
+    def ported(q, k, v, mask):
+        bias = (1.0 - mask[:, None, None, :].astype(q.dtype)) * -10000.0
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype) + bias
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores.astype(jnp.float32)).astype(q.dtype), v)
+    alphafold = lambda q, k, v, mask: _alphafold_attention(q, k, v, mask.astype(jnp.float32), jnp.zeros((h, s, s)))
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    for f, mask in ((ported, keys(s, 9, 1)), (alphafold, keys(s, 9, 0))):
+        assert [c["HAS_BIAS"] for c in _constexprs(f, q, k, v, mask)] == [2 if f is ported else 3]
+        compiled = jax.jit(xkern.optimize(f)).lower(q, k, v, mask).compile().as_text()
+        assert f"[{b},1,{s},{s}]" not in compiled and f"[{b},{h},{s},{s}]" not in compiled
+        close(xkern.jit(f)(q, k, v, mask), jax.jit(f)(*f32, mask), dtype)
+        loss = lambda q, k, v: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * do.astype(jnp.float32))
+        for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
+                             jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
+            close(got, want, dtype)
+    masks = jnp.stack([keys(s, 9, 1), keys(2, s, 5)])  # (vmapped: a key bias per outer entry)
+    close(jax.jit(jax.vmap(xkern.optimize(ported), (None, None, None, 0)))(q, k, v, masks),
+          jax.vmap(ported, (None, None, None, 0))(*f32, masks), dtype)
 
 
 def test_a_bias_runs_as_a_mask_only_where_it_wipes_out_the_scores():
@@ -2012,13 +2055,13 @@ def test_warp_specialized_forward_matches_the_reference(shape):
     st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
     fwd = st.configs[0].replace(WS=1)
     assert sk % fwd["BLOCK_N"] == 0
-    o, lse = A._launch_fwd(q, k, v, None, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]))
+    ws = dataclasses.replace(st, configs=(fwd,) + st.configs[1:])
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, None, ws)
     close(o, reference(q, k, v), jnp.float32)
-    o2, lse2 = A._launch_fwd(q, k, v, None, None, None, None, st)
+    o2, lse2 = A._launch_fwd(q, k, v, None, None, None, None, None, st)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse2), rtol=0, atol=1e-5)
     sinks = jnp.asarray(np.random.default_rng(5).standard_normal((b, h, sq)), jnp.float32)  # counted after the loop
-    o, _ = A._launch_fwd(q, k, v, None, None, None, None, dataclasses.replace(st, configs=(fwd,) + st.configs[1:]),
-                         sinks)
+    o, _ = A._launch_fwd(q, k, v, None, None, None, None, None, ws, sinks)
     close(o, reference(q, k, v, sinks=sinks[..., None]), jnp.float32)
 
 
@@ -2038,11 +2081,11 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1, BLOCK_M=dkdv_keys),
                                           st.configs[1].replace(WS=1, BLOCK_N=dkdv_keys),
                                           st.configs[2].replace(WS=1, BLOCK_M=dkdv_keys)))
-    o, lse = A._launch_fwd(q, k, v, None, None, None, None, ws)
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, None, ws)
     close(o, reference(q, k, v, causal=True), jnp.float32)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, st)[1]),
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, None, st)[1]),
                                rtol=0, atol=1e-5)
-    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, None, ws), q, k, v)[1](do)
     want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, causal=True), q, k, v)[1](do))(q, k, v)
     for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)
@@ -2050,9 +2093,9 @@ def test_warp_specialized_causal_kernels_add_the_diagonal_after(shape, dkdv_keys
     batched = jax.vmap(lambda k: backward(q, k, v)[:2])(jnp.stack([k, k]))
     close(batched[0][1], want[0], jnp.float32)
     close(batched[1][1], want[1], jnp.float32)
-    launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, None, ws))(q, k, v))
+    launched = kernel_names(jax.make_jaxpr(lambda *a: A._launch_fwd(*a, None, None, None, None, None, ws))(q, k, v))
     assert launched == ["attention_fwd", "attention_fwd_diagonal"]
-    batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, None, ws)[0])(jnp.stack([q, -q]))
+    batched = jax.vmap(lambda q: A._launch_fwd(q, k, v, None, None, None, None, None, ws)[0])(jnp.stack([q, -q]))
     close(batched[1], reference(-q, k, v, causal=True), jnp.float32)
 
 
@@ -2069,12 +2112,12 @@ def test_warp_specialized_kernels_take_a_soft_cap(causal):
     q = q * 3
     st = A.Static(causal, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), softcap=1.5)
     ws = dataclasses.replace(st, configs=(st.configs[0].replace(WS=1),) + st.configs[1:])
-    o, lse = A._launch_fwd(q, k, v, None, None, None, None, ws)
+    o, lse = A._launch_fwd(q, k, v, None, None, None, None, None, ws)
     close(o, reference(q, k, v, causal=causal, logits_soft_cap=1.5), jnp.float32)
-    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, st)[1]),
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(A._launch_fwd(q, k, v, None, None, None, None, None, st)[1]),
                                rtol=0, atol=1e-5)
     ws = dataclasses.replace(ws, configs=(ws.configs[0], st.configs[1].replace(WS=1), st.configs[2].replace(WS=1)))
-    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, None, ws), q, k, v)[1](do)
     want = jax.vjp(lambda *a: reference(*a, causal=causal, logits_soft_cap=1.5), q, k, v)[1](do)
     for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)
@@ -2190,11 +2233,11 @@ def test_warp_specialized_backward_matches_the_reference():
     for b, sq, sk, h, hk, d in [(2, 32, 48, 2, 2, 32), (1, 48, 32, 4, 2, 32)]:
         q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=5)
         st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"))
-        o, lse = A._launch_fwd(q, k, v, None, None, None, None, st)
+        o, lse = A._launch_fwd(q, k, v, None, None, None, None, None, st)
         delta = jnp.einsum("bqhd,bqhd->bhq", do, o)
         ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1),
                                               st.configs[2].replace(WS=1)))
-        dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, None, do, lse, delta, ws)
+        dq, dk, dv = A._launch_bwd(q, k, v, None, None, None, None, None, do, lse, delta, ws)
         for got, want in zip((dq, dk, dv), jax.jit(lambda *a: jax.vjp(reference, *a)[1](do))(q, k, v)):
             close(got, want, jnp.float32)
 
@@ -2429,6 +2472,8 @@ DECODE_CASES = {  # name: ((b, sq, sk, h, hk, d), dtype, options)
     "key padding mask": ((2, 1, 90, 4, 2, 32), jnp.bfloat16, {"mask": (2, 1, 1, 90)}),
     "mask per head, 2 queries": ((1, 2, 77, 4, 2, 32), jnp.float32, {"mask": (1, 4, 2, 77)}),
     "bias per head, scale": ((2, 2, 90, 4, 2, 32), jnp.float32, {"bias": (2, 4, 2, 90), "scale": 0.3}),
+    "a key bias and a bias, lengths": ((2, 2, 90, 4, 2, 32), jnp.float32, {"bias": ((2, 1, 1, 90), (1, 4, 2, 90)),
+                                                                           "kv_lengths": np.array([90, 41])}),
     "head dim 40 (padded), 128 keys": ((1, 1, 128, 2, 1, 40), jnp.bfloat16, {}),
     "soft cap, lengths": ((2, 1, 100, 8, 2, 32), jnp.float32, {"kv_lengths": np.array([100, 41]),
                                                                "logits_soft_cap": 0.5}),
@@ -2444,10 +2489,9 @@ def test_split_key_forward_values_and_gradients(case):
     shape, dtype, opts = DECODE_CASES[case]
     q, k, v, do = make(*shape, dtype, seed=7)
     kw = _options(opts, seed=8)
-    bias = kw.pop("bias", None)
-    args = (q, k, v) + (() if bias is None else (bias,))
-    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=b[0] if b else None, **kw)
-    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=b[0] if b else None, **kw)
+    args = (q, k, v, *kw.pop("bias", ()))
+    ours = lambda q, k, v, *b, **kw: attention(q, k, v, bias=None if not b else b[0] if len(b) == 1 else b, **kw)
+    ref = lambda q, k, v, *b, **kw: reference(q, k, v, bias=sum(b) if b else None, **kw)
     (forward,) = [e for e in L.launches(jax.make_jaxpr(lambda *a: ours(*a, **kw))(*args))
                   if e.params["kernel"].startswith("attention")]
     assert forward.params["kernel"] == "attention_fwd_split_kv"
@@ -2742,7 +2786,7 @@ def test_warp_specialized_window_dkdv_adds_the_edges_after(shape, window):
     q, k, v, do = make(b, sq, sk, h, hk, d, jnp.float32, seed=23)
     st = A.Static(False, d ** -0.5, None, None, False, "interpret", A.default_configs(d, "interpret"), False, window)
     ws = dataclasses.replace(st, configs=(st.configs[0], st.configs[1].replace(WS=1, BLOCK_N=32), st.configs[2]))
-    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, ws), q, k, v)[1](do)
+    backward = lambda q, k, v: jax.vjp(lambda *a: A._attention(*a, None, None, None, None, None, ws), q, k, v)[1](do)
     want = jax.jit(lambda q, k, v: jax.vjp(lambda *a: reference(*a, local_window_size=window), q, k, v)[1](do))(q, k, v)
     for g, w in zip(jax.jit(backward)(q, k, v), want):
         close(g, w, jnp.float32)

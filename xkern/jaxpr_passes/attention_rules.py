@@ -611,10 +611,10 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             if dropout == "select":
                 multiplier = jnp.where(multiplier, 1 / jnp.asarray(keep, q.dtype), jnp.zeros((), q.dtype))
         bias = extras[0] if with_bias and bias_kind is None else None
-        if second_bias:  # the kernels take one bias: the two summed, or the one not a padding mask
-            bias = extras[0] + extras[1] if mask_bias is None else extras[4 - mask_bias]
+        if second_bias:  # both (the kernels add them: a key bias is read per key), or the one not a padding mask
+            bias = (extras[0], extras[1]) if mask_bias is None else extras[4 - mask_bias]
         if bias is not None and getattr(fn, "subtracted", False):
-            bias = -bias
+            bias = tuple(-b for b in bias) if isinstance(bias, tuple) else -bias
         if bias_split:  # (the bias b + p substituted by the two: _padding_split)
             bias, as_mask = extras[0]
         else:

@@ -165,7 +165,7 @@ def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: t
 
 
 @triton.jit
-def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
+def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr,
             QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
             WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
             MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
@@ -187,9 +187,12 @@ def _scores(q, k_t, rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
     if HAS_MASK:
         base = (b * MASK_B * (HEADS if MASK_H else 1) + h * MASK_H).to(tl.int64) * sq * sk
         visible = visible & (tl.load(mask_ptr + base + offs, mask=in_bounds, other=0) != 0)
-    if HAS_BIAS:
+    if HAS_BIAS % 2:
         base = (b * BIAS_B * (HEADS if BIAS_H else 1) + h * BIAS_H).to(tl.int64) * sq * sk
         s += tl.load(bias_ptr + base + offs, mask=in_bounds, other=0.0).to(tl.float32) * 1.4426950408889634
+    if HAS_BIAS // 2:  # a key bias: one number per key of this head ([batch, heads, sk], float32)
+        key_offs = (b * HEADS + h).to(tl.int64) * sk + cols
+        s += tl.load(key_bias_ptr + key_offs, mask=cols < sk, other=0.0)[None, :] * 1.4426950408889634
     return tl.where(visible, s, -float("inf")), slope
 
 
@@ -313,7 +316,7 @@ def _window_queries(first_key, kv_len, sq, WINDOW_L: tl.constexpr, WINDOW_R: tl.
 
 @triton.jit
 def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-               drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+               key_bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
                KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
                WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
@@ -324,9 +327,9 @@ def _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, 
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     if MASKED:
-        s, _ = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                       HEADS, DOT_F32)
+        s, _ = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE,
+                       SOFTCAP, FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                       BIAS_H, HEADS, DOT_F32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
         p = tl.exp2(s - shift[:, None])
@@ -384,7 +387,7 @@ def _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk, end, QK_SCA
 
 
 @triton.jit
-def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, sink_ptr,  # inputs
+def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr, sink_ptr,  # inputs
          sq, sk,
          o_ptr, lse_ptr,  # outputs: o like q; lse [batch, HEADS, sq] (log2 domain)
          QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
@@ -415,19 +418,20 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
-                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                            HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims,
-                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
-                                       KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS,
-                                       BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                       b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE,
+                                       SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B,
+                                       MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows,
-                                       dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
-                                       FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
-                                       HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                       dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr,
+                                       QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R,
+                                       HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
+                                       BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         # Interior key blocks (all visible: inside the length, left of the causal diagonal) skip masking.
@@ -441,15 +445,15 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
                                               BLOCK_N)
             for start in range(lo, hi, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
-                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                            HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi),
-                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
-                                           SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
-                                           MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
-                                           BLOCK_N, BLOCK_D)
+                                           rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr,
+                                           drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
+                                           DOT_F32, True, BLOCK_N, BLOCK_D)
         elif WS:
             acc, m_i, l_i = _fwd_warp_specialized(acc, m_i, l_i, q, k_ptr, v_ptr, b, hk, sk,
                                                   pid_m * BLOCK_M if CAUSAL else sk, QK_SCALE, SOFTCAP, FAST_TANH,
@@ -458,13 +462,13 @@ def _fwd(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_pt
         else:
             for start in range(0, interior, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
-                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                            HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
             for start in range(interior, end, BLOCK_N):
                 acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk,
-                                           kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
-                                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                           kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
                                            HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     if HAS_SINK:
         acc, m_i, l_i = _sink_key(acc, m_i, l_i, sink_ptr, bh, rows, sq)
@@ -515,11 +519,10 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
     acc = _load_rows(o_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
-        # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
-        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk,
+        # k_ptr stands for the absent mask, biases and dropout (their flags keep them unread)
+        acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
                                    k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, True, -1, -1, False,
-                                   False,
-                                   False, False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                                   False, False, False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     _fwd_store(o_ptr, lse_ptr, acc, m_i, l_i, q_offs, rows, dims, bh, sq, D)
 
 
@@ -531,7 +534,7 @@ def _fwd_diagonal(q_ptr, k_ptr, v_ptr, o_part_ptr, lse_part_ptr,  # inputs
 # as one softmax over every key (FlashDecoding).
 
 @triton.jit
-def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr,
+def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, key_bias_ptr,
                      QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
                      HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, N_ROWS):
@@ -545,28 +548,31 @@ def _split_kv_scores(q, k_t, rows, queries, heads, cols, b, sq, sk, end, mask_pt
     if HAS_MASK:
         row_base = ((b * MASK_B * (HEADS if MASK_H else 1) + heads * MASK_H).to(tl.int64) * sq + queries) * sk
         visible = visible & (tl.load(mask_ptr + row_base[:, None] + cols[None, :], mask=in_bounds, other=0) != 0)
-    if HAS_BIAS:
+    if HAS_BIAS % 2:
         row_base = ((b * BIAS_B * (HEADS if BIAS_H else 1) + heads * BIAS_H).to(tl.int64) * sq + queries) * sk
         bias = tl.load(bias_ptr + row_base[:, None] + cols[None, :], mask=in_bounds, other=0.0)
         s += bias.to(tl.float32) * 1.4426950408889634
+    if HAS_BIAS // 2:  # the key bias of each row's head
+        key_base = (b * HEADS + heads).to(tl.int64) * sk
+        s += tl.load(key_bias_ptr + key_base[:, None] + cols[None, :], mask=in_bounds, other=0.0) * 1.4426950408889634
     return tl.where(visible, s, -float("inf"))
 
 
 @triton.jit
 def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims, b, sq, sk, end,
-                    mask_ptr, bias_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
-                    KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr,
-                    MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                    BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr, BOUNDED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
+                    mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+                    FAST_TANH: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                    HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, HEADS: tl.constexpr, DOT_F32: tl.constexpr,
+                    BOUNDED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, N_ROWS):
     """One key block of the split-key kernel's online softmax, with its masks (_split_kv_scores);
     BOUNDED: its keys may run past sk."""
     cols = start + tl.arange(0, BLOCK_N)
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, BOUNDED)
-    s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE,
-                         SOFTCAP, FAST_TANH, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS,
-                         DOT_F32, N_ROWS)
+    s = _split_kv_scores(q, tl.trans(k), rows, queries, heads, cols, b, sq, sk, end, mask_ptr, bias_ptr, key_bias_ptr,
+                         QK_SCALE, SOFTCAP, FAST_TANH, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                         HEADS, DOT_F32, N_ROWS)
     m_new = tl.maximum(m_i, tl.max(s, 1))
     shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows that have seen no key yet
     p = tl.exp2(s - shift[:, None])
@@ -577,7 +583,7 @@ def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries
 
 
 @triton.jit
-def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
+def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, key_bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
                   o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
@@ -614,28 +620,29 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, kv_len_ptr,  # inputs
     acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(first, interior, BLOCK_N):  # whole blocks inside the length, nothing to mask
         acc, m_i, l_i = _fwd_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, dims, b, hk, n_rows, sk, end,
-                                   k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, False, -1, -1,
-                                   False, False, False, False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
+                                   k_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, False, -1, -1,
+                                   False, False, False, False, False, False, 0, HEADS, DOT_F32, False, BLOCK_N,
+                                   BLOCK_D)
     # Masked blocks: whole ones load k and v without bounds (on the H200 a key padding mask cost
     # 0.31 ms at b8 s8192 MHA with every load bounded, against 0.14 unmasked), the last one with them.
     whole = tl.maximum(interior, interior + (end - interior) // BLOCK_N * BLOCK_N)
     for start in range(interior, whole, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
-                                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                                        False, BLOCK_N, BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE, SOFTCAP,
+                                        FAST_TANH, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                                        BIAS_H, HEADS, DOT_F32, False, BLOCK_N, BLOCK_D, n_rows)
     for start in range(whole, end, BLOCK_N):
         acc, m_i, l_i = _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries, heads, dims,
-                                        b, sq, sk, end, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
-                                        CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32,
-                                        True, BLOCK_N, BLOCK_D, n_rows)
+                                        b, sq, sk, end, mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE, SOFTCAP,
+                                        FAST_TANH, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
+                                        BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D, n_rows)
     part = bhk.to(tl.int64) * SPLITS + split
     _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
                dims, part, n_rows, D)
 
 
 @triton.jit
-def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr,
+def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, key_bias_ptr,
                    QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, CAUSAL: tl.constexpr,
                    WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
                    MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
@@ -643,9 +650,9 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
     """p of a block recomputed from the forward's lse (both backward kernels), and the soft cap's
     derivative (_logits)."""
     if MASKED:
-        s, slope = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                           FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                           HEADS, DOT_F32)
+        s, slope = _scores(q, tl.trans(k), rows, cols, b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr,
+                           QK_SCALE, SOFTCAP, FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                           HAS_BIAS, BIAS_B, BIAS_H, HEADS, DOT_F32)
         return tl.where(s == -float("inf"), 0.0, tl.exp2(s - lse[:, None])), slope
     s, slope = _logits(_dot(q, tl.trans(k), DOT_F32), QK_SCALE, SOFTCAP, FAST_TANH)
     return tl.exp2(s - lse[:, None]), slope
@@ -653,11 +660,12 @@ def _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_p
 
 @triton.jit
 def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr,
-                bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
-                HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
-                WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
-                DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
+                FAST_TANH: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
+                WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr,
+                MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr,
+                DROP: tl.constexpr, DOT_F32: tl.constexpr, MASKED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     """One query block's contribution to a key block's dk and dv."""
     rows = start + tl.arange(0, BLOCK_M)
     q_offs = (b.to(tl.int64) * sq + rows[:, None]) * (HEADS * D) + h * D + dims[None, :]
@@ -670,9 +678,9 @@ def _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do
     else:
         lse = tl.load(lse_ptr + stats)
         delta = tl.load(delta_ptr + stats)
-    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                       HEADS, DOT_F32, MASKED)
+    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE,
+                              SOFTCAP, FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                              BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:  # dv takes the dropped probabilities; dp the multiplier (delta already has it, through o)
         keep = _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
@@ -743,8 +751,8 @@ def _dkdv_warp_specialized(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, 
 
 
 @triton.jit
-def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
-              sq, sk,
+def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
+              delta_ptr, sq, sk,
               dk_ptr, dv_ptr,  # outputs, like k and v
               QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr,
@@ -765,10 +773,11 @@ def _bwd_dkdv(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, dr
                                         b, hk, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M,
                                         BLOCK_N, BLOCK_D, WS)
     else:
-        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
-                                 lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE,
-                                 SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
-                                 MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+        dk, dv = _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr,
+                                 drop_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims,
+                                 kv_offs, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L,
+                                 WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN,
+                                 DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     tl.store(dk_ptr + kv_offs, (dk * SCALE).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_offs, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -795,7 +804,7 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
-    # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
+    # k_ptr stands for the absent mask, biases and dropout (their flags keep them unread)
     if WINDOW_L >= 0 or WINDOW_R >= 0:
         first, _, _, last = _window_queries(pid_n * BLOCK_N, sk, sq, WINDOW_L, WINDOW_R, False, BLOCK_M, BLOCK_N)
         _, lo, hi, _ = _window_queries(pid_n * BLOCK_N // SKIPPED * SKIPPED, sk, sq, WINDOW_L, WINDOW_R, True,
@@ -806,18 +815,17 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
         for h in range(hk * group, hk * group + group):
             for i in range(first, lo + tl.maximum(last - hi, 0), BLOCK_M):  # [first, lo), then [hi, last)
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.where(i < lo, i, i - lo + hi), h, b, cols, dims, sq, sk, sk,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP,
-                                     FAST_TANH,
-                                     HEADS, D, False, WINDOW_L, WINDOW_R, False, False, False, False, False, False, 0,
-                                     DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, k_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP,
+                                     FAST_TANH, HEADS, D, False, WINDOW_L, WINDOW_R, False, False, False, False, False,
+                                     False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         for h in range(hk * group, hk * group + group):
             end = tl.minimum((pid_n * BLOCK_N // SKIPPED + 1) * SKIPPED, sq)
             for start in range(pid_n * BLOCK_N // BLOCK_M * BLOCK_M, end, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, sk, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D, True, -1,
-                                     -1,
-                                     False, False, False, False, False, False, 0, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, k_ptr, k_ptr, k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D,
+                                     True, -1, -1, False, False, False, False, False, False, 0, DOT_F32, True, BLOCK_M,
+                                     BLOCK_D)
     kv_mask = (cols[:, None] < sk) & (dims[None, :] < D)
     dk = dk * SCALE + _load_rows(dk_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
     dv += _load_rows(dv_part_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, True).to(tl.float32)
@@ -826,8 +834,8 @@ def _dkdv_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_part_ptr,
 
 
 @triton.jit
-def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
-                    delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr,
+def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
+                    lse_ptr, delta_ptr, sq, sk, pid_n, b, hk, group, cols, dims, kv_offs, QK_SCALE: tl.constexpr,
                     SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                     D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
                     HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -848,19 +856,19 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
             for r in range(0, n_runs):
                 for start in range(tl.load(runs + 2 * r) * BLOCK_M, tl.load(runs + 2 * r + 1) * BLOCK_M, BLOCK_M):
                     dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                         delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS,
-                                         D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
-                                         BIAS_H, DROP, DOT_F32, HAS_BIAS, BLOCK_M, BLOCK_D)
+                                         delta_ptr, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                         FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                         HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, HAS_BIAS, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_edge, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(edge + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len, q_ptr,
-                                     do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
-                                     FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS,
-                                     BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE,
+                                     SOFTCAP, FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H,
+                                     HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
             for i in tl.range(0, n_partial, num_stages=1):
                 dk, dv = _dkdv_block(dk, dv, k, v, tl.load(partial + i) * BLOCK_M, h, b, cols, dims, sq, sk, kv_len,
-                                     q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE,
-                                     SOFTCAP, FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
-                                     HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     q_ptr, do_ptr, lse_ptr, delta_ptr, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr,
+                                     QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK,
+                                     MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     else:
         # Query blocks: [first, lo) and [hi, last) masked (the causal diagonal; the last, partial
         # block), [lo, hi) interior. Earlier queries see none of these keys; none past the length.
@@ -879,21 +887,21 @@ def _dkdv_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_p
         for h in range(hk * group, hk * group + group):  # the query heads sharing this key head
             for start in range(lo, hi, BLOCK_M):
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D,
-                                     CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                                     DROP, DOT_F32, False, BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                     FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                     HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, False, BLOCK_M, BLOCK_D)
             for i in range(first, lo + (last - hi), BLOCK_M):  # [first, lo), then [hi, last)
                 start = tl.where(i < lo, i, i - lo + hi)
                 dk, dv = _dkdv_block(dk, dv, k, v, start, h, b, cols, dims, sq, sk, kv_len, q_ptr, do_ptr, lse_ptr,
-                                     delta_ptr, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, HEADS, D,
-                                     CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                                     DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
+                                     delta_ptr, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                                     FAST_TANH, HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H,
+                                     HAS_BIAS, BIAS_B, BIAS_H, DROP, DOT_F32, True, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr, bias_ptr,
-              drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
+def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len, mask_ptr,
+              bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr,
               KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
               WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
               HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr,
@@ -904,9 +912,9 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
     kv_offs = k_base + cols[:, None] * (KV_HEADS * D) + dims[None, :]
     k = _load_rows(k_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptr, kv_offs, cols, sk, dims, D, BLOCK_D, MASKED)
-    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, QK_SCALE, SOFTCAP,
-                       FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
-                       HEADS, DOT_F32, MASKED)
+    p, slope = _probabilities(q, k, rows, cols, b, h, sq, sk, kv_len, lse, mask_ptr, bias_ptr, key_bias_ptr, QK_SCALE,
+                              SOFTCAP, FAST_TANH, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                              BIAS_B, BIAS_H, HEADS, DOT_F32, MASKED)
     dp = _dot(do, tl.trans(v), DOT_F32)
     if DROP:
         dp = dp * _multiplier(rows, cols, b, h, sq, sk, drop_ptr, DROP, HEADS)
@@ -917,8 +925,8 @@ def _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b,
 
 
 @triton.jit
-def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
-            sq, sk,
+def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
+            delta_ptr, sq, sk,
             dq_ptr,  # output, like q
             QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, SCALE: tl.constexpr,
             HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
@@ -936,10 +944,10 @@ def _bwd_dq(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop
                                   QK_SCALE, SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, DOT_F32, BLOCK_M, BLOCK_N,
                                   BLOCK_D, WS)
     else:
-        dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr,
-                           delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE, SOFTCAP, FAST_TANH,
-                           HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
-                           BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
+        dq = _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr,
+                           do_ptr, lse_ptr, delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE,
+                           SOFTCAP, FAST_TANH, HEADS, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B,
+                           MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HAS_KV_LEN, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_D)
     q_mask = (rows[:, None] < sq) & (dims[None, :] < D)
     tl.store(dq_ptr + q_offs, (dq * SCALE).to(dq_ptr.dtype.element_ty), mask=q_mask)
 
@@ -993,8 +1001,8 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
     k_base = b.to(tl.int64) * sk * (KV_HEADS * D) + hk * D
     dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for start in range(pid_m * BLOCK_M // SKIPPED * SKIPPED, tl.minimum((pid_m + 1) * BLOCK_M, sk), BLOCK_N):
-        # k_ptr stands for the absent mask, bias and dropout (their flags keep them unread)
-        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr,
+        # k_ptr stands for the absent mask, biases and dropout (their flags keep them unread)
+        dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, sk, k_ptr, k_ptr,
                        k_ptr, k_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, True, -1, -1, False, False, False,
                        False, False, False, 0, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     dq = dq * SCALE + _load_rows(dq_part_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True).to(tl.float32)
@@ -1002,13 +1010,13 @@ def _dq_diagonal(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_part_ptr,  
 
 
 @triton.jit
-def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr, drop_ptr, do_ptr, lse_ptr, delta_ptr,
-                  sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr,
-                  FAST_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                  CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr,
-                  MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr, BIAS_B: tl.constexpr,
-                  BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr, DOT_F32: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, key_bias_ptr, kv_len_ptr, drop_ptr, do_ptr,
+                  lse_ptr, delta_ptr, sq, sk, pid_m, bh, b, h, hk, rows, dims, q_offs, QK_SCALE: tl.constexpr,
+                  SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+                  D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr, WINDOW_R: tl.constexpr,
+                  HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  BIAS_B: tl.constexpr, BIAS_H: tl.constexpr, DROP: tl.constexpr, HAS_KV_LEN: tl.constexpr,
+                  DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """dq of one query block: under a mask the listed key blocks, else the interior ones unmasked
     and the edges (causal diagonal, past the length) masked."""
     q = _load_rows(q_ptr, q_offs, rows, sq, dims, D, BLOCK_D, True)
@@ -1025,31 +1033,31 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
         for r in range(0, n_runs):
             for start in range(tl.load(runs + 2 * r) * BLOCK_N, tl.load(runs + 2 * r + 1) * BLOCK_N, BLOCK_N):
                 dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                               mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL,
-                               WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                               DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
+                               mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                               CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                               HEADS, DOT_F32, HAS_BIAS, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_edge, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(edge + i) * BLOCK_N, rows, dims, b, h,
-                           sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
-                           CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                           DOT_F32, True, BLOCK_N, BLOCK_D)
+                           sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH,
+                           KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, False, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H,
+                           DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
         for i in tl.range(0, n_partial, num_stages=1):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.load(partial + i) * BLOCK_N, rows, dims, b,
-                           h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
-                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS,
-                           DOT_F32, True, BLOCK_N, BLOCK_D)
+                           h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     elif WINDOW_L >= 0 or WINDOW_R >= 0:  # as the forward's
         first, lo, hi, end = _window_keys(pid_m * BLOCK_M, kv_len, WINDOW_L, WINDOW_R, not HAS_BIAS, BLOCK_M, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False,
-                           BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for i in range(first, lo + (end - hi), BLOCK_N):  # [first, lo), then [hi, end)
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, tl.where(i < lo, i, i - lo + hi), rows, dims,
-                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS,
-                           D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
-                           HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
+                           b, h, sq, sk, kv_len, mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP,
+                           FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS,
+                           BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     else:
         end = tl.minimum(kv_len, (pid_m + 1) * BLOCK_M) if CAUSAL else kv_len
         interior = 0  # as the forward's: key blocks every query of the block sees
@@ -1059,14 +1067,14 @@ def _dq_two_loops(q_ptr, k_ptr, v_ptr, mask_ptr, kinds_ptr, bias_ptr, kv_len_ptr
                 interior = tl.minimum(interior, (pid_m * BLOCK_M // BLOCK_N) * BLOCK_N)
         for start in range(0, interior, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, False,
-                           BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                           HEADS, DOT_F32, False, BLOCK_N, BLOCK_D)
         for start in range(interior, end, BLOCK_N):
             dq = _dq_block(dq, q, do, lse, delta, k_ptr, v_ptr, k_base, start, rows, dims, b, h, sq, sk, kv_len,
-                           mask_ptr, bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D, CAUSAL, WINDOW_L,
-                           WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP, HEADS, DOT_F32, True,
-                           BLOCK_N, BLOCK_D)
+                           mask_ptr, bias_ptr, key_bias_ptr, drop_ptr, QK_SCALE, SOFTCAP, FAST_TANH, KV_HEADS, D,
+                           CAUSAL, WINDOW_L, WINDOW_R, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B, BIAS_H, DROP,
+                           HEADS, DOT_F32, True, BLOCK_N, BLOCK_D)
     return dq
 
 
@@ -1302,7 +1310,8 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
     """Each kernel's config, autotuned per problem on a GPU (cached on disk; see tuning/autotune)."""
     b, sq, h, d = q.shape
     key = (f"{b}x{sq}x{k.shape[1]}x{h}x{k.shape[2]}x{d}|{q.dtype}|causal={st.causal}|mask={st.mask_bh}"
-           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + (f"|window={st.window}" if st.window else "")
+           f"|bias={st.bias_bh}|kv_len={st.has_kv_len}" + ("|key bias" if st.key_bias else "")
+           + (f"|window={st.window}" if st.window else "")
            + (f"|dropout={st.drop_bh}" if st.drop_bh else "") + (f"|softcap={st.softcap}" if st.softcap else "")
            + ("|float32 out" if st.float32_out else ""))
     fit = st.fit(q, k)
@@ -1315,8 +1324,8 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
         def measure(config, i=i, first=first):
             trial = dataclasses.replace(st, configs=tuple(configs[:i] + [config] + configs[i + 1:]))
             args = _random_problem(q, k, trial)
-            args = args[:7] if i == 0 else args
-            step = jax.jit(lambda *a: (_launch_fwd(*a[:7], trial) if i == 0 else _launch_bwd(*a, trial)))
+            args = args[:8] if i == 0 else args
+            step = jax.jit(lambda *a: (_launch_fwd(*a[:8], trial) if i == 0 else _launch_bwd(*a, trial)))
             autotune.agrees(first, step(*args))
             return time_pipelined(step, *args, min_seconds=0.02)
         version = autotune.version_of(_fwd, _fwd_split_kv, attention_hopper.fwd, _bwd_dkdv, _bwd_dq,
@@ -1336,13 +1345,14 @@ def _random_problem(q, k, st: "Static") -> tuple:
         (b if st.mask_bh[0] else 1, h if st.mask_bh[1] else 1, sq, k.shape[1]), jnp.int8)
     bias = None if st.bias_bh is None else jnp.zeros(
         (b if st.bias_bh[0] else 1, h if st.bias_bh[1] else 1, sq, k.shape[1]), jnp.float32)
+    key_bias = jnp.zeros((b, h, k.shape[1]), jnp.float32) if st.key_bias else None
     kv_len = jnp.full((b,), k.shape[1], jnp.int32) if st.has_kv_len else None
     drop = None if st.drop_bh is None else jnp.ones(
         (b if st.drop_bh[0] else 1, h if st.drop_bh[1] else 1, sq, k.shape[1]), q.dtype)
-    o, lse = _launch_fwd(qs, ks, vs, mask, bias, kv_len, drop, dataclasses.replace(
+    o, lse = _launch_fwd(qs, ks, vs, mask, bias, key_bias, kv_len, drop, dataclasses.replace(
         st, configs=default_configs(d, st.backend, **st.fit(q, k))))
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
-    return qs, ks, vs, mask, bias, kv_len, drop, do, lse, delta
+    return qs, ks, vs, mask, bias, key_bias, kv_len, drop, do, lse, delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1361,6 +1371,7 @@ class Static:
     empty_grads: bool = False  # masked_rows="bias": those rows' gradients reach q and k (XLA's, around the kernels)
     softcap: float = 0.0  # logits_soft_cap, 0 for none
     float32_out: bool = False  # out_dtype=float32: o stored unrounded (else in q's dtype)
+    key_bias: bool = False  # a key bias [batch, heads, sk]: a bias the same for every query
 
     def out_dtype(self, q):
         return jnp.float32 if self.float32_out else q.dtype
@@ -1368,7 +1379,7 @@ class Static:
     def fit(self, q, k) -> dict:
         """What decides which configs apply: the shared memory they need, and whether the problem
         needs masking at all (the warp-specialized forward cannot mask)."""
-        masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh
+        masked = self.has_kv_len or self.mask_bh or self.bias_bh or self.drop_bh or self.key_bias
         plain = not (masked or self.window)
         causal_square = plain and self.causal and q.shape[1] == k.shape[1]
         windowed = not masked and self.window
@@ -1389,6 +1400,12 @@ class Static:
         """The kernels' DROP: 0 without dropout, else 1 + 2 if it varies over the batch + 4 over heads."""
         return 0 if self.drop_bh is None else 1 + 2 * self.drop_bh[0] + 4 * self.drop_bh[1]
 
+    @property
+    def bias_flags(self) -> int:
+        """The kernels' HAS_BIAS: 1 for a bias [batch | 1, heads | 1, sq, sk] (a tile read per tile of
+        scores) + 2 for a key bias (a vector read per block of keys)."""
+        return (self.bias_bh is not None) + 2 * self.key_bias
+
     def constexprs(self, q, k) -> dict:
         mask_b, mask_h = self.mask_bh or (False, False)
         bias_b, bias_h = self.bias_bh or (False, False)
@@ -1399,9 +1416,9 @@ class Static:
                 "KV_HEADS": k.shape[2],
                 "D": q.shape[3], "CAUSAL": self.causal, "WINDOW_L": window_l,
                 "WINDOW_R": window_r, "HAS_MASK": self.mask_bh is not None,
-                "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_bh is not None,
+                "MASK_B": mask_b, "MASK_H": mask_h, "HAS_BIAS": self.bias_flags,
                 "BIAS_B": bias_b, "BIAS_H": bias_h, "HAS_KV_LEN": self.has_kv_len, "DROP": self.drop_flags,
-                "SK16": k.shape[1] % 16 == 0 and any((self.mask_bh, self.bias_bh, self.drop_bh)),
+                "SK16": k.shape[1] % 16 == 0 and any((self.mask_bh, self.bias_bh, self.drop_bh, self.key_bias)),
                 "DOT_F32": dot_f32}
 
 
@@ -1440,24 +1457,24 @@ def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
     return jnp.concatenate(counts + [runs, listed(partly & shown), listed(partly & ~shown)], -1).astype(jnp.int32)
 
 
-def _dummies(mask, kinds, bias, kv_len, drop=None, *more):
+def _dummies(mask, kinds, bias, key_bias, kv_len, drop=None, *more):
     dummy = jnp.zeros((1,), jnp.int32)  # stands for an absent operand (its flag keeps it unread)
-    return tuple(dummy if a is None else a for a in (mask, kinds, bias, kv_len, drop, *more))
+    return tuple(dummy if a is None else a for a in (mask, kinds, bias, key_bias, kv_len, drop, *more))
 
 
-def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static, sinks=None):
+def _launch_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st: Static, sinks=None):
     """o and its lse; sinks (float32 [batch, heads, sq], or None): each row's sink logit, counted in
     both (a key of value zero)."""
     b, sq, heads, _ = q.shape
     config = st.configs[0]
     if "SPLITS" in dict(config.meta):  # (never with dropout: Static.fit)
-        return _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st, sinks)
+        return _launch_fwd_split_kv(q, k, v, mask, bias, key_bias, kv_len, st, sinks)
     if dict(config.meta).get("GLUON"):  # (only where nothing is masked: Static.fit)
         return attention_hopper.launch_fwd(q, k, v, sinks, st.out_dtype(q), st.constexprs(q, k), st.backend)
     outs = [jax.ShapeDtypeStruct(q.shape, st.out_dtype(q)), jax.ShapeDtypeStruct((b, heads, sq), jnp.float32)]
     tiles = _mask_tiles(mask, config, st.causal)
     grid, consts = (L.cdiv(sq, config["BLOCK_M"]), b * heads), {**st.constexprs(q, k), "HAS_SINK": sinks is not None}
-    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, kv_len, drop, sinks), sq, k.shape[1],
+    o, lse = L.launch(_fwd, q, k, v, *_dummies(mask, tiles, bias, key_bias, kv_len, drop, sinks), sq, k.shape[1],
                       kernel="attention_fwd", out_shapes=outs, grid=grid, config=config, backend=st.backend,
                       constexprs=consts)
     if not (st.causal and dict(config.meta).get("WS")):
@@ -1470,7 +1487,7 @@ def _launch_fwd(q, k, v, mask, bias, kv_len, drop, st: Static, sinks=None):
                                                        "DOT_F32")})
 
 
-def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static, sinks=None):
+def _launch_fwd_split_kv(q, k, v, mask, bias, key_bias, kv_len, st: Static, sinks=None):
     """The split-key forward, then the merge of its chunks by XLA (their partial results are small:
     batch x key heads x chunks x rows x head dim floats)."""
     b, sq, heads, d = q.shape
@@ -1478,9 +1495,9 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, kv_len, st: Static, sinks=None):
     rows, splits = sq * (heads // kv_heads), config["SPLITS"]
     outs = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),
             jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)]
-    mask_, _, bias_, kv_len_, _ = _dummies(mask, None, bias, kv_len)
+    mask_, _, bias_, key_bias_, kv_len_, _ = _dummies(mask, None, bias, key_bias, kv_len)
     consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
-    o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, kv_len_, sq, k.shape[1],
+    o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, key_bias_, kv_len_, sq, k.shape[1],
                                 kernel="attention_fwd_split_kv", out_shapes=outs, grid=(splits, b * kv_heads),
                                 config=config, backend=st.backend, constexprs=consts)
     return _merge_splits(o_part, lse_part, heads, st.out_dtype(q), sinks)
@@ -1537,7 +1554,7 @@ def _dq_diagonal_config(dq: L.Config, gpu: str) -> L.Config:
                        num_warps=warps, num_stages=stages)
 
 
-def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
+def _launch_bwd(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st: Static):
     b, sq, heads, _ = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     consts = {**st.constexprs(q, k), "SCALE": st.scale}
@@ -1545,7 +1562,7 @@ def _launch_bwd(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
     if dict(dkdv.meta).get("GLUON"):  # dq, dk and dv in one kernel (only where nothing is masked: Static.fit)
         return attention_hopper.launch_bwd(q, k, v, do, lse, delta, st.scale, st.constexprs(q, k), st.backend)
     args = lambda config, by_keys: (q, k, v, *_dummies(mask, _mask_tiles(mask, config, st.causal, by_keys), bias,
-                                                       kv_len, drop), do, lse, delta, sq, sk)
+                                                       key_bias, kv_len, drop), do, lse, delta, sq, sk)
     dkdv_shapes = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     dk, dv = L.launch(_bwd_dkdv, *args(dkdv, True), kernel="attention_bwd_dkdv", out_shapes=dkdv_shapes,
                       grid=(L.cdiv(sk, dkdv["BLOCK_N"]), b * kv_heads), config=dkdv, backend=st.backend,
@@ -1599,12 +1616,14 @@ def _batch(args, dims, *, kernel, fn, scalars, out_shapes, grid, config, constex
 
 # Optional operands: the constexpr saying each is present, and the one saying it varies over the batch
 # (else it is [1, ...], shared by the batch; DROP's bit 2)
-PRESENCE_FLAGS = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "kv_len": "HAS_KV_LEN", "drop": "DROP",
-                  "sink": "HAS_SINK"}
+PRESENCE_FLAGS = {"mask": "HAS_MASK", "kinds": "HAS_MASK", "bias": "HAS_BIAS", "key_bias": "HAS_BIAS",
+                  "kv_len": "HAS_KV_LEN", "drop": "DROP", "sink": "HAS_SINK"}
 BATCH_FLAGS = {"mask": "MASK_B", "kinds": "MASK_B", "bias": "BIAS_B", "drop": "DROP"}
 
 
 def _absent(name: str, consts: dict) -> bool:
+    if name in ("bias", "key_bias"):  # HAS_BIAS's bits: 1 the bias, 2 the key bias
+        return not int(consts["HAS_BIAS"]) & (1 if name == "bias" else 2)
     return name in PRESENCE_FLAGS and not consts[PRESENCE_FLAGS[name]]
 
 
@@ -1613,9 +1632,9 @@ def _varies_over_batch(name: str, consts: dict) -> bool:
 
 
 # The array arguments of the kernels (the backward's by default)
-BACKWARD_ARGUMENTS = ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop", "do", "lse", "delta")
-ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "kv_len", "drop", "sink"),
-             "attention_fwd_split_kv": ("q", "k", "v", "mask", "bias", "kv_len"),
+BACKWARD_ARGUMENTS = ("q", "k", "v", "mask", "kinds", "bias", "key_bias", "kv_len", "drop", "do", "lse", "delta")
+ARGUMENTS = {"attention_fwd": ("q", "k", "v", "mask", "kinds", "bias", "key_bias", "kv_len", "drop", "sink"),
+             "attention_fwd_split_kv": ("q", "k", "v", "mask", "bias", "key_bias", "kv_len"),
              "attention_fwd_diagonal": ("q", "k", "v", "o", "lse"),
              "attention_dkdv_diagonal": ("q", "k", "v", "do", "lse", "delta", "dk", "dv"),
              "attention_dq_diagonal": ("q", "k", "v", "do", "lse", "delta", "dq")}
@@ -1647,8 +1666,9 @@ def _split(params) -> L.Split:
 
 
 # Which dim of each operand holds the heads: [batch, seq, heads, d] arrays, [batch, heads, sq]
-# statistics and sinks, [batch | 1, heads | 1, ...] masks, biases and dropout multipliers.
-_HEADS_DIM = {"q": 2, "k": 2, "v": 2, "do": 2, "o": 2, "dk": 2, "dv": 2, "dq": 2, "lse": 1, "delta": 1, "sink": 1}
+# statistics, sinks and key biases, [batch | 1, heads | 1, ...] masks, biases and dropout multipliers.
+_HEADS_DIM = {"q": 2, "k": 2, "v": 2, "do": 2, "o": 2, "dk": 2, "dv": 2, "dq": 2, "lse": 1, "delta": 1, "sink": 1,
+              "key_bias": 1}
 _PER_HEAD = {"mask": "MASK_H", "kinds": "MASK_H", "bias": "BIAS_H"}
 
 
@@ -1697,19 +1717,19 @@ for _name in ("attention_fwd", "attention_fwd_split_kv", "attention_fwd_diagonal
 # --------------------------------------------------------------------------------------------------
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _attention(q, k, v, mask, bias, kv_len, drop, st: Static):
-    return _attention_fwd(q, k, v, mask, bias, kv_len, drop, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _attention(q, k, v, mask, bias, key_bias, kv_len, drop, st: Static):
+    return _attention_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st)[0]
 
 
-def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
-    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st)
+def _attention_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st: Static):
+    o, lse = _launch_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st)
     if st.average_empty and drop is None:
         o = jnp.where(_empty(lse)[..., None], _mean_values(v, kv_len, q.shape[2], o.dtype), o)
     elif st.average_empty:  # each empty row its own dropped mean: computed only when there is one
         o = jax.lax.cond(jnp.any(_empty(lse)), lambda: jnp.where(
             _empty(lse)[..., None], _dropped_means(v, kv_len, drop, q.shape[2]).astype(o.dtype), o), lambda: o)
-    return o, (q, k, v, mask, bias, kv_len, drop, o, lse)
+    return o, (q, k, v, mask, bias, key_bias, kv_len, drop, o, lse)
 
 
 # A bias of -1e9 on every key of a row (AlphaFold's padding, and many ports': `(1 - mask) * -1e9`):
@@ -1725,9 +1745,9 @@ def _attention_fwd(q, k, v, mask, bias, kv_len, drop, st: Static):
 FAR_BIAS = 2.0 ** 27
 
 
-def _far_rows(lse, st: Static, mask, bias):
+def _far_rows(lse, st: Static):
     """[batch, heads, sq]: the rows a far bias hid (see FAR_BIAS), or None where none can be."""
-    if bias is None or mask is not None or st.causal or st.window is not None:
+    if not st.bias_flags or st.mask_bh is not None or st.causal or st.window is not None:
         return None
     return jnp.isfinite(lse) & (lse < -FAR_BIAS * LOG2E)
 
@@ -1746,31 +1766,31 @@ def _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st: Static):
     return (*_biased_empty_chunked_vjp(q, k, v, do_far, delta_far, kv_len, drop, st.scale, st.softcap), dv)
 
 
-def _hidden_by_bias(st: Static, mask, bias) -> bool:
+def _hidden_by_bias(st: Static) -> bool:
     """Whether rows whose keys are all hidden were hidden by a bias (or a mask standing for one,
     masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add."""
-    return st.empty_grads or (bias is not None and mask is None)
+    return st.empty_grads or bool(st.bias_flags and st.mask_bh is None)
 
 
 def _attention_bwd(st: Static, residuals, do):
     """The multiplier (dropout: from random bits, not differentiable) gets no cotangent."""
-    o = residuals[7]
+    o = residuals[8]
     return _gradients(st, residuals, do, jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32)))
 
 
 def _gradients(st: Static, residuals, do, delta):
     """dq, dk, dv, dbias (and None for the rest) from the kernels, given delta = rowsum(do * o)."""
-    q, k, v, mask, bias, kv_len, drop, o, lse = residuals
-    far = _far_rows(lse, st, mask, bias)
+    q, k, v, mask, bias, key_bias, kv_len, drop, o, lse = residuals
+    far = _far_rows(lse, st)
     kernels_lse = lse if far is None else jnp.where(far, jnp.inf, lse)  # (the kernels' p of those rows: 0)
-    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, kv_len, drop, do.astype(q.dtype), kernels_lse, delta, st)
+    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, key_bias, kv_len, drop, do.astype(q.dtype), kernels_lse, delta, st)
     if far is not None:  # (their gradients added only where there are such rows)
         with_far_rows = lambda: tuple((a + b).astype(a.dtype) for a, b in zip(
             (dq, dk, dv), _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st)))
         dq, dk, dv = jax.lax.cond(jnp.any(far), with_far_rows, lambda: (dq, dk, dv))
     if st.average_empty and drop is None:  # the kernels saw nothing of the rows that average every value
         dv = dv + _mean_values_vjp(jnp.where(_empty(lse)[..., None], do, 0), v, kv_len).astype(dv.dtype)
-        if _hidden_by_bias(st, mask, bias):  # hidden by a bias: XLA's gradient passes its add
+        if _hidden_by_bias(st):  # hidden by a bias: XLA's gradient passes its add
             do_empty = jnp.where(_empty(lse)[..., None], do, 0)
             delta_empty = jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0)
             if st.softcap:  # the cap's slope varies with every score: formed in chunks, when a row is empty
@@ -1786,15 +1806,17 @@ def _gradients(st: Static, residuals, do, delta):
         def with_empty_rows():
             do_empty = jnp.where(_empty(lse)[..., None], do, 0)
             dv_ = dv + _dropped_means_vjp(do_empty, v, kv_len, drop).astype(dv.dtype)
-            if not _hidden_by_bias(st, mask, bias):
+            if not _hidden_by_bias(st):
                 return dq, dk, dv_
             dq_empty, dk_empty = _biased_empty_chunked_vjp(
                 q, k, v, do_empty, jnp.where(jnp.transpose(_empty(lse), (0, 2, 1)), delta, 0), kv_len, drop, st.scale,
                 st.softcap)
             return (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype), dv_
         dq, dk, dv = jax.lax.cond(jnp.any(_empty(lse)), with_empty_rows, lambda: (dq, dk, dv))
-    dbias = None if bias is None else _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st)
-    return dq, dk, dv, None, dbias, None, None
+    dbias, dkey_bias = None, None
+    if st.bias_flags:
+        dbias, dkey_bias = _bias_grads(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st)
+    return dq, dk, dv, None, dbias, dkey_bias, None, None
 
 
 # masked_rows="average": a query whose keys are all hidden gets the mean of the (real) values, as
@@ -1909,21 +1931,25 @@ def _dropped_means_vjp(do_empty, v, kv_len, drop):
     return dv.reshape(*dv.shape[:2], kv_heads, heads // kv_heads, -1).sum(3)
 
 
-def _bias_grad(q, k, v, mask, bias, kv_len, drop, do, lse, delta, st: Static):
-    """dbias = ds, by XLA: the size of the bias itself (dead code, removed by XLA, unless used)."""
+def _bias_grads(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st: Static):
+    """dbias = ds summed to the bias's shape, and the key bias's (ds summed over the queries), by XLA
+    (dead code, removed by XLA, unless used)."""
     group = q.shape[2] // k.shape[2]
     kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
     s = _capped(jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale, st.softcap)
-    s = s + bias.astype(jnp.float32)
+    s = s + (0.0 if bias is None else bias.astype(jnp.float32)) + (0.0 if key_bias is None else key_bias[:, :, None])
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
                        kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
-    if (far := _far_rows(lse, st, mask, bias)) is not None:  # XLA's uniform weights there
+    if (far := _far_rows(lse, st)) is not None:  # XLA's uniform weights there
         p = jnp.where(far[..., None], _mean_values_parts(v, kv_len)[1][:, None, None, :], p)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf)
     ds = p * ((dp if drop is None else dp * drop.astype(jnp.float32)) - delta[..., None])
+    dkey_bias = None if key_bias is None else jnp.sum(ds, axis=2)
+    if bias is None:
+        return None, dkey_bias
     summed = tuple(i for i in (0, 1) if bias.shape[i] == 1)
-    return jnp.sum(ds, axis=summed, keepdims=True).astype(bias.dtype)
+    return jnp.sum(ds, axis=summed, keepdims=True).astype(bias.dtype), dkey_bias
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -1939,20 +1965,20 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 # the forward on the H200, h200-attention-sinks-probe-session28.json.)
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention_sunk(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
-    return _attention_sunk_fwd(q, k, v, mask, bias, kv_len, drop, sinks, st)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9,))
+def _attention_sunk(q, k, v, mask, bias, key_bias, kv_len, drop, sinks, st: Static):
+    return _attention_sunk_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, sinks, st)[0]
 
 
-def _attention_sunk_fwd(q, k, v, mask, bias, kv_len, drop, sinks, st: Static):
+def _attention_sunk_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, sinks, st: Static):
     """sinks: float32 [batch, heads, sq]."""
-    o, lse = _launch_fwd(q, k, v, mask, bias, kv_len, drop, st, sinks)
-    return o, (q, k, v, mask, bias, kv_len, drop, o, lse, sinks)
+    o, lse = _launch_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st, sinks)
+    return o, (q, k, v, mask, bias, key_bias, kv_len, drop, o, lse, sinks)
 
 
 def _attention_sunk_bwd(st: Static, residuals, do):
     *kernel_residuals, sinks = residuals
-    o, lse_sunk = kernel_residuals[7:9]
+    o, lse_sunk = kernel_residuals[8:10]
     delta = jnp.einsum("bqhd,bqhd->bhq", do.astype(jnp.float32), o.astype(jnp.float32))
     grads = _gradients(st, tuple(kernel_residuals), do, delta)
     sunk = jnp.where(lse_sunk == -jnp.inf, 0.0, jnp.exp2(sinks * LOG2E - lse_sunk))  # the sink's weight
@@ -1991,6 +2017,27 @@ def _as_4d(name, a, batch, heads, sq, sk):
     varies = (shape[0] == batch > 1, shape[1] == heads > 1)
     target = (batch if varies[0] else 1, heads if varies[1] else 1, sq, sk)
     return jnp.broadcast_to(a.reshape(shape), target), varies
+
+
+def _biases(bias, batch, heads, sq, sk):
+    """`bias` (None, an array or a tuple of arrays, each broadcastable to [batch, heads, sq, sk]) as
+    the kernels take it: (the sum of the terms that vary over the queries, as _as_4d gives it, or None;
+    whether it varies over batch and heads; the sum of those that do not, a key bias float32 [batch,
+    heads, sk], or None)."""
+    if bias is None:
+        return None, None, None
+    terms = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
+    full, full_bh, keys = None, None, []
+    for i, term in enumerate(terms):
+        term4, varies = _as_4d("bias" if len(terms) == 1 else f"bias[{i}]", term, batch, heads, sq, sk)
+        if jnp.ndim(term) < 2 or jnp.shape(term)[-2] == 1:  # the same for every query
+            keys.append(jnp.broadcast_to(term4[:, :, 0].astype(jnp.float32), (batch, heads, sk)))
+        elif full is None:
+            full, full_bh = term4, varies
+        else:
+            full_bh = (full_bh[0] or varies[0], full_bh[1] or varies[1])
+            full = full + term4
+    return full, full_bh, None if not keys else functools.reduce(jnp.add, keys)
 
 
 def _check(q, k, v, scale, kv_lengths):
@@ -2063,7 +2110,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     dividing heads (grouped-query / multi-query attention; k and v are never repeated).
     causal: query i sees keys j <= i (top-left aligned, as jax.nn.dot_product_attention).
     mask: boolean, broadcastable to [batch, heads, q_seq, kv_seq]; True = visible.
-    bias: additive, broadcastable likewise (its gradient, if used, is computed by XLA).
+    bias: additive, broadcastable likewise (its gradient, if used, is computed by XLA); or a tuple of
+        such biases, added: the kernels read a bias the same for every query ([batch | 1, heads | 1,
+        1, kv_seq]: a padding bias from a float mask) as one number per key, and the others as a tile
+        per tile of scores, so a padding bias and a position bias ([1, heads, q_seq, kv_seq]: T5's,
+        AlphaFold's pair bias) are never summed in memory.
     scale: default 1 / sqrt(head_dim). kv_lengths [batch]: keys at or past the length are padding.
     local_window_size: a sliding window, as jax.nn's: (left, right) lets query i see keys
         i - left ... i + right (an int n: (n, n); None on a side: no bound; with causal, right is 0).
@@ -2119,7 +2170,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
         raise TypeError(f"attention: mask must be boolean; got {jnp.asarray(mask).dtype}")
     mask4, mask_bh = _as_4d("mask", mask, b, h, sq, sk) if mask is not None else (None, None)
-    bias4, bias_bh = _as_4d("bias", bias, b, h, sq, sk) if bias is not None else (None, None)
+    bias4, bias_bh, key_bias = _biases(bias, b, h, sq, sk)
     scale = 1 / math.sqrt(d) if scale is None else L.static_number(scale)
     drop = _dropout_multiplier(dropout_rate, dropout_rng, broadcast_dropout, dropout_multiplier, q.dtype, b, h, sq, sk)
     drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
@@ -2127,6 +2178,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if sinks is not None:  # a row whose keys are all hidden weights only the sink: zero
         masked_rows = "zeros"
     if backend == "xla" or q.size == 0 or k.size == 0:
+        if key_bias is not None:
+            bias4 = key_bias[:, :, None] + (0.0 if bias4 is None else bias4.astype(jnp.float32))
         return reference(q, k, v, causal=causal, mask=mask4, bias=bias4, scale=scale, kv_lengths=kv_lengths,
                          masked_rows=masked_rows, local_window_size=local_window_size, dropout_multiplier=drop4,
                          logits_soft_cap=cap, out_dtype=out_dtype, sinks=sinks)
@@ -2139,10 +2192,11 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         mask_bh = (b > 1, mask_bh[1])
     st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
                 window, drop_bh, masked_rows == "bias", float(cap or 0.0),
-                out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32)
+                out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32,
+                key_bias is not None)
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None if mask4 is None else mask4.astype(jnp.int8), bias4,
-              kv_len, None if drop4 is None else jax.lax.stop_gradient(drop4))
+              key_bias, kv_len, None if drop4 is None else jax.lax.stop_gradient(drop4))
     if sinks is None:
         return _attention(*arrays, st)
     return _attention_sunk(*arrays, sink_rows, st)
@@ -2178,14 +2232,14 @@ def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq,
 
 def aot_cases():
     """(name, kernel, signature, config, targets) for the three kernels with the tiles each target's
-    heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias,
-    kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
+    heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias and key
+    bias, kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
     first target of each vendor also every option in float32 (the most shared memory), a causal
     mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)
     and a causal soft cap; and attention_hopper's kernels with their exps split (sm_90)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
-    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": True, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
+    every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": 3, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
     problems = [(64, "bf16", {"CAUSAL": True}), (128, "bf16", {"CAUSAL": True}), (256, "bf16", {"CAUSAL": True}),
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
@@ -2196,7 +2250,7 @@ def aot_cases():
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
                 yield from _aot_problem(gpu, target, SHARED_MEMORY[target], d, dtype, options)
             for d, options in [(128, {"HAS_KV_LEN": True}), (256, {})] + (
-                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": True, "SK16": True})]
+                    [(128, {"HAS_MASK": True, "MASK_B": True, "HAS_BIAS": 3, "SK16": True})]
                     if target == targets[0] else []):
                 yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
     yield from attention_hopper.aot_exp2_cases()
@@ -2208,7 +2262,7 @@ def _aot_split_kv(gpu, target, limit, d, options):
     st = Static(False, d ** -0.5, None, None, False, "triton", ())
     config = candidates("fwd", d, "triton", gpu, limit=limit, split_kv=(4, 64, 32768))[0]
     arrays = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "mask_ptr": "*i8", "bias_ptr": "*fp32",
-              "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}
+              "key_bias_ptr": "*fp32", "kv_len_ptr": "*i32", "sq": "i32", "sk": "i32", "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32"}
     tag = "options" if len(options) > 1 else ("kv-len" if options else "plain")
     consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
     return (f"attention/{target}/d{d}/bf16/split-kv-{tag}", _fwd_split_kv, arrays,
@@ -2218,7 +2272,7 @@ def _aot_split_kv(gpu, target, limit, d, options):
 def _aot_problem(gpu, target, limit, d, dtype, options):
     el = "*" + dtype
     arrays = {"q_ptr": el, "k_ptr": el, "v_ptr": el, "mask_ptr": "*i8", "kinds_ptr": "*i32", "bias_ptr": "*fp32",
-              "kv_len_ptr": "*i32", "drop_ptr": el, "sq": "i32", "sk": "i32"}
+              "key_bias_ptr": "*fp32", "kv_len_ptr": "*i32", "drop_ptr": el, "sq": "i32", "sk": "i32"}
     grads = {"do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32"}
     fit = {"itemsize": 4 if dtype == "fp32" else 2, "mask": options.get("HAS_MASK", False),
            "bias": options.get("HAS_BIAS", False), "unmasked_keys": 0 if options else 4096,
