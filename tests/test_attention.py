@@ -72,7 +72,9 @@ CASES = {  # name: ((b, sq, sk, h, hk, d), options)
     "soft cap, mask, bias, lengths": ((2, 18, 21, 2, 2, 16), {"mask": (2, 1, 18, 21), "bias": (1, 2, 18, 21),
                                                              "kv_lengths": np.array([21, 11]), "logits_soft_cap": 1.5}),
     # a bias the same for every query ([.., 1, k]) is read per key; with a second bias, both are read
-    "key bias per entry, gqa": ((2, 19, 23, 4, 2, 16), {"bias": (2, 1, 1, 23)}),
+    "key bias per entry, gqa": ((2, 19, 50, 4, 2, 16), {"bias": (2, 1, 1, 50)}),
+    "key bias, causal, sliding window": ((2, 40, 40, 2, 1, 16), {"bias": (2, 1, 1, 40), "causal": True,
+                                                                "local_window_size": (9, 0)}),
     "key bias per head, mask, lengths": ((2, 18, 21, 2, 2, 16), {"bias": (1, 2, 1, 21), "mask": (2, 1, 18, 21),
                                                                 "kv_lengths": np.array([21, 11])}),
     "pair and key biases, causal": ((2, 18, 21, 2, 2, 16), {"bias": ((1, 2, 18, 21), (2, 1, 1, 21)), "causal": True}),

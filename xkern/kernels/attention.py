@@ -2235,8 +2235,8 @@ def aot_cases():
     heuristic picks: causal with GQA at head dims 64 / 128 / 256, every option (mask, bias and key
     bias, kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
     first target of each vendor also every option in float32 (the most shared memory), a causal
-    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16)
-    and a causal soft cap; and attention_hopper's kernels with their exps split (sm_90)."""
+    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16),
+    a causal soft cap and a key bias alone; and attention_hopper's kernels with their exps split (sm_90)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": 3, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
@@ -2244,7 +2244,8 @@ def aot_cases():
                 (128, "bf16", every_option), (128, "bf16", {"WINDOW_L": 1024, "WINDOW_R": 0})]
     first_only = [(128, "fp32", every_option), (128, "bf16", {"CAUSAL": True, "HAS_MASK": True, "MASK_B": True}),
                   (128, "bf16", {}), (256, "bf16", {}),  # on sm_90 the Gluon forward (ping-pong) and dk/dv
-                  (128, "bf16", {"CAUSAL": True, "SOFTCAP": 50.0}), (128, "bf16", {"CAUSAL": True, "HAS_SINK": True})]
+                  (128, "bf16", {"CAUSAL": True, "SOFTCAP": 50.0}), (128, "bf16", {"CAUSAL": True, "HAS_SINK": True}),
+                  (128, "bf16", {"HAS_BIAS": 2, "SK16": True})]
     for gpu, targets in (("cuda", ("sm_90", "sm_80")), ("rocm", ("gfx942", "gfx90a"))):
         for target in targets:
             for d, dtype, options in problems + (first_only if target == targets[0] else []):
@@ -2289,7 +2290,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
     consts = {**st.constexprs(q, k), **{n: value for n, value in options.items() if n != "HAS_SINK"},
               "SCALE": st.scale, "FAST_TANH": bool(options.get("SOFTCAP")) and gpu == "cuda" and dtype != "fp32"}
     kind = ("window" if "WINDOW_L" in options else "softcap" if "SOFTCAP" in options else
-            "sinks" if "HAS_SINK" in options else
+            "sinks" if "HAS_SINK" in options else "key-bias" if options.get("HAS_BIAS") == 2 else
             {0: "plain", 1: "causal-gqa", 6: "options"}.get(len(options), "causal-mask"))
     tag = f"attention/{target}/d{d}/{dtype}/{kind}"
     fwd_consts = {**{name: value for name, value in consts.items() if name != "SCALE"}, "HAS_SINK": sink}
