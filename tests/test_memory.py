@@ -72,3 +72,27 @@ def test_peak_estimate_counts_in_place_outputs_once():
     report = xkern.explain(dies_in_kernel)(jnp.ones((8, 300)))
     assert (report.peak_before, report.peak_after, report.in_place) == (3 * n, 2 * n, 1)
     assert "1 kernel(s) writing over an input" in str(report)
+
+
+def test_peak_estimate_leaves_out_what_xla_drops():
+    """An equation whose outputs nothing reads, and a call's input its body does not read, are not
+    counted. The latter is what a rewrite that may run as written keeps for that path: T5's padding
+    bias added to its position bias, a sum [b, h, q, k] the kernels never read (they take the two),
+    was counted live in xkern.explain's peak."""
+    a = jax.ShapeDtypeStruct((1024,), jnp.float32)
+    unread = lambda x: jax.jit(lambda x, y: x * 2)(x, jnp.outer(x, x))  # (a call ignoring y: 4 MiB)
+    dead = lambda x: (jnp.outer(x, x), x * 2)[1]
+    for f in (unread, dead):
+        assert peak_live_bytes(jax.make_jaxpr(f)(a)) == 2 * 4096  # x and x * 2
+    assert peak_live_bytes(jax.make_jaxpr(lambda x: jax.jit(lambda x, y: x * y[0])(x, jnp.outer(x, x)))(a)) > 4 * 2 ** 20
+
+    b, s, h, d = 4, 256, 8, 64
+    def t5x(q, k, v, table, padding):
+        padding_bias = jnp.where(padding, 0.0, -1e10)[:, None, None, :]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) + (padding_bias + table[None])
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores).astype(q.dtype), v)
+    args = (*(jnp.zeros((b, s, h, d), jnp.bfloat16) for _ in range(3)), jnp.zeros((h, s, s)), jnp.ones((b, s), bool))
+    report = xkern.explain(t5x)(*args)
+    assert [m.params.get("bias_split") for m in report.matches if m.op == "attention"] == [True]
+    summed = b * h * s * s * 4
+    assert report.peak_after < sum(a.nbytes for a in args) + summed  # (it was 16 MiB: the sum's 8 and more)

@@ -10,7 +10,10 @@ an input it was not given to donate, and an output must survive).
 The peak is an estimate over the jaxpr's own order, not XLA's schedule and fusion (XLA never
 materializes the inside of its fusions, so it overstates an unfused program): the inputs are held
 throughout, each equation's outputs from that equation to their last use, and an in-place
-kernel's aliased outputs take no new memory.
+kernel's aliased outputs take no new memory. What XLA drops is not counted: an equation whose
+outputs nothing reads, and a call's input that its body does not read (a rewrite that may run as
+written keeps the matched program's inputs for that path: T5's summed bias, unread where the
+kernels run).
 """
 from __future__ import annotations
 
@@ -73,20 +76,53 @@ def peak_live_bytes(jaxpr) -> int:
     jaxpr's order; kernels that write in place (xkern_kernel with aliases) add nothing for those."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     graph = Graph(jaxpr)
-    last = {v: max(graph.consumers.get(v, [-1])) for v in graph.producer}
+    running = _running(jaxpr)
+    last = {v: -1 for v in graph.producer}
+    for i in running:
+        for v in _read_inputs(graph.eqns[i]):
+            last[v] = i
     for v in graph.outvars:
         last[v] = len(graph.eqns)
     live = sum(aval_bytes(v.aval) for v in graph.invars)
     peak = live
-    for i, eqn in enumerate(graph.eqns):
+    for i in sorted(running):
+        eqn = graph.eqns[i]
         aliases = _aliases(eqn)
         reused = {eqn.invars[a] for a, _ in aliases}  # their memory lives on as the outputs
         live += sum(aval_bytes(v.aval) for k, v in enumerate(eqn.outvars) if k not in {o for _, o in aliases})
         peak = max(peak, live)
-        for v in {v for v in eqn.invars if isinstance(v, Var) and last.get(v) == i} - reused - graph.invars:
+        for v in {v for v in _read_inputs(eqn) if last.get(v) == i} - reused - graph.invars:
             live -= aval_bytes(v.aval)  # (the caller holds the program's inputs throughout)
         live -= sum(aval_bytes(v.aval) for v in eqn.outvars if last.get(v, -1) == -1)  # never read
     return peak
+
+
+def _running(jaxpr) -> set[int]:
+    """The equations whose outputs the program's outputs need (or that have effects)."""
+    needed, running = {v for v in jaxpr.outvars if isinstance(v, Var)}, set()
+    for i in reversed(range(len(jaxpr.eqns))):
+        eqn = jaxpr.eqns[i]
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            running.add(i)
+            needed.update(_read_inputs(eqn))
+    return running
+
+
+def _read_inputs(eqn) -> list:
+    """The inputs `eqn` reads: of a call (custom_vjp_call, jit), those its body reads."""
+    body = _body(eqn)
+    if body is None or len(body.invars) != len(eqn.invars):
+        return [v for v in eqn.invars if isinstance(v, Var)]
+    running = _running(body)
+    read = {v for i in running for v in _read_inputs(body.eqns[i])} | set(body.outvars)
+    return [v for v, inner in zip(eqn.invars, body.invars) if isinstance(v, Var) and inner in read]
+
+
+def _body(eqn):
+    """The jaxpr a call equation runs, or None."""
+    body = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
+    body = getattr(body, "jaxpr", body)
+    return body if hasattr(body, "eqns") else None
 
 
 def _aliases(eqn) -> list[tuple[int, int]]:
@@ -94,9 +130,8 @@ def _aliases(eqn) -> list[tuple[int, int]]:
     kernel, or a call (custom_vjp_call, jit) whose body passes one through."""
     if eqn.primitive.name == "xkern_kernel":
         return list(eqn.params.get("aliases", ()))
-    body = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
-    body = getattr(body, "jaxpr", body)
-    if body is None or not hasattr(body, "eqns"):
+    body = _body(eqn)
+    if body is None:
         return []
     pairs = []
     for inner in body.eqns:
