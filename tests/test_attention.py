@@ -1201,18 +1201,20 @@ def test_float32_scores_with_a_bias_are_found(form):
        mask=st.sampled_from(["none", "causal", "padding", "hidden"]), softmax=st.sampled_from(["jax.nn", "by hand", "by hand, [..., None]"]),
        upcast=st.booleans(), bias=st.sampled_from(["none", "+", "-"]), bf16=st.booleans(),
        shape=st.sampled_from([(1, 5, 1, 8), (2, 16, 3, 16), (1, 33, 2, 8), (1, 12, 4, 8)]),
-       grouped=st.booleans(), float32_bias=st.booleans(), seed=st.integers(0, 1 << 16))
+       grouped=st.booleans(), float32_bias=st.booleans(), per_key=st.booleans(), seed=st.integers(0, 1 << 16))
 def test_random_attention_spellings_equal_jax_jit(layout, scaling, mask, softmax, upcast, bias, bf16, shape, grouped,
-                                                  float32_bias, seed):
+                                                  float32_bias, per_key, seed):
     """Whatever a spelling matches (or not), xkern.jit gives jax.jit's values (in its dtype) and
     gradients: a template that took a near-miss would show here. grouped: k and v of half q's heads,
     repeated (where q's heads are even). The bias is float32 where the softmax is (upcast) or
-    float32_bias (then bf16 scores are promoted: a float32 result)."""
+    float32_bias (then bf16 scores are promoted: a float32 result); a bias per head [1, h, q, k], or
+    per_key one per batch entry and key [b, 1, 1, k] (the kernels' key bias)."""
     dtype = jnp.bfloat16 if bf16 else jnp.float32
     b, s, h, d = shape
     q, k, v, do = make(b, s, s, h, h // 2 if grouped and h % 2 == 0 else h, d, dtype, seed=seed)
     rng = np.random.default_rng(seed)
-    bias_array = jnp.asarray(rng.standard_normal((1, h, s, s)), jnp.float32 if upcast or float32_bias else dtype)
+    bias_array = jnp.asarray(rng.standard_normal((b, 1, 1, s) if per_key else (1, h, s, s)),
+                             jnp.float32 if upcast or float32_bias else dtype)
     seen = jnp.asarray(np.arange(s)[None, None, None, :] < rng.integers(1, s + 1, (b, 1, 1, 1)))
     f = _spelled(layout, scaling, mask, softmax, upcast, bias)
     if layout == "bhsd":  # (its output is [b, h, s, d])
