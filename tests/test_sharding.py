@@ -67,6 +67,13 @@ def _cases(rng):
         ("rope", _rope, (q,), (True,), {"rope_fwd", "rope_bwd"}),
         ("attention, causal GQA", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
          (q, k, v), (True, True, True), {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
+        # (causal: without a mask, a bias's rows it may hide wholly are found by a cond on jnp.any,
+        # whose predicate all-reduces over the devices; that check is the bias's, of either kind)
+        ("attention, causal, a padding bias of an integer mask (a key bias)",
+         lambda q, k, v, m: jax.nn.dot_product_attention(
+             q, k, v, bias=((1 - m[:, None, None, :]) * -1e4).astype(q.dtype), is_causal=True),
+         (q, k, v, jnp.asarray(np.arange(16)[None, :] < np.array([16, 3, 9, 16])[:, None], jnp.int32)),
+         (True, True, True, True), {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
         ("generated", lambda x: jnp.tanh(x * 1.5 + 0.5) * x, (x,), (True,), set()),
         ("decode step, key_value_seq_lengths",
          lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
