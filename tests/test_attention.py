@@ -335,6 +335,7 @@ def test_bad_input_names_the_argument():
              ((q, k, v), {"bias": jnp.ones((8, 9))}, ValueError, "bias must broadcast"),
              ((q, k, v), {"bias": (jnp.ones((8, 8)), jnp.ones((1, 9)))}, ValueError,
               "bias\\[1\\] must broadcast .* got shape \\(1, 9\\)"),
+             ((q, k, v), {"bias": (jnp.ones((8, 8)), None)}, TypeError, "bias\\[1\\] must be an array; got None"),
              ((q, k, v), {"scale": float("nan")}, ValueError, "scale must be"),
              ((q, k, v), {"kv_lengths": jnp.ones((2,), jnp.int32)}, ValueError, "kv_lengths must be"),
              *(((q, k, v), {"logits_soft_cap": c}, ValueError, "logits_soft_cap must be a positive finite number")

@@ -2029,7 +2029,10 @@ def _biases(bias, batch, heads, sq, sk):
     terms = tuple(bias) if isinstance(bias, (tuple, list)) else (bias,)
     full, full_bh, keys = None, None, []
     for i, term in enumerate(terms):
-        term4, varies = _as_4d("bias" if len(terms) == 1 else f"bias[{i}]", term, batch, heads, sq, sk)
+        name = "bias" if len(terms) == 1 else f"bias[{i}]"
+        if term is None:
+            raise TypeError(f"attention: {name} must be an array; got None")
+        term4, varies = _as_4d(name, term, batch, heads, sq, sk)
         if jnp.ndim(term) < 2 or jnp.shape(term)[-2] == 1:  # the same for every query
             keys.append(jnp.broadcast_to(term4[:, :, 0].astype(jnp.float32), (batch, heads, sk)))
         elif full is None:
