@@ -450,6 +450,95 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
+def _alphafold3_attention(q, k, v, mask, pair_logits):
+    """AlphaFold 3's attention (diffusion_transformer.self_attention and cross_attention, their
+    projections and gate left out): q and k cast to float32, q scaled, a padding bias 1e9 * (mask - 1)
+    from its mask (data) over the keys [..., 1, 1, k], then the pair logits [..., h, q, k], a float32
+    softmax cast back to v's dtype; einsums over '...': one example [tokens, h, c] or a batch."""
+    bias = (1e9 * (mask - 1.0))[..., None, None, :].astype(jnp.float32)
+    q, k = q.astype(jnp.float32), k.astype(jnp.float32)
+    logits = jnp.einsum("...qhc,...khc->...hqk", q * q.shape[-1] ** -0.5, k) + bias
+    if pair_logits is not None:
+        logits += pair_logits
+    weights = jnp.asarray(jax.nn.softmax(logits, axis=-1), dtype=v.dtype)
+    return jnp.einsum("...hqk,...khc->...qhc", weights, v)
+
+
+@pytest.mark.parametrize("case", ["one example, bf16 pair logits", "samples mapped by vmap, pair logits shared",
+                                  "no pair logits, a batch of batches"])
+def test_alphafold3_attention_is_found(case):
+    """AlphaFold 3's attention of one example ([tokens, h, c], no batch dim), as its pairformer and
+    diffusion transformer call it; mapped over samples by jax.vmap with the pair logits (float32)
+    shared by them; with no pair logits over a batch of batches. The kernels take the padding bias
+    per key (HAS_BIAS 2) and the pair logits as the tile bias (1), the batch dims made one. Values
+    and the gradients of q, k and v against jax.jit's in float32, keys padded (all but 3 in one
+    example)."""
+    s, h, c = 21, 2, 16
+    rng = np.random.default_rng(61)
+    batch = {"one": (), "samples": (2,), "no": (2, 3)}[case.split()[0]]
+    q, k, v, do = (jnp.asarray(rng.standard_normal((*batch, s, h, c)), jnp.bfloat16) for _ in range(4))
+    mask = np.ones((*batch, s), np.float32)
+    mask[..., 17:] = 0
+    if batch:
+        mask.reshape(-1, s)[-1, 3:] = 0
+    pair = jnp.asarray(rng.standard_normal((h, s, s)), jnp.bfloat16 if case.startswith("one") else jnp.float32)
+    f = lambda q, k, v, mask: _alphafold3_attention(q, k, v, mask, None if case.startswith("no") else pair)
+    if case.startswith("samples"):  # (each sample's own mask; the pair logits unmapped)
+        f = lambda q, k, v, mask: jax.vmap(lambda *a: _alphafold3_attention(*a, pair))(q, k, v, mask)
+    mask = jnp.asarray(mask)  # (data, as AlphaFold's: a bias of any value, read per key)
+    [match] = xkern.explain(f)(q, k, v, mask).matches[:1]
+    assert match.pattern.startswith("attention/") and "float32 q, k, scaled q" in match.pattern
+    assert [c["HAS_BIAS"] for c in _constexprs(f, q, k, v, mask)] == [2 if case.startswith("no") else 3]
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, mask), jax.jit(f)(*f32, mask), jnp.bfloat16)
+    loss = lambda q, k, v, mask: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * do.astype(jnp.float32))
+    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v, mask),
+                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32, mask)):
+        close(got, want, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("form", ["one example, by hand", "[b, h, s, d] in a batch of batches, causal",
+                                  "flax, a batch of batches, a mask per outer entry",
+                                  "k, v repeated, a padding bias per entry"])
+def test_attention_of_any_batch_rank_is_found(form):
+    """Attention over one example (q, k, v [s, h, d]) or a batch of batches ([b1, b2, s, h, d]: a
+    model mapped by jax.vmap twice, flax's and AlphaFold's '...' einsums) as by hand at 4-D, causal,
+    with a mask or bias broadcast over some of the batch dims, and k/v heads repeated by jnp.repeat
+    (read once, as GQA): the kernels take the batch dims made one. Values and gradients as jax.jit's
+    in float32."""
+    import flax.linen as nn
+
+    s, h, d = 19, 4, 16
+    rng = np.random.default_rng(62)
+    batch = () if form.startswith("one") else (2, 3)
+    q, do = (jnp.asarray(rng.standard_normal((*batch, s, h, d)), jnp.bfloat16) for _ in range(2))
+    kv_heads = 2 if form.startswith("k, v repeated") else h
+    k, v = (jnp.asarray(rng.standard_normal((*batch, s, kv_heads, d)), jnp.bfloat16) for _ in range(2))
+    padded = jnp.asarray(np.arange(s) < np.array([s, 7])[:, None])  # [2, s]: an outer entry's keys
+    if form.startswith("one"):
+        f = lambda q, k, v: jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
+            jnp.einsum("...qhd,...khd->...hqk", q, k) * 0.25), v)
+    elif form.startswith("[b, h, s, d]"):
+        def f(q, k, v):
+            q, k, v = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
+            scores = jnp.einsum("...hqd,...hkd->...hqk", q, k) / 4.0
+            p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf), axis=-1)
+            return jnp.swapaxes(jnp.einsum("...hqk,...hkd->...hqd", p, v), -3, -2)
+    elif form.startswith("flax"):
+        f = lambda q, k, v: nn.dot_product_attention(q, k, v, mask=padded[:, None, None, None, :])
+    else:
+        def f(q, k, v):
+            k, v = jnp.repeat(k, 2, axis=-2), jnp.repeat(v, 2, axis=-2)
+            bias = jnp.where(padded, 0.0, -1e9)[:, None, None, None, :]
+            return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
+                jnp.einsum("...qhd,...khd->...hqk", q * 0.25, k) + bias), v)
+    [match] = xkern.explain(f)(q, k, v).matches
+    assert match.pattern.startswith("attention/")
+    [consts] = _constexprs(f, q, k, v)
+    assert consts["KV_HEADS"] == kv_heads and consts["CAUSAL"] == form.endswith("causal")
+    _equals_jax_jit_in_float32(f, q, k, v, do)
+
+
 def _constexprs(f, *args) -> list[dict]:
     """The constexprs of each attention forward launch in xkern.optimize(f)'s program."""
     from jax.extend.core import jaxprs_in_params
@@ -1800,12 +1889,15 @@ def test_explain_names_attention_no_spelling_took():
     [note] = notes(per_head, q, k, v, jnp.linspace(0.2, 0.3, 16, dtype=jnp.bfloat16))
     assert note.pattern == "attention" and "attention.py" in note.location
     assert notes(lambda q, k, v: nn.dot_product_attention(q, k, v), q, k, v) == []
-    # AlphaFold's batch of batches ([b, r, s, h, c]): the 4-D templates match its equations but not
-    # its ranks; the note alone speaks for it, not their failed re-trace
+    # AlphaFold's batch of batches ([b, r, s, h, c]) is taken, its batch dims made one: no note
     five_d = lambda q, k, v: jnp.einsum("...hqk,...khc->...qhc",
                                         jax.nn.softmax(jnp.einsum("...qhc,...khc->...hqk", q * 0.25, k)), v)
-    declined = xkern.explain(five_d)(q[None], k[None], v[None]).declined
-    assert [d.reason for d in declined if d.pattern.startswith("attention")] == [UNMATCHED_ATTENTION]
+    assert [m.op for m in xkern.explain(five_d)(q[None], k[None], v[None]).matches] == ["attention"]
+    assert notes(five_d, q[None], k[None], v[None]) == []
+    # k and v of a batch q's broadcasts over (jnp.einsum allows it): no spelling, the note says so
+    report = xkern.explain(five_d)(q[None].repeat(2, 0), k[None], v[None])
+    assert [m.op for m in report.matches] == ["softmax"]
+    assert [d.reason for d in report.declined if d.pattern.startswith("attention")] == [UNMATCHED_ATTENTION]
     w, labels = jnp.ones((16, 50)), jnp.zeros((2, 16), jnp.int32)
     lm = lambda w: jnp.mean(-jnp.take_along_axis(jax.nn.log_softmax(q[:, :, 0].astype(jnp.float32) @ w), labels[
         ..., None], -1))

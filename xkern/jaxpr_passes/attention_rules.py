@@ -153,6 +153,7 @@ def flax_attention(mask: str | None, bias: str | None = None, force_fp32: bool =
     fn.__name__ = (f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}{'+bias' + bias if bias else ''}"
                    f"{'+force_fp32_for_softmax' if force_fp32 else ''}")
     fn.float32_out = force_fp32
+    fn.any_rank = True  # (flax's batch is any number of dims)
     return fn
 
 
@@ -166,6 +167,7 @@ def flax_float32_weights(bias: str):
         return jnp.einsum("...hqk,...khd->...qhd", weights, v)
     fn.__name__ = f"flax.linen.dot_product_attention_weights(float32)+bias{bias}"
     fn.float32_out = True
+    fn.any_rank = True  # (flax's batch is any number of dims)
     return fn
 
 
@@ -181,6 +183,7 @@ def flax_attention_dropout(mask: str | None, bias: str | None = None):
         return jnp.einsum("...hqk,...khd->...qhd", weights * extras[-1], v)
     fn.__name__ = (f"flax.linen.dot_product_attention{'+mask' + mask if mask else ''}"
                    f"{'+bias' + bias if bias else ''}+dropout")
+    fn.any_rank = True  # (flax's batch is any number of dims)
     return fn
 
 
@@ -210,9 +213,10 @@ def _causal(scores, layout="bshd"):
 # scaled ("product"); q scaled before the product ("scaled q", as flax and Gemma write it); the
 # product computed in float32 (preferred_element_type) and then scaled ("float32 product"); the
 # product cast to float32, then scaled ("upcast product"); q and k cast to float32 before the product
-# ("float32 q, k", t5x's float32_logits). The last three softmax in float32 and cast the
-# probabilities back to q's dtype.
-SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q, k")
+# ("float32 q, k", t5x's float32_logits); q and k cast to float32 and q scaled then ("float32 q, k,
+# scaled q", AlphaFold 3's). All but the first two softmax in float32 and cast the probabilities
+# back to q's dtype.
+SCORES = ("product", "scaled q", "float32 product", "upcast product", "float32 q, k", "float32 q, k, scaled q")
 # Multi-query attention with k and v of no heads dim ([b, k, d]; PaLM's einsum "bhid,bjd->bhij"),
 # q [b, h, q, d]: the kernels take one k/v head.
 MQA = "bhsd,mqa"
@@ -220,13 +224,17 @@ MQA = "bhsd,mqa"
 # Diffusion's UNet: "b i d, b j d -> b i j"; `q @ k.transpose(0, 2, 1)` after a head_to_batch_dim):
 # the kernels take each entry as a batch of one head.
 FOLDED = "bsd"
+# The layouts whose spellings take any number of batch dims (none: one example, [s, h, d]; two or
+# more: AlphaFold's batch of batches, a model mapped by jax.vmap twice): the kernels take them
+# flattened into one (_flat_batch).
+ANY_RANK = ("bshd", "bhsd")
 
 
 def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", mask: str | None = None,
             bias: str | None = None, float32_bias: bool = False, dropout: str | None = None,
             scores: str = "product", softcap: bool = False, float32_out: bool = False, sinks: bool = False,
             hidden: bool = False, subtracted: bool = False, upcast_first: bool = False,
-            second_bias: str | None = None):
+            second_bias: str | None = None, second_float32: bool | None = None):
     """einsum -> scaling -> (+ bias) -> (where(mask, scores, fill)) -> (causal -inf where) ->
     softmax (float32 or not) -> einsum. scaling: "*scale", "/divisor" (a number; the param `scale`
     holds it), "/sqrt(d)" (in q's dtype), "*array" / "/array" (a 0-d float32 array, the last input,
@@ -247,8 +255,12 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
     upcast_first (with `upcast`): the scores are cast to float32 before the mask and the causal where,
     not after them (the fill is then a float32 literal). second_bias (with `bias`): a key of
     SCORE_SHAPES, a second bias added after the first (AlphaFold's: a padding bias, then the pair
-    representation's bias per head), its input after the first's."""
-    qk, pv = {"bshd": ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), "bhsd": ("bhqd,bhkd->bhqk", "bhqk,bhkd->bhqd"),
+    representation's bias per head), its input after the first's; second_float32: whether it is
+    float32 (None: as the first)."""
+    # (with "..." for the batch: at 4-D the same program as "b"; at other ranks the batch of batches
+    # or none, as AlphaFold and flax write it)
+    qk, pv = {"bshd": ("...qhd,...khd->...hqk", "...hqk,...khd->...qhd"),
+              "bhsd": ("...hqd,...hkd->...hqk", "...hqk,...hkd->...hqd"),
               "bhsd,mqa": ("bhqd,bkd->bhqk", "bhqk,bkd->bhqd"), FOLDED: ("bqd,bkd->bqk", "bqk,bkd->bqd"),
               "bqhk": ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd"), "bqhk,gqa": (None, None)}[layout]
 
@@ -288,6 +300,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             return scaled(qk_einsum(q, k).astype(jnp.float32), q, scale)
         if scores == "float32 q, k":
             return scaled(qk_einsum(q.astype(jnp.float32), k.astype(jnp.float32)), q, scale)
+        if scores == "float32 q, k, scaled q":
+            return qk_einsum(scaled(q.astype(jnp.float32), q, scale), k.astype(jnp.float32))
         return scaled(qk_einsum(q, k), q, scale)
 
     def fn(q, k, v, *extras, **params):
@@ -325,16 +339,19 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
             probs = jax.lax.select(extras[-1], probs / params["keep"], jnp.zeros_like(probs))
         return pv_einsum(probs, v)
     fn.grouped = layout == "bqhk,gqa"
+    fn.any_rank = layout in ANY_RANK
     # (a float32 bias promotes half-precision scores: their float32 probabilities weight v as they
     # are, a float32 result, unless the softmax is upcast and cast back)
     fn.float32_out = float32_out or bool(bias and float32_bias and not upcast)
     fn.upcast, fn.hidden, fn.subtracted = upcast, hidden, subtracted
     fn.second_bias = second_bias
+    second_float32 = float32_bias if second_float32 is None else second_float32
+    fn.second_float32 = second_float32
     fn.__name__ = (f"einsum[{layout}]{'' if scaling == '*scale' else '(unscaled)' if scaling == UNSCALED else scaling}"
                    f"{'' if scores == 'product' else '+' + scores}{'+soft cap' if softcap else ''}"
                    f"{'+causal' if causal else ''}"
                    f"{('-' if subtracted else '+') + ('float32 bias' if float32_bias else 'bias') + bias if bias else ''}"
-                   f"{'+' + ('float32 bias' if float32_bias else 'bias') + second_bias if second_bias else ''}"
+                   f"{'+' + ('float32 bias' if second_float32 else 'bias') + second_bias if second_bias else ''}"
                    f"{('+hidden mask' if hidden else '+mask') + mask if mask else ''}"
                    f"{'+float32 softmax' if upcast and scores in ('product', 'scaled q') else ''}"
                    f"{' cast before masking' if upcast_first else ''}"
@@ -375,7 +392,7 @@ def _differentiable_multiplier(match) -> bool:
     return False
 
 
-def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False):
+def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False, any_rank=False):
     def check(match, params) -> str | None:
         if sinks and match.input_avals[-1].shape[-1] != 1:
             return "more than one column joined to the scores: not one sink logit per row"
@@ -394,9 +411,13 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
         if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
             return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
         rank = {MQA: (4, 3), FOLDED: (3, 3)}.get(layout, (4, 4))
-        if (q.ndim, k.ndim) != rank or k.shape != v.shape:
+        if layout == "bhsd" and q.ndim == 3:  # (one example [h, s, d]: heads folded into the batch, FOLDED's)
+            return "q, k, v [heads, seq, dim] of one example: the spelling of heads folded into the batch takes them"
+        if any_rank and (q.ndim < 3 or k.ndim != q.ndim or k.shape != v.shape or q.shape[:-3] != k.shape[:-3]):
+            return "q, k and v not of one batch (any number of dims, the same for each) and then 3 dims"
+        if not any_rank and ((q.ndim, k.ndim) != rank or k.shape != v.shape):
             return f"not {rank[0]}-D q and {rank[1]}-D k, v"
-        heads_dim = 1 if layout.startswith("bhsd") else 2
+        heads_dim = q.ndim - (3 if layout.startswith("bhsd") else 2)
         d, heads = q.shape[-1], 1 if layout == FOLDED else q.shape[heads_dim]
         kv_heads = 1 if layout in (MQA, FOLDED) else k.shape[heads_dim]
         if d > kernels.MAX_HEAD_DIM:
@@ -568,6 +589,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
     softcap: the scores are capped (param cap). sinks: a column of sink logits (the last input)."""
     shapes = shapes or MASK_SHAPES
     second_bias = getattr(fn, "second_bias", None)  # (by_hand's: a second bias, after the first)
+    any_rank = getattr(fn, "any_rank", False)  # (by_hand's and flax's: q, k, v [..., s, h, d])
 
     def example(dtype):
         q = jax.ShapeDtypeStruct((8, 8, 16) if layout == FOLDED else (2, 8, 4, 16), dtype)
@@ -575,9 +597,10 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                   else q.shape, dtype)
         b, s, h = (2, 4, 8) if layout.startswith("bhsd") else (2, 8, 4)
         shape = lambda key: shapes[key](b, h, s, s) if callable(shapes[key]) else shapes[key]
+        f32 = (float32_bias, getattr(fn, "second_float32", float32_bias))
         bias = tuple(jax.ShapeDtypeStruct(shape(key) if isinstance(key, str) else (2, 4, 8, 8),
-                                          jnp.float32 if float32_bias else dtype)
-                     for key in (with_bias, second_bias) if key)
+                                          jnp.float32 if f32[n] else dtype)
+                     for n, key in enumerate((with_bias, second_bias)) if key)
         mask = (jax.ShapeDtypeStruct(shape(with_mask), jnp.bool_),) if with_mask else ()
         lengths = (jax.ShapeDtypeStruct((2,), jnp.int32),) * (with_lengths + getattr(fn, "query_lengths", False))
         drop = {None: (), "multiplier": (jax.ShapeDtypeStruct((1, 1, s, s), dtype),),
@@ -587,8 +610,15 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         sink = (jax.ShapeDtypeStruct((b, h, s, 1), jnp.float32 if fn.upcast else dtype),) if sinks else ()
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
-    def replace(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
-                keep=None, bias_kind=None, scale_value=None, cap=None, mask_bias=None, bias_split=False):
+    def replace(q, k, v, *extras, **params):
+        if not any_rank or q.ndim == 4:
+            return replace_batched(q, k, v, *extras, **params)
+        batch = q.shape[:-3]  # (none, or several dims: made one for the kernels)
+        out = replace_batched(*(_flat_batch(x, batch) for x in (q, k, v, *extras)), **params)
+        return out.reshape(batch + out.shape[1:])
+
+    def replace_batched(q, k, v, *extras, backend, scale=None, fill=None, mask_kind=None, left=None, right=None,
+                        keep=None, bias_kind=None, scale_value=None, cap=None, mask_bias=None, bias_split=False):
         multiplier, sink = None, None
         if window:  # jax.nn's two position constants (None: ignored)
             extras = extras[:-2]
@@ -687,7 +717,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                    dtypes=dtypes, example=example,
                    example_params=example_params,
                    params_of=_params_of(params, fill, window, dropout == "select", softcap),
-                   check=_check(layout, dropout, sinks, scaling == ROW_SCALING, arrays), replace=replace,
+                   check=_check(layout, dropout, sinks, scaling == ROW_SCALING, arrays, any_rank), replace=replace,
                    facts_of=facts_of,
                    ignores=lambda params: ({params.get("mask_bias", 3 + bool(with_bias and with_mask))}
                                            if params.get("mask_kind") else
@@ -714,6 +744,19 @@ def _bias_trained(perturbed: list[bool], params: dict, biases: int = 1) -> str |
         return ("this call differentiates the bias, whose gradient needs the scores the kernels do not write "
                 "(XLA would recompute them beside the kernels): run as written")
     return None
+
+
+def _flat_batch(x, batch: tuple):
+    """x of q, k, v [*batch, 3 dims], or broadcasting to the scores [*batch, h, q, k] (a mask, a bias,
+    a dropout multiplier): the same with the batch dims made one ([1] where x broadcasts over all of
+    them, else broadcast over those it does not vary along); a 0-d array (a scale) as it is."""
+    if jnp.ndim(x) == 0:
+        return x
+    x = jnp.reshape(x, (1,) * (len(batch) + 3 - jnp.ndim(x)) + jnp.shape(x))
+    rest = x.shape[len(batch):]
+    if all(n == 1 for n in x.shape[:len(batch)]):
+        return x.reshape((1, *rest))
+    return jnp.broadcast_to(x, (*batch, *rest)).reshape((-1, *rest))
 
 
 def _producing(graph, var, name: str):
@@ -771,11 +814,10 @@ def _unrepeated_kv(layout: str):
     """Pattern.substitutes: k and v repeated n times over the heads (jnp.repeat, HF's repeat_kv) by
     the program, as GQA ports write it: the kernels read them unrepeated, as GQA (k/v heads divide
     q's), so the repeats are not made; their gradients sum over each group, as the repeat's do."""
-    heads = 1 if layout.startswith("bhsd") else 2
-
     def substitutes(match, params) -> dict:
         if layout == MQA or len(match.inputs) < 3:
             return {}
+        heads = match.input_avals[1].ndim - (3 if layout.startswith("bhsd") else 2)
         found = [_repeated(match.graph, v, heads) for v in match.inputs[1:3]]
         if None in found or found[0][1:] != found[1][1:]:
             return {}
@@ -786,10 +828,14 @@ def _unrepeated_kv(layout: str):
 def _split_dims(layout: str):
     """The dims of each input the kernels split across devices: batch and heads (kernels/attention's
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
-    where the scores are ordered so)."""
-    heads = 1 if layout.startswith("bhsd") else 2
-    return lambda i, ndim: ({0} if layout == MQA and i in (1, 2) or layout == FOLDED else {0, heads} if i < 3
-                            else {0, 2 if layout.startswith("bqhk") else 1})
+    where the scores are ordered so). Of a batch of several dims (ANY_RANK), its first; of one
+    example, the heads."""
+    def split_dims(i: int, ndim: int) -> set:
+        if layout == MQA and i in (1, 2) or layout == FOLDED:
+            return {0}
+        heads = ndim - (3 if layout.startswith("bhsd") or i >= 3 and not layout.startswith("bqhk") else 2)
+        return ({0} if ndim > 3 else set()) | ({heads} if heads >= 0 else set())
+    return split_dims
 
 
 PATTERNS = [_pattern(nn_attention(causal, bias, mask, grouped), ALL, causal=causal, with_bias=bias, with_mask=mask)
@@ -875,6 +921,14 @@ PATTERNS += [_pattern(by_hand(layout, False, upcast, scaling, bias=first, float3
                       float32_bias=f32, scaling=scaling, params=scaling in ("*scale", "/divisor"))
              for layout in ("bshd", "bhsd") for upcast in (False, True) for first in SCORE_SHAPES
              for second in SCORE_SHAPES for f32 in (True, False) for scaling in NUMBER_SCALINGS]
+# AlphaFold 3's (its pairformer's and diffusion transformer's self-attention, of one example,
+# [tokens, h, c]; its atom cross-attention, [subsets, q, h, c]; either mapped over samples): q and k
+# cast to float32, q scaled, a bias from its mask (a padding bias [..., 1, 1, k] of mask data: a key
+# bias), then the pair logits (float32 or not, or none), the float32 softmax cast back to v's dtype.
+PATTERNS += [_pattern(by_hand("bshd", False, True, bias=first, float32_bias=True, second_bias=second,
+                              second_float32=f32, scores="float32 q, k, scaled q"),
+                      HALF, with_bias=first, shapes=SCORE_SHAPES)
+             for first in SCORE_SHAPES for second in (None, *SCORE_SHAPES) for f32 in ((True, False) if second else (True,))]
 # T5's with t5x's float32_logits (T5.1.1's configs): q and k cast to float32, unscaled, a bias.
 PATTERNS += [_pattern(by_hand(layout, False, True, UNSCALED, bias=bias, float32_bias=f32, scores="float32 q, k"),
                       HALF, layout=layout, with_bias=bias, shapes=SCORE_SHAPES, float32_bias=f32, scaling=UNSCALED,
