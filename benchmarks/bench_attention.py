@@ -188,6 +188,29 @@ def _alphafold(q, k, v, rng, mask_as_data=False):
     return jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits), v)
 
 
+def _alphafold3(samples: bool):
+    """AlphaFold 3's attention (diffusion_transformer.self_attention, its projections and gate left
+    out) of one example [tokens, h, c] (the pairformer's) or of each sample, mapped by jax.vmap (the
+    diffusion module's), q and k cast to float32, q scaled, a padding bias 1e9 * (mask - 1) from its
+    token mask (float32 data, shared by the samples: the last 1/8 of the tokens padding), then the
+    pair logits [h, q, k] (bf16, shared), the float32 softmax cast back to bf16."""
+    def attend(q, k, v, rng):
+        s, h = q.shape[1:3]
+        keep = jnp.ceil(jax.random.uniform(jax.random.fold_in(rng, 1), (s,)))  # (ones, as data)
+        mask = keep * jnp.asarray(np.arange(s) < s - s // 8, jnp.float32)
+        pair = jax.random.normal(rng, (h, s, s), jnp.bfloat16)
+
+        def one(q, k, v):
+            bias = (1e9 * (mask - 1.0))[..., None, None, :]
+            logits = jnp.einsum("...qhc,...khc->...hqk", q.astype(jnp.float32) * q.shape[-1] ** -0.5,
+                                k.astype(jnp.float32)) + bias
+            logits += pair
+            weights = jnp.asarray(jax.nn.softmax(logits, axis=-1), dtype=v.dtype)
+            return jnp.einsum("...hqk,...khc->...qhc", weights, v)
+        return jax.vmap(one)(q, k, v) if samples else one(q[0], k[0], v[0])[None]
+    return attend
+
+
 def _int_mask_bias(q, k, v, rng):
     """By hand, as ports of PyTorch models write it: an integer attention mask [b, k] (data: the last
     1/8 of the last example's keys 0), the bias (1 - mask) * -10000 in q's dtype, scores / sqrt(d),
@@ -389,7 +412,8 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
     by hand, GQA by jnp.repeat by hand, flax's force_fp32_for_softmax, Gemma (GQA, causal + padding mask), Gemma 2 (its soft cap
     of 50 as well), gpt-oss, MaxText's dot_product, Equinox, scores
     in Levanter's [b, q, h, k] order, T5's (unscaled, a relative-position bias; also with the bias
-    table's gradient), AlphaFold's (a padding bias and a pair bias, head dim 32), diffusers' (heads
+    table's gradient), AlphaFold's (a padding bias and a pair bias, head dim 32), AlphaFold 3's (one
+    example, no batch dim, or samples mapped by vmap; float32 q and k), diffusers' (heads
     folded into the batch, head dims 40 and 64), jax.nn's with
     padded queries and keys (query_seq_lengths, key_value_seq_lengths), with a sliding window and a
     padding mask. FLOPs counted as if unmasked (the causal ones: half, the windowed ones: the scores
@@ -421,6 +445,10 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("AlphaFold: MSA row attention, padding bias + pair bias, d 32", (128, 384, 8, 32), _alphafold, 1),
               ("AlphaFold: MSA row attention, the MSA mask as data, d 32", (128, 384, 8, 32),
                functools.partial(_alphafold, mask_as_data=True), 1),
+              ("AlphaFold 3: pairformer attention, one example [tokens, h, c], padding + pair logits, d 24",
+               (1, 2048, 16, 24), _alphafold3(False), 1),
+              ("AlphaFold 3: diffusion transformer, 5 samples by vmap, padding + pair logits, d 48",
+               (5, 2048, 16, 48), _alphafold3(True), 1),
               ("jax.nn: query_seq_lengths + key_value_seq_lengths, causal", (4, 4096, 32, 128),
                _padded_queries_and_keys, 2),
               ("jax.nn: GQA 32/8, causal sliding window 1024 + padding mask", (4, 4096, 32, 128),
