@@ -34,7 +34,10 @@ sliding window where they are one. Scores times an array with one value for ever
 temperature per head) scale q instead. MaxText's dot-product attention (unscaled 5-D GQA scores, its
 additive mask compared with half its fill, exps and sums kept apart, the output divided by the sums)
 is attention with a scale of 1. Equinox's MultiheadAttention (written for one example and one head,
-mapped over heads and batch by jax.vmap) is found as the vmaps trace it.
+mapped over heads and batch by jax.vmap) is found as the vmaps trace it. The by-hand spellings in
+[b, s, h, d] and [b, h, s, d] and flax's take any number of batch dims (none: one example; several:
+AlphaFold's batch of batches, or a model mapped twice), made one for the kernels. AlphaFold 3's
+attention casts q and k to float32 and scales q, then adds a padding bias and the pair logits.
 """
 from __future__ import annotations
 
