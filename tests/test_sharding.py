@@ -74,6 +74,11 @@ def _cases(rng):
              q, k, v, bias=((1 - m[:, None, None, :]) * -1e4).astype(q.dtype), is_causal=True),
          (q, k, v, jnp.asarray(np.arange(16)[None, :] < np.array([16, 3, 9, 16])[:, None], jnp.int32)),
          (True, True, True, True), {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
+        ("attention, a batch of batches ('...' einsums, as AlphaFold's), split along the outer batch",
+         lambda q, k, v: jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
+             jnp.einsum("...qhd,...khd->...hqk", q * 0.25, k)), v),
+         tuple(_normal(rng, (4, 2, 16, 2, 16), jnp.bfloat16) for _ in range(3)), (True, True, True),
+         {"attention_fwd", "attention_bwd_dkdv", "attention_bwd_dq"}),
         ("generated", lambda x: jnp.tanh(x * 1.5 + 0.5) * x, (x,), (True,), set()),
         ("decode step, key_value_seq_lengths",
          lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=n),
