@@ -450,12 +450,16 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
-def _alphafold3_attention(q, k, v, mask, pair_logits):
+def _alphafold3_attention(q, k, v, mask, pair_logits, mask_q=None):
     """AlphaFold 3's attention (diffusion_transformer.self_attention and cross_attention, their
     projections and gate left out): q and k cast to float32, q scaled, a padding bias 1e9 * (mask - 1)
-    from its mask (data) over the keys [..., 1, 1, k], then the pair logits [..., h, q, k], a float32
-    softmax cast back to v's dtype; einsums over '...': one example [tokens, h, c] or a batch."""
+    from its mask (data) over the keys [..., 1, 1, k] (with mask_q, cross_attention's 1e9 * (mask_q -
+    1) * (mask - 1) [..., 1, q, k]: +1e9 where a padded query meets a padded key), then the pair
+    logits [..., h, q, k], a float32 softmax cast back to v's dtype; einsums over '...': one example
+    [tokens, h, c] or a batch."""
     bias = (1e9 * (mask - 1.0))[..., None, None, :].astype(jnp.float32)
+    if mask_q is not None:
+        bias = 1e9 * (mask_q - 1.0)[..., None, :, None] * (mask - 1.0)[..., None, None, :]
     q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     logits = jnp.einsum("...qhc,...khc->...hqk", q * q.shape[-1] ** -0.5, k) + bias
     if pair_logits is not None:
@@ -465,18 +469,21 @@ def _alphafold3_attention(q, k, v, mask, pair_logits):
 
 
 @pytest.mark.parametrize("case", ["one example, bf16 pair logits", "samples mapped by vmap, pair logits shared",
-                                  "no pair logits, a batch of batches"])
+                                  "no pair logits, a batch of batches", "atom cross-attention over subsets"])
 def test_alphafold3_attention_is_found(case):
     """AlphaFold 3's attention of one example ([tokens, h, c], no batch dim), as its pairformer and
     diffusion transformer call it; mapped over samples by jax.vmap with the pair logits (float32)
-    shared by them; with no pair logits over a batch of batches. The kernels take the padding bias
-    per key (HAS_BIAS 2) and the pair logits as the tile bias (1), the batch dims made one. Values
-    and the gradients of q, k and v against jax.jit's in float32, keys padded (all but 3 in one
-    example)."""
+    shared by them; with no pair logits over a batch of batches; its atom cross-attention (8 queries
+    against 24 keys in each subset, +1e9 where a padded query meets a padded key, rows XLA weights
+    uniformly over the padded keys). The kernels take the padding bias per key (HAS_BIAS 2) and the
+    pair logits as the tile bias (1), the batch dims made one. Values and the gradients of q, k and v
+    against jax.jit's in float32, keys padded (all but 3 in one example)."""
     s, h, c = 21, 2, 16
     rng = np.random.default_rng(61)
-    batch = {"one": (), "samples": (2,), "no": (2, 3)}[case.split()[0]]
+    batch = {"one": (), "samples": (2,), "no": (2, 3), "atom": (3,)}[case.split()[0]]
     q, k, v, do = (jnp.asarray(rng.standard_normal((*batch, s, h, c)), jnp.bfloat16) for _ in range(4))
+    if case.startswith("atom"):  # (subsets of 8 queries, 24 keys; the split-key forward)
+        q, do, mask_q = q[:, :8], do[:, :8], jnp.asarray(rng.random((3, 8)) > 0.3, jnp.float32)
     mask = np.ones((*batch, s), np.float32)
     mask[..., 17:] = 0
     if batch:
@@ -485,10 +492,14 @@ def test_alphafold3_attention_is_found(case):
     f = lambda q, k, v, mask: _alphafold3_attention(q, k, v, mask, None if case.startswith("no") else pair)
     if case.startswith("samples"):  # (each sample's own mask; the pair logits unmapped)
         f = lambda q, k, v, mask: jax.vmap(lambda *a: _alphafold3_attention(*a, pair))(q, k, v, mask)
+    if case.startswith("atom"):  # (the pair logits per subset)
+        pair = jnp.asarray(rng.standard_normal((3, h, 8, s)), jnp.float32)
+        f = lambda q, k, v, mask: _alphafold3_attention(q, k, v, mask, pair, mask_q)
     mask = jnp.asarray(mask)  # (data, as AlphaFold's: a bias of any value, read per key)
     [match] = xkern.explain(f)(q, k, v, mask).matches[:1]
     assert match.pattern.startswith("attention/") and "float32 q, k, scaled q" in match.pattern
-    assert [c["HAS_BIAS"] for c in _constexprs(f, q, k, v, mask)] == [2 if case.startswith("no") else 3]
+    if not case.startswith("atom"):
+        assert [c["HAS_BIAS"] for c in _constexprs(f, q, k, v, mask)] == [2 if case.startswith("no") else 3]
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     close(xkern.jit(f)(q, k, v, mask), jax.jit(f)(*f32, mask), jnp.bfloat16)
     loss = lambda q, k, v, mask: jnp.sum(f(q, k, v, mask).astype(jnp.float32) * do.astype(jnp.float32))
@@ -1060,6 +1071,46 @@ def test_rows_a_far_bias_hides_get_the_gradients_of_uniform_weights(dtype, extra
         close(out, want, dtype)
         for g, w in zip(grads, wants):
             close(g, w, dtype)
+
+
+@pytest.mark.parametrize("extra, dtype", [("none", jnp.float32), ("none", jnp.bfloat16), ("soft cap", jnp.bfloat16),
+                                          ("dropout", jnp.bfloat16), ("key lengths", jnp.float32),
+                                          ("a key bias", jnp.bfloat16)])
+def test_rows_a_huge_positive_bias_lifts_get_xla_weights(extra, dtype):
+    """A bias of +1e9 on some keys of a row (AlphaFold 3's cross-attention adds 1e9 * (mask_q - 1) *
+    (mask_k - 1): +1e9 where a padded query meets a padded key): XLA's scores there keep no digit of
+    the row's own, so its weights are uniform over those keys. The kernels' log-sum-exp kept no digit
+    of their count: the split-key forward's merge and every gradient were off by it (errors of 1-40).
+    Now values and the gradients of q, k, v and the bias are the float32 reference's, with GQA, for
+    few queries (the split-key forward) and more (one pass), in both masked_rows modes."""
+    b, sk, h, hk, d = 3, 40, 4, 2, 16
+    rng = np.random.default_rng(57)
+    for sq in (4, 24):
+        q, k, v, do = make(b, sq, sk, h, hk, d, dtype, seed=58 + sq)
+        padded_q, padded_k = rng.random((b, sq)) < 0.3, rng.random((b, sk)) < 0.3
+        padded_q[0, 1] = padded_k[0, :7] = True
+        lifted = 1e9 * (padded_q[:, :, None] & padded_k[:, None, :])
+        bias = jnp.asarray(lifted[:, None] + rng.standard_normal((b, h, sq, sk)), jnp.float32)
+        kw = {"bias": bias}
+        if extra == "soft cap":
+            kw["logits_soft_cap"] = 5.0
+        elif extra == "dropout":
+            kw["dropout_multiplier"] = jnp.asarray((rng.random((1, 1, sq, sk)) > 0.2) / 0.8, dtype)
+        elif extra == "key lengths":
+            kw["kv_lengths"] = jnp.asarray([sk, 23, 31])
+        elif extra == "a key bias":  # +1e9 on some keys of entry 0 for every query: a [b, 1, 1, k] bias
+            kw["bias"] = jnp.asarray(1e9 * padded_k[:, None, None, :] * (np.arange(b) == 0)[:, None, None, None],
+                                     jnp.float32)
+        f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+        for rows in ("zeros", "average") if extra == "none" else ("average",):
+            run = lambda fn, args, **more: value_and_grads(lambda q, k, v, bias, **o: fn(q, k, v, bias=bias, **o),
+                                                          (*args, kw["bias"]), more.pop("do"), **more)
+            rest = {n: a for n, a in kw.items() if n != "bias"}
+            (out, grads), (want, wants) = (run(attention, (q, k, v), do=do, masked_rows=rows, **rest),
+                                           run(reference, f32, do=do.astype(jnp.float32), masked_rows=rows, **rest))
+            close(out, want, dtype)
+            for g, w in zip(grads, wants):
+                close(g, w, dtype)
 
 
 def test_a_float32_bias_on_half_scores_gives_a_float32_result():

@@ -1729,6 +1729,7 @@ def _attention_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st: Static):
     elif st.average_empty:  # each empty row its own dropped mean: computed only when there is one
         o = jax.lax.cond(jnp.any(_empty(lse)), lambda: jnp.where(
             _empty(lse)[..., None], _dropped_means(v, kv_len, drop, q.shape[2]).astype(o.dtype), o), lambda: o)
+    o = _with_near_rows(o, lse, q, v, bias, key_bias, kv_len, drop, st)
     return o, (q, k, v, mask, bias, key_bias, kv_len, drop, o, lse)
 
 
@@ -1766,6 +1767,94 @@ def _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st: Static):
     return (*_biased_empty_chunked_vjp(q, k, v, do_far, delta_far, kv_len, drop, st.scale, st.softcap), dv)
 
 
+# The other side: a bias of +FAR_BIAS or more on some keys of a row (AlphaFold 3's cross-attention adds
+# 1e9 * (mask_q - 1) * (mask_k - 1): +1e9 where a padded query meets a padded key). XLA's scores there
+# keep no digit of the row's own, so its weights are uniform over the keys of the row's largest bias;
+# the kernels' forward agrees in one pass, but their log-sum-exp (+1.44e9 in log2 units) keeps no
+# digit of those keys' count, so the split-key forward's merge of its parts and the gradients
+# recomputed from it would be off by it. The split-key forward's such rows get XLA's values, formed a
+# chunk of queries at a time; the backward kernels, whose weights there are 1 per such key where
+# XLA's are 1 / count, get those rows' do and delta divided by the count (all their gradients are
+# linear in the two).
+def _near_rows(lse, st: Static):
+    """[batch, heads, sq]: the rows a near bias lifted (see above), or None where none can be."""
+    if not st.bias_flags or st.mask_bh is not None or st.causal or st.window is not None:
+        return None
+    return jnp.isfinite(lse) & (lse > FAR_BIAS * LOG2E)
+
+
+def _near_top(bias, key_bias, kv_len, sk: int):
+    """[b | 1, h | 1, q | 1, sk]: the keys (inside the length) of each row's largest bias; bias: the
+    tile bias or a [.., q | 1, sk] chunk of it, or None."""
+    total = (0.0 if bias is None else bias.astype(jnp.float32)) + (0.0 if key_bias is None else key_bias[:, :, None])
+    if kv_len is not None:
+        total = jnp.where((jnp.arange(sk) < kv_len[:, None])[:, None, None], total, -jnp.inf)
+    return total == jnp.max(total, -1, keepdims=True)
+
+
+def _near_weights(bias, key_bias, kv_len, sk: int):
+    """XLA's weights in a near row: uniform over _near_top's keys."""
+    top = _near_top(bias, key_bias, kv_len, sk)
+    return top / jnp.maximum(jnp.sum(top, -1, keepdims=True), 1).astype(jnp.float32)
+
+
+def _in_query_chunks(a, axis: int, n: int, chunk: int):
+    """a's query axis (of size 1: broadcast, kept whole in each) cut into n chunks, the chunk index first."""
+    if a.shape[axis] == 1:
+        return jnp.broadcast_to(a[None], (n, *a.shape))
+    a = jnp.pad(a, [(0, n * chunk - a.shape[axis] if i == axis else 0) for i in range(a.ndim)])
+    return jnp.moveaxis(a.reshape(*a.shape[:axis], n, chunk, *a.shape[axis + 1:]), axis, 0)
+
+
+def _query_chunk(q, sk: int, elements: int | None = None) -> tuple[int, int]:
+    """(n, chunk): the queries cut so that a chunk's [batch, heads, queries, keys] holds at most
+    `elements` (EMPTY_ROWS_CHUNK) elements."""
+    b, sq, heads, _ = q.shape
+    chunk = max(1, min(sq, (elements or EMPTY_ROWS_CHUNK) // max(1, b * heads * sk)))
+    return -(-sq // chunk), chunk
+
+
+# A chunk of the near rows' [batch, heads, queries, keys] (float32 elements) in the split-key
+# forward's fix: small, since XLA keeps room for a branch it may not take, and the rows are rare.
+NEAR_ROWS_CHUNK = 1 << 18
+
+
+def _grouped(a, kv_heads: int):
+    """a [.., heads | 1, ...] (heads on axis 1) as [.., kv_heads | 1, group | 1, ...]."""
+    if a.shape[1] == 1:
+        return a[:, :, None]
+    return a.reshape(a.shape[0], kv_heads, a.shape[1] // kv_heads, *a.shape[2:])
+
+
+def _with_near_rows(o, lse, q, v, bias, key_bias, kv_len, drop, st: Static):
+    """o with XLA's values in the near rows where the split-key forward ran (its merge lost their
+    counts; the one-pass forward gives them), computed only when there is one."""
+    if "SPLITS" not in dict(st.configs[0].meta) or (near := _near_rows(lse, st)) is None:
+        return o
+    return jax.lax.cond(jnp.any(near), lambda: jnp.where(jnp.transpose(near, (0, 2, 1))[..., None], _near_values(
+        q, v, bias, key_bias, kv_len, drop).astype(o.dtype), o), lambda: o)
+
+
+def _near_values(q, v, bias, key_bias, kv_len, drop):
+    """[batch, sq, heads, d] float32: each query's values weighted by _near_weights (times the dropout
+    multiplier), a chunk of queries at a time."""
+    b, sq, heads, d = q.shape
+    sk, kv_heads = v.shape[1], v.shape[2]
+    n, chunk = _query_chunk(q, sk, NEAR_ROWS_CHUNK)
+    multiplier = jnp.ones((1, 1, 1, 1), jnp.float32) if drop is None else drop.astype(jnp.float32)
+    bias_chunks = jnp.zeros((n, 1, 1, 1, 1)) if bias is None else _in_query_chunks(bias, 2, n, chunk)
+
+    def step(_, xs):
+        w = _near_weights(None if bias is None else xs[0], key_bias, kv_len, sk) * xs[1]
+        return None, jnp.einsum("bhgqk,bkhd->bqhgd", jnp.broadcast_to(_grouped(w, kv_heads), (
+            b, kv_heads, heads // kv_heads, w.shape[2], sk)), v.astype(jnp.float32))
+    _, o = jax.lax.scan(step, None, (bias_chunks, _in_query_chunks(multiplier, 2, n, chunk)))
+    o = o.reshape(*o.shape[:3], heads, d)
+    if o.shape[2] == 1:  # (weights the same for every query)
+        return jnp.broadcast_to(o[0], (b, sq, heads, d))
+    return jnp.moveaxis(o, 0, 1).reshape(b, n * chunk, heads, d)[:, :sq]
+
+
 def _hidden_by_bias(st: Static) -> bool:
     """Whether rows whose keys are all hidden were hidden by a bias (or a mask standing for one,
     masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add."""
@@ -1781,9 +1870,15 @@ def _attention_bwd(st: Static, residuals, do):
 def _gradients(st: Static, residuals, do, delta):
     """dq, dk, dv, dbias (and None for the rest) from the kernels, given delta = rowsum(do * o)."""
     q, k, v, mask, bias, key_bias, kv_len, drop, o, lse = residuals
-    far = _far_rows(lse, st)
+    far, near = _far_rows(lse, st), _near_rows(lse, st)
     kernels_lse = lse if far is None else jnp.where(far, jnp.inf, lse)  # (the kernels' p of those rows: 0)
-    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, key_bias, kv_len, drop, do.astype(q.dtype), kernels_lse, delta, st)
+    kernels_do, kernels_delta = do.astype(q.dtype), delta
+    if near is not None:  # (their do and delta divided by their keys' count, where there are such rows)
+        def divided():
+            per_row = jnp.where(near, 1 / jnp.maximum(jnp.sum(_near_top(bias, key_bias, kv_len, k.shape[1]), -1), 1), 1.0)
+            return (do * jnp.transpose(per_row, (0, 2, 1))[..., None]).astype(q.dtype), delta * per_row
+        kernels_do, kernels_delta = jax.lax.cond(jnp.any(near), divided, lambda: (kernels_do, kernels_delta))
+    dq, dk, dv = _launch_bwd(q, k, v, mask, bias, key_bias, kv_len, drop, kernels_do, kernels_lse, kernels_delta, st)
     if far is not None:  # (their gradients added only where there are such rows)
         with_far_rows = lambda: tuple((a + b).astype(a.dtype) for a, b in zip(
             (dq, dk, dv), _far_rows_vjp(far, q, k, v, kv_len, drop, do, delta, st)))
@@ -1886,12 +1981,8 @@ def _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scal
     sk, kv_heads = k.shape[1], k.shape[2]
     _, w = _mean_values_parts(v, kv_len)  # [batch, sk]
     kf, vf = (jnp.repeat(a.astype(jnp.float32), heads // kv_heads, axis=2) for a in (k, v))
-    chunk = max(1, min(sq, EMPTY_ROWS_CHUNK // max(1, b * heads * sk)))
-    n = -(-sq // chunk)
-
-    def chunks(a, axis):  # a's query axis cut into n chunks, the chunk index first
-        a = jnp.pad(a, [(0, n * chunk - sq if i == axis else 0) for i in range(a.ndim)])
-        return jnp.moveaxis(a.reshape(*a.shape[:axis], n, chunk, *a.shape[axis + 1:]), axis, 0)
+    n, chunk = _query_chunk(q, sk)
+    chunks = lambda a, axis: _in_query_chunks(a, axis, n, chunk)
 
     def step(dk, xs):
         q_c, do_c, delta_c, m_c = xs
@@ -1941,8 +2032,9 @@ def _bias_grads(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st:
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,
                        kv_len, q.shape[0], st.window)
     p = jnp.where(visible, jnp.exp2(s * LOG2E - lse[..., None]), 0.0)
-    if (far := _far_rows(lse, st)) is not None:  # XLA's uniform weights there
+    if (far := _far_rows(lse, st)) is not None:  # XLA's uniform weights there, and in the near rows
         p = jnp.where(far[..., None], _mean_values_parts(v, kv_len)[1][:, None, None, :], p)
+        p = jnp.where(_near_rows(lse, st)[..., None], _near_weights(bias, key_bias, kv_len, k.shape[1]), p)
     dp = jnp.einsum("bqhd,bkhd->bhqk", do.astype(jnp.float32), vf)
     ds = p * ((dp if drop is None else dp * drop.astype(jnp.float32)) - delta[..., None])
     dkey_bias = None if key_bias is None else jnp.sum(ds, axis=2)
@@ -1973,6 +2065,7 @@ def _attention_sunk(q, k, v, mask, bias, key_bias, kv_len, drop, sinks, st: Stat
 def _attention_sunk_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, sinks, st: Static):
     """sinks: float32 [batch, heads, sq]."""
     o, lse = _launch_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st, sinks)
+    o = _with_near_rows(o, lse, q, v, bias, key_bias, kv_len, drop, st)  # (a sink's weight there: 0)
     return o, (q, k, v, mask, bias, key_bias, kv_len, drop, o, lse, sinks)
 
 
