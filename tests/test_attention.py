@@ -550,6 +550,30 @@ def test_attention_of_any_batch_rank_is_found(form):
     _equals_jax_jit_in_float32(f, q, k, v, do)
 
 
+def test_flax_attention_over_a_batch_of_frames_is_found():
+    """flax.linen.MultiHeadDotProductAttention over [batch, frames, tokens, features] (a video
+    transformer's attention within each frame, two batch dims): taken, as jax.jit's in values and
+    in the gradients of its parameters."""
+    import flax.linen as nn
+
+    modules = {dtype: nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=32, dtype=dtype)
+               for dtype in (jnp.bfloat16, jnp.float32)}
+    x = jnp.asarray(np.random.default_rng(63).standard_normal((2, 3, 10, 16)), jnp.bfloat16)
+    params = modules[jnp.bfloat16].init(jax.random.key(0), x)
+    f = lambda dtype: (lambda p, x: modules[dtype].apply(p, x.astype(dtype)))
+    report = xkern.explain(f(jnp.bfloat16))(params, x)
+    assert [r.pattern for r in report.matches] == ["attention/flax.linen.dot_product_attention"]
+    close(xkern.jit(f(jnp.bfloat16))(params, x), jax.jit(f(jnp.float32))(params, x), jnp.bfloat16)
+    # (the key projection's bias has no gradient, softmax being blind to a shift of a row: its bf16
+    # gradient is rounding noise, in jax.jit's as in ours, so each is held to XLA's error or bf16's)
+    loss = lambda dtype: (lambda p: jnp.sum(jnp.sin(f(dtype)(p, x).astype(jnp.float32))))
+    grads = [jax.tree.leaves(jax.jit(jax.grad(fn))(params))
+             for fn in (xkern.optimize(loss(jnp.bfloat16)), loss(jnp.bfloat16), loss(jnp.float32))]
+    for got, xla, want in zip(*grads):
+        error = lambda g: float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(want, np.float64))))
+        assert error(got) <= max(1.5 * error(xla), TOL[jnp.bfloat16] * max(float(np.abs(want).max()), 1.0))
+
+
 def _constexprs(f, *args) -> list[dict]:
     """The constexprs of each attention forward launch in xkern.optimize(f)'s program."""
     from jax.extend.core import jaxprs_in_params
