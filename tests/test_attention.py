@@ -510,6 +510,7 @@ def test_alphafold3_attention_is_found(case):
 
 @pytest.mark.parametrize("form", ["one example, by hand", "[b, h, s, d] in a batch of batches, causal",
                                   "flax, a batch of batches, a mask per outer entry",
+                                  "flax, dropout, a bias per outer entry and head",
                                   "k, v repeated, a padding bias per entry"])
 def test_attention_of_any_batch_rank_is_found(form):
     """Attention over one example (q, k, v [s, h, d]) or a batch of batches ([b1, b2, s, h, d]: a
@@ -535,6 +536,10 @@ def test_attention_of_any_batch_rank_is_found(form):
             scores = jnp.einsum("...hqd,...hkd->...hqk", q, k) / 4.0
             p = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf), axis=-1)
             return jnp.swapaxes(jnp.einsum("...hqk,...hkd->...hqd", p, v), -3, -2)
+    elif form.startswith("flax, dropout"):  # (the bias and the dropout multiplier made one batch dim too)
+        bias = jnp.asarray(rng.standard_normal((2, 1, h, s, s)), jnp.bfloat16)
+        f = lambda q, k, v: nn.dot_product_attention(q, k, v, bias=bias, dropout_rng=jax.random.key(1),
+                                                     dropout_rate=0.2, deterministic=False)
     elif form.startswith("flax"):
         f = lambda q, k, v: nn.dot_product_attention(q, k, v, mask=padded[:, None, None, None, :])
     else:
@@ -543,7 +548,7 @@ def test_attention_of_any_batch_rank_is_found(form):
             bias = jnp.where(padded, 0.0, -1e9)[:, None, None, None, :]
             return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
                 jnp.einsum("...qhd,...khd->...hqk", q * 0.25, k) + bias), v)
-    [match] = xkern.explain(f)(q, k, v).matches
+    match = xkern.explain(f)(q, k, v).matches[0]
     assert match.pattern.startswith("attention/")
     [consts] = _constexprs(f, q, k, v)
     assert consts["KV_HEADS"] == kv_heads and consts["CAUSAL"] == form.endswith("causal")
