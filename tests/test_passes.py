@@ -592,6 +592,15 @@ def test_cost_model_declines_what_loses_on_a_gpu():
     folded = lambda b, sq, sk: [ShapedArray((b, sq, 40), jnp.bfloat16)] + [ShapedArray((b, sk, 40), jnp.bfloat16)] * 2
     assert cost.decline_reason("attention", folded(16, 4096, 4096), {}, "triton") is None  # heads in the batch
     assert "too small" in cost.decline_reason("attention", folded(16, 256, 77), {}, "triton")
+    # one example ([s, h, d]: not heads folded into the batch) or a batch of batches: counted as the
+    # kernels take them, the batch made one (AlphaFold 3's at s2048 h16 was declined as a decode step)
+    one = lambda q, k, v: jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
+        jnp.einsum("...qhd,...khd->...hqk", q * 0.25, k)), v)
+    for shape in ((2048, 16, 24), (5, 2, 2048, 16, 24)):
+        plan = pipeline.plan(jax.make_jaxpr(one)(*[jax.ShapeDtypeStruct(shape, jnp.bfloat16)] * 3), "triton")
+        assert [r.match.pattern.op for r in plan.rewrites.values()] == ["attention"], plan.declined
+    plan = pipeline.plan(jax.make_jaxpr(one)(*[jax.ShapeDtypeStruct((16, 2, 24), jnp.bfloat16)] * 3), "triton")
+    assert not plan.rewrites and "too small" in [d.reason for d in plan.declined if d.pattern.startswith("attention")][0]
     # decoding by the cache's bytes: XLA reads a grouped cache at ~1.2 TB/s, one k/v head per q head
     # (or a batch of 1) at ~3.4; a small cache stays with XLA (h200-decode-session16.json)
     step = lambda b, h, hk, sk: [ShapedArray((b, 1, h, 128), jnp.bfloat16)] + [ShapedArray((b, sk, hk, 128),

@@ -614,6 +614,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
         return (q, kv, kv, *bias, *mask, *lengths, *drop, *scale, *sink)
 
     def replace(q, k, v, *extras, **params):
+        params.pop("batch_dims", None)  # (facts_of's, for the cost model)
         if not any_rank or q.ndim == 4:
             return replace_batched(q, k, v, *extras, **params)
         batch = q.shape[:-3]  # (none, or several dims: made one for the kernels)
@@ -715,6 +716,8 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                  else _mask_bias_facts(match) if second_bias
                  else _bias_facts(match) or _split_bias_facts(match) if with_bias and splittable
                  else {})
+        if any_rank and match.input_avals[0].ndim != 4:  # (the cost model's: how many batch dims q has)
+            facts = {**facts, "batch_dims": match.input_avals[0].ndim - 3}
         return {**facts, **_scale_facts(match, scaling)} if arrays else facts
     return Pattern(name=f"attention/{fn.__name__}", op="attention_dropout" if dropout else "attention", fn=fn,
                    dtypes=dtypes, example=example,

@@ -103,6 +103,7 @@ def _attention(avals, params) -> str | None:
     key length is the larger of k's axes 1 and 2 (sequence and heads, in either layout the patterns
     accept): sequences are longer than head counts wherever the estimate matters. Decoding (few
     queries against a cache) is bound by reading the cache instead: see _decoding."""
+    avals = _one_batch(avals, params)
     q, k = avals[0], avals[1]
     if q.ndim == 3:  # heads folded into the batch, [b * h, s, d]: one head each
         q, k = (_one_head(a) for a in (q, k))
@@ -116,6 +117,17 @@ def _attention(avals, params) -> str | None:
         return None
     return (f"too small: {flops / 1e9:.2f} GFLOP; estimated {ours:.1f} us as a kernel vs {xla:.1f} us "
             f"in XLA (a custom call costs ~{CUSTOM_CALL_US} us)")
+
+
+def _one_batch(avals, params):
+    """The avals as the kernels take them where a spelling of any batch rank matched (params'
+    batch_dims: q, k, v [*batch, 3 dims], and masks and biases of the scores' rank): their batch
+    dims made one ([1] where there are none)."""
+    n = params.get("batch_dims")
+    if n is None:
+        return avals
+    one = lambda a: types.SimpleNamespace(shape=(int(np.prod(a.shape[:n])), *a.shape[n:]), dtype=a.dtype, ndim=4)
+    return [one(a) if a.ndim == n + 3 else a for a in avals]
 
 
 def _one_head(aval):
@@ -135,6 +147,7 @@ XLA_DROPOUT_PS_PER_SCORE = 3.3
 
 
 def _attention_dropout(avals, params) -> str | None:
+    avals = _one_batch(avals, params)
     q, k = avals[0], avals[1]
     d = q.shape[-1]
     scores = (int(np.prod(q.shape)) // d) * max(k.shape[1], k.shape[2])
