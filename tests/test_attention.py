@@ -1090,16 +1090,22 @@ def test_rows_a_far_bias_hides_get_the_gradients_of_uniform_weights(dtype, extra
         kw["dropout_multiplier"] = jnp.asarray((rng.random((1, 1, sq, sk)) > 0.2) / 0.8, dtype)
     elif extra == "key lengths":
         kw["kv_lengths"] = jnp.asarray([13, 7, 10])
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     for rows in ("zeros", "average"):
-        run = lambda fn, args, **more: value_and_grads(lambda q, k, v, bias, **o: fn(q, k, v, bias=bias, **o),
-                                                      (*args, kw["bias"]), more.pop("do"), **more)
-        rest = {n: a for n, a in kw.items() if n != "bias"}
-        (out, grads), (want, wants) = (run(attention, (q, k, v), do=do, masked_rows=rows, **rest),
-                                       run(reference, f32, do=do.astype(jnp.float32), masked_rows=rows, **rest))
-        close(out, want, dtype)
-        for g, w in zip(grads, wants):
-            close(g, w, dtype)
+        _biased_as_the_reference(q, k, v, do, kw, rows, dtype)
+
+
+def _biased_as_the_reference(q, k, v, do, kw, rows, dtype):
+    """attention(q, k, v, **kw) (kw["bias"] given as an argument) and its q, k, v and bias gradients at
+    do against the float32 reference's, in masked_rows mode `rows`."""
+    run = lambda fn, args, **more: value_and_grads(lambda q, k, v, bias, **o: fn(q, k, v, bias=bias, **o),
+                                                  (*args, kw["bias"]), more.pop("do"), **more)
+    rest = {n: a for n, a in kw.items() if n != "bias"}
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    (out, grads), (want, wants) = (run(attention, (q, k, v), do=do, masked_rows=rows, **rest),
+                                   run(reference, f32, do=do.astype(jnp.float32), masked_rows=rows, **rest))
+    close(out, want, dtype)
+    for g, w in zip(grads, wants):
+        close(g, w, dtype)
 
 
 @pytest.mark.parametrize("extra, dtype", [("none", jnp.float32), ("none", jnp.bfloat16), ("soft cap", jnp.bfloat16),
@@ -1130,16 +1136,8 @@ def test_rows_a_huge_positive_bias_lifts_get_xla_weights(extra, dtype):
         elif extra == "a key bias":  # +1e9 on some keys of entry 0 for every query: a [b, 1, 1, k] bias
             kw["bias"] = jnp.asarray(1e9 * padded_k[:, None, None, :] * (np.arange(b) == 0)[:, None, None, None],
                                      jnp.float32)
-        f32 = [a.astype(jnp.float32) for a in (q, k, v)]
         for rows in ("zeros", "average") if extra == "none" else ("average",):
-            run = lambda fn, args, **more: value_and_grads(lambda q, k, v, bias, **o: fn(q, k, v, bias=bias, **o),
-                                                          (*args, kw["bias"]), more.pop("do"), **more)
-            rest = {n: a for n, a in kw.items() if n != "bias"}
-            (out, grads), (want, wants) = (run(attention, (q, k, v), do=do, masked_rows=rows, **rest),
-                                           run(reference, f32, do=do.astype(jnp.float32), masked_rows=rows, **rest))
-            close(out, want, dtype)
-            for g, w in zip(grads, wants):
-                close(g, w, dtype)
+            _biased_as_the_reference(q, k, v, do, kw, rows, dtype)
 
 
 def test_a_float32_bias_on_half_scores_gives_a_float32_result():
