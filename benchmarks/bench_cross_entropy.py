@@ -135,21 +135,25 @@ def loss_cases(on_gpu: bool) -> list[Case]:
             for name, loss in _losses_as_written().items()]
 
 
-def linear_cases(on_gpu: bool) -> list[Case]:
-    rows, dim, vocab = (8192, 4096, 128256) if on_gpu else (64, 32, 1000)
-
+def _head_inputs(rows: int, dim: int, vocab: int):
+    """A maker of (h [rows, dim], w [dim, vocab], labels, per-row weights), bf16 h and w."""
     def make(key):
         kh, kw, kl, kc = jax.random.split(key, 4)
         return (jax.random.normal(kh, (rows, dim), jnp.bfloat16),
                 (jax.random.normal(kw, (dim, vocab), jnp.float32) / dim ** 0.5).astype(jnp.bfloat16),
                 jax.random.randint(kl, (rows,), 0, vocab),
                 jax.random.uniform(kc, (rows,), jnp.float32))
+    return make
+
+
+def linear_cases(on_gpu: bool) -> list[Case]:
+    rows, dim, vocab = (8192, 4096, 128256) if on_gpu else (64, 32, 1000)
+    make = _head_inputs(rows, dim, vocab)
     mean = lambda f: (lambda h, w, y, c: jax.value_and_grad(f, (0, 1))(h, w, y))
     per_row = lambda f: (lambda h, w, y, c: jax.value_and_grad(
         lambda h, w: jnp.sum(f(h, w, y, reduction="none") * c), (0, 1))(h, w))
-    def make_tied(key):  # a tied embedding table [V, D]
-        h, w, y, c = make(key)
-        return h, w.T.copy(), y, c
+    as_table = lambda make: (lambda key: (lambda h, w, y, c: (h, w.T.copy(), y, c))(*make(key)))
+    make_tied = as_table(make)  # a tied embedding table [V, D]
     tied = lambda f: (lambda h, table, y, c: jax.value_and_grad(
         lambda h, table: f(h, table, y, transpose_w=True), (0, 1))(h, table))
     flops = 3 * 2 * rows * dim * vocab
@@ -158,6 +162,11 @@ def linear_cases(on_gpu: bool) -> list[Case]:
                 memory=True)
            for name, wrap, maker in (("mean", mean, make), ("none, weighted", per_row, make),
                                      ("mean, tied table (transpose_w)", tied, make_tied))]
+    if on_gpu:  # Gemma 2 2B's head: a 256000 vocabulary over d 2304, its tied table
+        gemma = (8192, 2304, 256000)
+        out.append(Case("linear_cross_entropy mean, Gemma 2 2B's tied table (transpose_w)", gemma, "bfloat16",
+                        "fwd+bwd", tied(linear.linear_cross_entropy), tied(linear.reference),
+                        as_table(_head_inputs(*gemma)), 0, 3e-2, 3 * 2 * 8192 * 2304 * 256000, memory=True))
 
     if importlib.util.find_spec("optax") is None:  # the programs below use optax: a test dependency only
         return out
