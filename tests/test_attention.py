@@ -2333,10 +2333,12 @@ def test_gluon_backward_is_offered_first_only_where_it_applies():
     """attention_hopper's backward (Gluon: dk, dv and dq in one kernel) is the first dk/dv candidate
     on a Hopper GPU for 16-bit problems at head dims 64 and 128 without masking whose key count its
     128-key block and whose query count its 64-row block divide, and for causal ones with as many
-    queries as keys (a multiple of 128); not at 256, nor for other query counts. Its shared memory
-    (k, v, the q/do ring, dS^T and dQ halves) fits the H200's; the tuner then times no dq
+    queries as keys (a multiple of 128); at 256 its wide kernel, in 64-key programs, where
+    BWD_WIDE; not for other query counts. Its shared memory (k, v, the q/do ring, dS^T and dQ
+    halves; the wide one's P^T and dS^T and dQ's chunks) fits the H200's; the tuner then times no dq
     candidates, since none would run."""
     from xkern.kernels import attention as A
+    from xkern.kernels import attention_hopper as AH
     first = lambda d=128, gpu="cuda", **kw: dict(A.candidates("dkdv", d, "triton", gpu, **kw)[0].meta).get("GLUON")
     assert first(unmasked_keys=4096, unmasked_queries=4096) and first(unmasked_keys=384, unmasked_queries=192)
     assert first(causal_square=4096) and first(causal_square=384)
@@ -2345,14 +2347,23 @@ def test_gluon_backward_is_offered_first_only_where_it_applies():
                     dict(unmasked_keys=4000, unmasked_queries=4096), dict(causal_square=4032),
                     dict(causal_square=4096, capped=True), dict(causal_square=4096, itemsize=4),
                     dict(causal_square=4096, tma=False), dict(d=64, causal_square=4096, capped=True),
-                    dict(d=256, causal_square=4096), dict(gpu="rocm", causal_square=4096), dict(window_keys=4096), {}):
+                    dict(gpu="rocm", causal_square=4096), dict(window_keys=4096), {}):
         assert not first(**refused), refused
+    # at 256 the wide kernel (64-key programs) where BWD_WIDE, each such count a multiple of 64
+    wide = _gluon_backward_at(256)
+    for taken in (dict(causal_square=4096), dict(causal_square=320), dict(unmasked_keys=320, unmasked_queries=192)):
+        assert bool(first(d=256, **taken)) == wide, taken
+    for refused in (dict(causal_square=4000), dict(unmasked_keys=4096, unmasked_queries=4000),
+                    dict(causal_square=4096, capped=True)):
+        assert not first(d=256, **refused), refused
     assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dkdv", 128, "interpret", causal_square=4096))
     assert not any(dict(c.meta).get("GLUON") for c in A.candidates("dq", 128, "triton", "cuda", causal_square=4096))
     config = A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[0]
     assert 198000 <= A.shared_bytes("dkdv", config, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
     config = A.candidates("dkdv", 64, "triton", "cuda", causal_square=4096)[0]
     assert 116080 <= A.shared_bytes("dkdv", config, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
+    wide = AH.bwd_config(256)
+    assert 230800 <= A.shared_bytes("dkdv", wide, 2, False, False) <= A.shared_memory_limit("cuda")  # (sm_90 build)
     # the Triton dk/dv stays next: the tuner times both
     assert dict(A.candidates("dkdv", 128, "triton", "cuda", causal_square=4096)[1].meta).get("WS")
 
@@ -2418,6 +2429,12 @@ def test_warp_specialized_backward_matches_the_reference():
 
 
 
+def _gluon_backward_at(head_dim: int) -> bool:
+    """Whether attention_hopper's backward takes problems at this head dim (256: where BWD_WIDE)."""
+    from xkern.kernels import attention_hopper as AH
+    return head_dim in AH.BWD_HEAD_DIMS or (head_dim == 256 and bool(AH.BWD_WIDE))
+
+
 def _bf16_against_the_reference_with_launches(shape, seed, **options) -> dict:
     """attention(**options) on random bfloat16 inputs: values and every gradient against the float32
     reference; returns the forward+backward's launches as {kernel: its config's meta}."""
@@ -2455,7 +2472,7 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
                                                     sinks=sink if sinks else None)
     ws = {kernel: bool(meta.get("WS")) for kernel, meta in ran.items()}  # WS: the stage count, or 0
     gluon = not cap  # attention_hopper's forward (head dims 128 and 256), causal diagonal included
-    gluon_bwd = d == 128 and not cap  # and its backward (64 and 128)
+    gluon_bwd = _gluon_backward_at(d) and not cap  # and its backward (64 and 128; 256 where BWD_WIDE)
     assert bool(ran["attention_fwd"].get("GLUON")) == gluon and ws["attention_fwd"] != gluon
     assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon_bwd and ("attention_bwd_dq" in ran) != gluon_bwd
     assert gluon_bwd or ws["attention_bwd_dq"] == (d == 256 or not causal)
@@ -2471,16 +2488,19 @@ def test_warp_specialized_kernels_on_hopper(shape, causal, cap, sinks):
                                            ((2, 256, 256, 4, 2, 128), {"causal": True, "sinks": "per head"}),
                                            ((2, 200, 320, 2, 1, 256), {}),
                                            ((1, 384, 384, 4, 2, 256), {"causal": True}),
+                                           ((2, 192, 320, 4, 2, 256), {}),
+                                           ((1, 256, 256, 6, 1, 256), {"causal": True}),
                                            ((2, 192, 384, 4, 2, 64), {}),
                                            ((1, 384, 384, 4, 1, 64), {"causal": True})],
                          ids=["queries past a block, two batches", "gqa, fewer queries than keys",
                               "causal mqa, three batches (6 heads: groups of 4 and 2)", "causal gqa, float32 out",
                               "causal, sinks",
                               "d256, 64-key blocks, queries past a block", "d256 causal gqa",
+                              "d256 gqa, 64-row query blocks", "d256 causal mqa",
                               "d64 gqa, the backward alone", "d64 causal mqa, the backward alone"])
 def test_gluon_kernels_on_hopper(shape, options):
-    """attention_hopper's forward and backward (Gluon; at head dim 256 the forward alone, in 64-key
-    blocks; at 64 the backward alone), where the heuristic picks them: query counts the forward's 128-row block does not
+    """attention_hopper's forward and backward (Gluon; at head dim 256 the forward in 64-key blocks,
+    and the wide backward where BWD_WIDE; at 64 the backward alone), where the heuristic picks them: query counts the forward's 128-row block does not
     divide (the rows past a batch's end read the next batch's and are never stored; the backward,
     whose query blocks are 64 rows, declines them), causal with every key block of a query block
     masked on the diagonal (its grid in groups of 4 heads, here also a last group of 2), GQA/MQA, a
@@ -2491,7 +2511,7 @@ def test_gluon_kernels_on_hopper(shape, options):
     trained = {n: o for n, o in options.items() if n != "out_dtype"}  # (the helper's cotangents are bf16)
     ran = _bf16_against_the_reference_with_launches(shape, 17, **trained)
     assert bool(ran["attention_fwd"].get("GLUON")) == (shape[-1] != 64) and "attention_fwd_diagonal" not in ran
-    gluon_bwd = shape[-1] in (64, 128) and shape[1] % 64 == 0
+    gluon_bwd = _gluon_backward_at(shape[-1]) and shape[1] % 64 == 0
     assert bool(ran["attention_bwd_dkdv"].get("GLUON")) == gluon_bwd and ("attention_bwd_dq" in ran) != gluon_bwd
     q, k, v, _ = make(*shape, jnp.bfloat16, seed=18)
     stacked = [jnp.stack([x, x[:, ::-1]]) for x in (q, k, v)]

@@ -1202,8 +1202,9 @@ def shared_bytes(kernel: str, config: L.Config, itemsize: int, mask: bool, bias:
     3.6 and 3.9 (an upper bound for the warp-specialized forward's); AMD's (gfx942) use less.
     xkern.kernels.aot checks the compiled kernels."""
     bm, bn, bd, stages = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_D"], config.num_stages
-    if dict(config.meta).get("GLUON") and kernel == "dkdv":  # k, v, the q/do/lse/delta ring, two dS^T, two dQ halves
-        return (2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm) * itemsize + (bd + 2 * stages) * bm * 4 + 1024
+    if dict(config.meta).get("GLUON") and kernel == "dkdv":  # k, v, the q/do/lse/delta ring, two dS^T (the
+        dq_cols = dict(config.meta).get("DQ_COLS", bd // 2)  # wide kernel's: P^T and dS^T), dQ's two staged parts
+        return (2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm) * itemsize + (2 * dq_cols + 2 * stages) * bm * 4 + 1024
     if dict(config.meta).get("GLUON"):  # q and the k/v ring, exactly, and its mbarriers
         return (bm + 2 * stages * bn) * bd * itemsize + 1024
     if kernel == "dkdv":
@@ -2351,6 +2352,7 @@ def aot_cases():
                     if target == targets[0] else []):
                 yield _aot_split_kv(gpu, target, SHARED_MEMORY[target], d, options)
     yield from attention_hopper.aot_exp2_cases()
+    yield from attention_hopper.aot_wide_cases()
 
 
 def _aot_split_kv(gpu, target, limit, d, options):
@@ -2407,7 +2409,7 @@ def _aot_problem(gpu, target, limit, d, dtype, options):
                "lse_part_ptr": "*fp32", "sq": "i32", "sk": "i32", "o_ptr": el, "lse_ptr": "*fp32"}, diagonal, (target,))
     if dict(dkdv.meta).get("GLUON"):  # attention_hopper's backward: dk, dv and dq's accumulator
         names = ("QK_SCALE", "SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")
-        yield (f"{tag}/bwd", attention_hopper.bwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
+        yield (f"{tag}/bwd", attention_hopper.bwd_kernel(d), {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
                "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sq": "i32", "sk": "i32", "dk_ptr": el, "dv_ptr": el,
                "dq_ptr": "*fp32"}, configs[1].replace(**{n: consts[n] for n in names}), (target,))
         return

@@ -596,22 +596,212 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
 bwd.xkern_maxnreg = MAXNREG
 
 
+# At head dim 256 a warpgroup's dk and dv for 64 keys would take 256 registers, so the wide kernel
+# gives each program 64 keys and both warpgroups all of them: each warpgroup owns half of dk's and
+# dv's columns (128 registers) and half of each query block's rows for S^T and dP^T ([64 keys, 32
+# queries]: N = 32 products, against N = 64 at head dim 128). P^T and dS^T meet in shared memory,
+# where each warpgroup's dV, dK and dQ products read both halves. Shared memory: k, v (64 KB), the
+# q/do ring (128 KB at 2 stages), P^T and dS^T (16 KB) and dQ staged in 32-column chunks (16 KB):
+# 225 KB of the 227 KB.
+WIDE_BLOCK_N = 64
+WIDE_DQ_COLS = 32
+BWD_WIDE = 0  # whether head dim 256 takes it (applies_bwd): not yet measured on a GPU
+
+
+@gluon.jit
+def _wide_step(i, start, h, dk, dv, k_smem, v_smem, k_cols, p_smem, ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready,
+               empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE: gl.constexpr,
+               D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr):
+    """Ring slot i (query rows start.., head h) against the program's 64 keys: this warpgroup's
+    half of the queries gives its columns of P^T and dS^T, then its half of dk's, dv's and dq's
+    columns from both halves."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    keys_n: gl.constexpr = k_smem.type.shape[0]
+    rows: gl.constexpr = q_bufs.type.shape[1] // 2  # this warpgroup's queries of the block
+    half_d: gl.constexpr = D // 2
+    dq_cols: gl.constexpr = dq_smem.type.shape[1]
+    s = i % stages
+    q_smem = q_bufs.index(s)
+    do_smem = do_bufs.index(s)
+    mbarrier.wait(ready.index(s), (i // stages) & 1)
+    lse = lse_bufs.index(s).slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
+    delta = delta_bufs.index(s).slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
+    s_t = warpgroup_mma(k_smem, q_smem.slice(WG * rows, rows).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    dp_t = warpgroup_mma(v_smem, do_smem.slice(WG * rows, rows).permute((1, 0)), zeros_s, use_acc=False,
+                         is_async=True)
+    s_t = warpgroup_mma_wait(1, deps=(s_t, ))
+    p_t = _exp2(s_t * QK_SCALE - lse[None, :], EXP2)
+    if MASKED:  # key j sees query i only when j <= i
+        queries = start + WG * rows + gl.arange(0, rows, gl.SliceLayout(0, s_layout))
+        keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
+        p_t = gl.where(keys[:, None] <= queries[None, :], p_t, 0.0)
+    mbarrier.wait(free_bar, (i & 1) ^ 1)  # both warpgroups done with the last step's P^T and dS^T
+    p_smem.slice(WG * rows, rows, dim=1).store(p_t.to(q_smem.dtype))
+    dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+    ds_smem.slice(WG * rows, rows, dim=1).store((p_t * (dp_t - delta[None, :])).to(q_smem.dtype))
+    fence_async_shared()
+    mbarrier.arrive(ds_bar, count=1)
+    mbarrier.wait(ds_bar, i & 1)  # both halves of P^T and dS^T written
+    dv = warpgroup_mma(p_smem, do_smem.slice(WG * half_d, half_d, dim=1), dv, is_async=True)
+    dk = warpgroup_mma(ds_smem, q_smem.slice(WG * half_d, half_d, dim=1), dk, is_async=True)
+    for c in gl.static_range(half_d // dq_cols):  # dQ's columns, a staged chunk at a time
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_cols.slice(c * dq_cols, dq_cols, dim=1), zeros_q,
+                           use_acc=False, is_async=True)
+        if c == 0:
+            dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+            mbarrier.arrive(empty.index(s), count=1)  # q and do read
+        else:
+            dq = warpgroup_mma_wait(0, deps=(dq, ))
+        tma.store_wait(0)  # the last chunk's reduction has read dq_smem
+        dq_smem.store(dq)
+        fence_async_shared()
+        _tma_add(dq_desc, [b * sq + start, h * D + WG * half_d + c * dq_cols], dq_smem)
+    mbarrier.arrive(free_bar, count=1)
+    return dk, dv
+
+
+@gluon.jit
+def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty,
+                   lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, first, n_q_blocks,
+                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
+                   D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr):
+    """One warpgroup's half of dk's and dv's columns for the program's 64 keys, over every query
+    block the loader brings, then stored (dk scaled)."""
+    num_warps: gl.constexpr = gl.num_warps()
+    keys_n: gl.constexpr = k_smem.type.shape[0]
+    block_m: gl.constexpr = q_bufs.type.shape[1]
+    half_d: gl.constexpr = D // 2
+    dq_cols: gl.constexpr = dq_smem.type.shape[1]
+    group: gl.constexpr = HEADS // KV_HEADS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, block_m // 2, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, half_d, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, dq_cols, 16])
+    mbarrier.wait(kv_bar, 0)
+    zeros_s = gl.zeros([keys_n, block_m // 2], gl.float32, s_layout)
+    zeros_q = gl.zeros([block_m, dq_cols], gl.float32, q_layout)
+    dk = gl.zeros([keys_n, half_d], gl.float32, o_layout)
+    dv = gl.zeros([keys_n, half_d], gl.float32, o_layout)
+    n_masked: gl.constexpr = keys_n // block_m if CAUSAL else 0  # the query blocks the diagonal crosses
+    for g in range(group):
+        h = hk * group + g
+        for m in range(0, n_masked):
+            dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
+                                ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
+                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, EXP2, WG)
+        for m in range(n_masked, n_q_blocks):
+            dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
+                                ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
+                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, EXP2, WG)
+    tma.store_wait(0)
+    rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
+    dims = WG * half_d + gl.arange(0, half_d, gl.SliceLayout(0, o_layout))
+    offs = ((b * sk + rows).to(gl.int64) * (KV_HEADS * D) + hk * D)[:, None] + dims[None, :]
+    gl.store(dk_ptr + offs, (dk * SCALE).to(dk_ptr.dtype.element_ty))
+    gl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def bwd_wide(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr, dq_ptr,
+             QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
+             D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr,
+             DQ_COLS: gl.constexpr):
+    """`bwd` at head dim 256 (see WIDE_BLOCK_N): the same arguments and results; BLOCK_N (64) keys
+    a program, both warpgroups over all of them. Grid (sk // BLOCK_N, batch * KV_HEADS)."""
+    pid_n = gl.program_id(0)
+    bhk = gl.program_id(1)
+    b = bhk // KV_HEADS
+    hk = bhk % KV_HEADS
+    batch = gl.num_programs(1) // KV_HEADS
+    dtype: gl.constexpr = q_ptr.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], dtype)
+    # k in 64-byte swizzles: dQ's products read it in 32-column chunks (a 128-byte swizzle spans 64)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    # P^T and dS^T [keys, queries], each warpgroup writing 32 query columns: 64-byte swizzles too
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
+    q_desc = tma.make_tensor_descriptor(q_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, D], q_layout)
+    do_desc = tma.make_tensor_descriptor(do_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, D], q_layout)
+    dq_desc = tma.make_tensor_descriptor(dq_ptr, [batch * sq, HEADS * D], [HEADS * D, 1], [BLOCK_M, DQ_COLS],
+                                         dq_layout)
+    k_desc = tma.make_tensor_descriptor(k_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, D],
+                                        k_layout)
+    v_desc = tma.make_tensor_descriptor(v_ptr, [batch * sk, KV_HEADS * D], [KV_HEADS * D, 1], [BLOCK_N, D],
+                                        v_layout)
+    stats_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    lse_desc = tma.make_tensor_descriptor(lse_ptr, [batch * HEADS * sq], [1], [BLOCK_M], stats_layout)
+    delta_desc = tma.make_tensor_descriptor(delta_ptr, [batch * HEADS * sq], [1], [BLOCK_M], stats_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, D], v_layout)
+    q_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    do_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D], q_layout)
+    lse_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    delta_bufs = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], stats_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_layout)  # one per warpgroup
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    free_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(ds_bar, count=2)  # one arrival per consumer warpgroup
+    mbarrier.init(free_bar, count=2)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    key0 = pid_n * BLOCK_N
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    _tma_load(k_desc, [b * sk + key0, hk * D], kv_bar, k_smem)
+    _tma_load(v_desc, [b * sk + key0, hk * D], kv_bar, v_smem)
+    first = key0 if CAUSAL else 0  # (causal: no query before the block's first key sees it)
+    n_q_blocks = (sq - first) // BLOCK_M
+    HALF_D: gl.constexpr = D // 2
+    gl.warp_specialize([
+        (_wide_consumer, (k_smem, v_smem, k_smem.slice(0, HALF_D, dim=1), kv_bar, p_smem, ds_smem, ds_bar, free_bar,
+                          q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_bufs.index(0),
+                          b, sq, sk, hk, key0, first, n_q_blocks, QK_SCALE, SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2, 0)),
+        (_wide_consumer, (k_smem, v_smem, k_smem.slice(HALF_D, HALF_D, dim=1), kv_bar, p_smem, ds_smem, ds_bar,
+                          free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
+                          dq_bufs.index(1), b, sq, sk, hk, key0, first, n_q_blocks, QK_SCALE, SCALE, HEADS, KV_HEADS,
+                          D, CAUSAL, EXP2, 1)),
+        (_bwd_loader, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b,
+                       sq, hk, first, n_q_blocks, HEADS, KV_HEADS, D, BLOCK_M)),
+    ], [4, 1], [240, 24])
+
+
+bwd_wide.xkern_maxnreg = MAXNREG
+
+
+def bwd_kernel(head_dim: int):
+    """The backward kernel at `head_dim`: `bwd_wide` at 256, `bwd` below."""
+    return bwd_wide if head_dim > 128 else bwd
+
+
 def bwd_config(head_dim: int = HEAD_DIM) -> L.Config:
     """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
     which then launches no dq kernel)."""
-    return L.Config.of(BLOCK_M=BWD_BLOCK_M, BLOCK_N=BWD_BLOCK_N, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1,
-                       EXP2=BWD_EXP2, num_warps=4, num_stages=BWD_STAGES)
+    wide = dict(BLOCK_N=WIDE_BLOCK_N, DQ_COLS=WIDE_DQ_COLS) if head_dim > 128 else dict(BLOCK_N=BWD_BLOCK_N)
+    return L.Config.of(BLOCK_M=BWD_BLOCK_M, **wide, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1, EXP2=BWD_EXP2,
+                       num_warps=4, num_stages=BWD_STAGES)
 
 
 def applies_bwd(head_dim: int, itemsize: int, unmasked_keys: int, unmasked_queries: int, causal_square: int,
                 capped: bool) -> bool:
-    """Whether the backward takes the problem: head dim 64 or 128, 16-bit, no soft cap, and either
-    no masking at all with a key count BWD_BLOCK_N divides and a query count BWD_BLOCK_M divides, or
-    causal alone with as many queries as keys, a multiple of BWD_BLOCK_N."""
-    return (head_dim in BWD_HEAD_DIMS and itemsize == 2 and not capped
-            and ((unmasked_keys > 0 and unmasked_keys % BWD_BLOCK_N == 0 and unmasked_queries > 0
+    """Whether the backward takes the problem: a head dim of BWD_HEAD_DIMS, 16-bit, no soft cap, and
+    either no masking at all with a key count its key block (BWD_BLOCK_N; WIDE_BLOCK_N at 256)
+    divides and a query count BWD_BLOCK_M divides, or causal alone with as many queries as keys, a
+    multiple of the key block."""
+    keys = bwd_config(head_dim)["BLOCK_N"]
+    return ((head_dim in BWD_HEAD_DIMS or (head_dim == 256 and BWD_WIDE)) and itemsize == 2 and not capped
+            and ((unmasked_keys > 0 and unmasked_keys % keys == 0 and unmasked_queries > 0
                   and unmasked_queries % BWD_BLOCK_M == 0)
-                 or (causal_square > 0 and causal_square % BWD_BLOCK_N == 0)))
+                 or (causal_square > 0 and causal_square % keys == 0)))
 
 
 def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str):
@@ -624,7 +814,7 @@ def launch_bwd(q, k, v, do, lse, delta, scale: float, consts: dict, backend: str
     outs = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
             jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     cfg = bwd_config(q.shape[-1])
-    dk, dv, dq = L.launch(bwd, q, k, v, do, lse, delta, sq, sk, kernel="attention_bwd_dkdv", out_shapes=outs,
+    dk, dv, dq = L.launch(bwd_kernel(q.shape[-1]), q, k, v, do, lse, delta, sq, sk, kernel="attention_bwd_dkdv", out_shapes=outs,
                           grid=(sk // cfg["BLOCK_N"], b * kv_heads), config=cfg, backend=backend, zeroed=(2,),
                           constexprs={**{n: consts[n] for n in ("QK_SCALE", "HEADS", "KV_HEADS", "D", "CAUSAL")},
                                       "SCALE": scale})
@@ -642,3 +832,17 @@ def aot_exp2_cases():
     yield ("attention/sm_90/d128/bf16/exp2-split/bwd", bwd, {"q_ptr": el, "k_ptr": el, "v_ptr": el, "do_ptr": el,
            "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sq": "i32", "sk": "i32", "dk_ptr": el, "dv_ptr": el,
            "dq_ptr": "*fp32"}, bwd_config(128).replace(**consts, SCALE=128 ** -0.5), ("sm_90",))
+
+
+def aot_wide_cases():
+    """The wide backward (head dim 256), plain and causal GQA, for sm_90, while the heuristic does
+    not pick it (BWD_WIDE 0): attention.aot_cases yields it where it does."""
+    if BWD_WIDE:
+        return
+    el = "*bf16"
+    for kind, consts in (("plain", dict(HEADS=32, KV_HEADS=32, CAUSAL=False)),
+                         ("causal-gqa", dict(HEADS=32, KV_HEADS=8, CAUSAL=True))):
+        consts = dict(consts, QK_SCALE=256 ** -0.5 * 1.4426950408889634, D=256, SCALE=256 ** -0.5)
+        yield (f"attention/sm_90/d256/bf16/{kind}/bwd", bwd_wide, {"q_ptr": el, "k_ptr": el, "v_ptr": el,
+               "do_ptr": el, "lse_ptr": "*fp32", "delta_ptr": "*fp32", "sq": "i32", "sk": "i32", "dk_ptr": el,
+               "dv_ptr": el, "dq_ptr": "*fp32"}, bwd_config(256).replace(**consts), ("sm_90",))
