@@ -39,6 +39,9 @@ Without the dq reductions (dq then wrong, its product and store kept) the kernel
 563 in that run: the 8.6 GB of float32 adds into L2 at s4096 cost 6-7%. Head dims 64 and 128 (at 64
 after the Triton forward: 417 against the two kernels' 371, cuDNN 420).
 
+At head dim 256 dk and dv for 64 keys would take a warpgroup 256 registers; `bwd_wide` splits
+their columns between the two warpgroups instead (see WIDE_BLOCK_N), behind BWD_WIDE until timed.
+
 Hopper only (wgmma): the interpreter cannot run Gluon, so on a CPU the same problems take the
 Triton kernels, and tests check these by compiling them for sm_90 (and on a GPU, by value).
 """
@@ -605,27 +608,21 @@ bwd.xkern_maxnreg = MAXNREG
 # 225 KB of the 227 KB.
 WIDE_BLOCK_N = 64
 WIDE_DQ_COLS = 32
+# How the two warpgroups share S^T's and dP^T's products: 0, each half of the queries (N = 32); 1,
+# warpgroup 0 S^T and warpgroup 1 dP^T, then dS^T from P^T in shared memory (N = 64, but in series)
+WIDE_SPLIT = 0
 BWD_WIDE = 0  # whether head dim 256 takes it (applies_bwd): not yet measured on a GPU
 
 
 @gluon.jit
-def _wide_step(i, start, h, dk, dv, k_smem, v_smem, k_cols, p_smem, ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready,
-               empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE: gl.constexpr,
-               D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr):
-    """Ring slot i (query rows start.., head h) against the program's 64 keys: this warpgroup's
-    half of the queries gives its columns of P^T and dS^T, then its half of dk's, dv's and dq's
-    columns from both halves."""
-    stages: gl.constexpr = q_bufs.type.shape[0]
+def _wide_scores_by_rows(i, start, k_smem, v_smem, p_smem, ds_smem, bars, q_smem, do_smem, lse_smem, delta_smem, key0,
+                         zeros_s, QK_SCALE: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
+                         EXP2: gl.constexpr, WG: gl.constexpr):
+    """SPLIT 0: this warpgroup's half of the block's queries gives its columns of P^T and dS^T."""
     keys_n: gl.constexpr = k_smem.type.shape[0]
-    rows: gl.constexpr = q_bufs.type.shape[1] // 2  # this warpgroup's queries of the block
-    half_d: gl.constexpr = D // 2
-    dq_cols: gl.constexpr = dq_smem.type.shape[1]
-    s = i % stages
-    q_smem = q_bufs.index(s)
-    do_smem = do_bufs.index(s)
-    mbarrier.wait(ready.index(s), (i // stages) & 1)
-    lse = lse_bufs.index(s).slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
-    delta = delta_bufs.index(s).slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
+    rows: gl.constexpr = zeros_s.type.shape[1]
+    lse = lse_smem.slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
+    delta = delta_smem.slice(WG * rows, rows).load(gl.SliceLayout(0, s_layout))
     s_t = warpgroup_mma(k_smem, q_smem.slice(WG * rows, rows).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
     dp_t = warpgroup_mma(v_smem, do_smem.slice(WG * rows, rows).permute((1, 0)), zeros_s, use_acc=False,
                          is_async=True)
@@ -635,13 +632,68 @@ def _wide_step(i, start, h, dk, dv, k_smem, v_smem, k_cols, p_smem, ds_smem, ds_
         queries = start + WG * rows + gl.arange(0, rows, gl.SliceLayout(0, s_layout))
         keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
         p_t = gl.where(keys[:, None] <= queries[None, :], p_t, 0.0)
-    mbarrier.wait(free_bar, (i & 1) ^ 1)  # both warpgroups done with the last step's P^T and dS^T
-    p_smem.slice(WG * rows, rows, dim=1).store(p_t.to(q_smem.dtype))
+    mbarrier.wait(bars.index(1), (i & 1) ^ 1)  # both warpgroups done with the last step's P^T and dS^T
+    p_smem.slice(WG * rows, rows, dim=1).store(p_t.to(p_smem.dtype))
     dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
-    ds_smem.slice(WG * rows, rows, dim=1).store((p_t * (dp_t - delta[None, :])).to(q_smem.dtype))
+    ds_smem.slice(WG * rows, rows, dim=1).store((p_t * (dp_t - delta[None, :])).to(ds_smem.dtype))
     fence_async_shared()
-    mbarrier.arrive(ds_bar, count=1)
-    mbarrier.wait(ds_bar, i & 1)  # both halves of P^T and dS^T written
+    mbarrier.arrive(bars.index(0), count=1)
+
+
+@gluon.jit
+def _wide_scores_by_product(i, start, k_smem, v_smem, p_smem, ds_smem, bars, q_smem, do_smem, lse_smem, delta_smem,
+                            key0, zeros_s, QK_SCALE: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr,
+                            EXP2: gl.constexpr, WG: gl.constexpr):
+    """SPLIT 1: warpgroup 0 gives P^T (S^T's product: N = 64), warpgroup 1 dP^T and then dS^T from
+    P^T as warpgroup 0 stored it (bf16)."""
+    keys_n: gl.constexpr = k_smem.type.shape[0]
+    rows: gl.constexpr = zeros_s.type.shape[1]
+    if WG == 0:
+        s_t = warpgroup_mma(k_smem, q_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        lse = lse_smem.load(gl.SliceLayout(0, s_layout))
+        s_t = warpgroup_mma_wait(0, deps=(s_t, ))
+        p_t = _exp2(s_t * QK_SCALE - lse[None, :], EXP2)
+        if MASKED:  # key j sees query i only when j <= i
+            queries = start + gl.arange(0, rows, gl.SliceLayout(0, s_layout))
+            keys = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, s_layout))
+            p_t = gl.where(keys[:, None] <= queries[None, :], p_t, 0.0)
+        mbarrier.wait(bars.index(1), (i & 1) ^ 1)  # both warpgroups done with the last step's P^T and dS^T
+        p_smem.store(p_t.to(p_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(2), count=1)
+    else:
+        dp_t = warpgroup_mma(v_smem, do_smem.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        delta = delta_smem.load(gl.SliceLayout(0, s_layout))
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        mbarrier.wait(bars.index(2), i & 1)  # P^T stored (after the last step's readers were done)
+        p_t = p_smem.load(s_layout).to(gl.float32)
+        ds_smem.store((p_t * (dp_t - delta[None, :])).to(ds_smem.dtype))
+        fence_async_shared()
+        mbarrier.arrive(bars.index(0), count=1)
+
+
+@gluon.jit
+def _wide_step(i, start, h, dk, dv, k_smem, v_smem, k_cols, p_smem, ds_smem, bars, q_bufs, do_bufs, ready, empty,
+               lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE: gl.constexpr,
+               D: gl.constexpr, MASKED: gl.constexpr, s_layout: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """Ring slot i (query rows start.., head h) against the program's 64 keys: P^T and dS^T into
+    shared memory (bars: dS^T written, P^T and dS^T free, P^T written), then this warpgroup's
+    half of dk's, dv's and dq's columns."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    half_d: gl.constexpr = D // 2
+    dq_cols: gl.constexpr = dq_smem.type.shape[1]
+    s = i % stages
+    q_smem = q_bufs.index(s)
+    do_smem = do_bufs.index(s)
+    mbarrier.wait(ready.index(s), (i // stages) & 1)
+    if SPLIT:
+        _wide_scores_by_product(i, start, k_smem, v_smem, p_smem, ds_smem, bars, q_smem, do_smem, lse_bufs.index(s),
+                                delta_bufs.index(s), key0, zeros_s, QK_SCALE, MASKED, s_layout, EXP2, WG)
+    else:
+        _wide_scores_by_rows(i, start, k_smem, v_smem, p_smem, ds_smem, bars, q_smem, do_smem, lse_bufs.index(s),
+                             delta_bufs.index(s), key0, zeros_s, QK_SCALE, MASKED, s_layout, EXP2, WG)
+    mbarrier.wait(bars.index(0), i & 1)  # P^T and dS^T written
     dv = warpgroup_mma(p_smem, do_smem.slice(WG * half_d, half_d, dim=1), dv, is_async=True)
     dk = warpgroup_mma(ds_smem, q_smem.slice(WG * half_d, half_d, dim=1), dk, is_async=True)
     for c in gl.static_range(half_d // dq_cols):  # dQ's columns, a staged chunk at a time
@@ -656,15 +708,16 @@ def _wide_step(i, start, h, dk, dv, k_smem, v_smem, k_cols, p_smem, ds_smem, ds_
         dq_smem.store(dq)
         fence_async_shared()
         _tma_add(dq_desc, [b * sq + start, h * D + WG * half_d + c * dq_cols], dq_smem)
-    mbarrier.arrive(free_bar, count=1)
+    mbarrier.arrive(bars.index(1), count=1)
     return dk, dv
 
 
 @gluon.jit
-def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty,
+def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, bars, q_bufs, do_bufs, ready, empty,
                    lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, first, n_q_blocks,
                    QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
-                   D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr):
+                   D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr, WG: gl.constexpr,
+                   SPLIT: gl.constexpr):
     """One warpgroup's half of dk's and dv's columns for the program's 64 keys, over every query
     block the loader brings, then stored (dk scaled)."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -673,14 +726,15 @@ def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, ds_bar, free
     half_d: gl.constexpr = D // 2
     dq_cols: gl.constexpr = dq_smem.type.shape[1]
     group: gl.constexpr = HEADS // KV_HEADS
+    cols: gl.constexpr = block_m if SPLIT else block_m // 2  # the queries of a block in S^T's product
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, block_m // 2, 16])
+                                                       instr_shape=[16, cols, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, half_d, 16])
     q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, dq_cols, 16])
     mbarrier.wait(kv_bar, 0)
-    zeros_s = gl.zeros([keys_n, block_m // 2], gl.float32, s_layout)
+    zeros_s = gl.zeros([keys_n, cols], gl.float32, s_layout)
     zeros_q = gl.zeros([block_m, dq_cols], gl.float32, q_layout)
     dk = gl.zeros([keys_n, half_d], gl.float32, o_layout)
     dv = gl.zeros([keys_n, half_d], gl.float32, o_layout)
@@ -689,12 +743,12 @@ def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, ds_bar, free
         h = hk * group + g
         for m in range(0, n_masked):
             dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
-                                ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
-                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, EXP2, WG)
+                                ds_smem, bars, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
+                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, EXP2, WG, SPLIT)
         for m in range(n_masked, n_q_blocks):
             dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
-                                ds_smem, ds_bar, free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
-                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, EXP2, WG)
+                                ds_smem, bars, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
+                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, EXP2, WG, SPLIT)
     tma.store_wait(0)
     rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
     dims = WG * half_d + gl.arange(0, half_d, gl.SliceLayout(0, o_layout))
@@ -708,7 +762,7 @@ def bwd_wide(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv
              QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
              D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
              BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr,
-             DQ_COLS: gl.constexpr):
+             DQ_COLS: gl.constexpr, SPLIT: gl.constexpr):
     """`bwd` at head dim 256 (see WIDE_BLOCK_N): the same arguments and results; BLOCK_N (64) keys
     a program, both warpgroups over all of them. Grid (sk // BLOCK_N, batch * KV_HEADS)."""
     pid_n = gl.program_id(0)
@@ -745,13 +799,13 @@ def bwd_wide(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
     dq_bufs = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, DQ_COLS], dq_layout)  # one per warpgroup
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    ds_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    free_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # (see _wide_step)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    mbarrier.init(ds_bar, count=2)  # one arrival per consumer warpgroup
-    mbarrier.init(free_bar, count=2)
+    mbarrier.init(bars.index(0), count=1 if SPLIT else 2)  # dS^T written: by warpgroup 1, or each its half
+    mbarrier.init(bars.index(1), count=2)  # both done reading P^T and dS^T
+    mbarrier.init(bars.index(2), count=1)  # (SPLIT) P^T written by warpgroup 0
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
@@ -763,13 +817,14 @@ def bwd_wide(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv
     n_q_blocks = (sq - first) // BLOCK_M
     HALF_D: gl.constexpr = D // 2
     gl.warp_specialize([
-        (_wide_consumer, (k_smem, v_smem, k_smem.slice(0, HALF_D, dim=1), kv_bar, p_smem, ds_smem, ds_bar, free_bar,
+        (_wide_consumer, (k_smem, v_smem, k_smem.slice(0, HALF_D, dim=1), kv_bar, p_smem, ds_smem, bars,
                           q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_bufs.index(0),
-                          b, sq, sk, hk, key0, first, n_q_blocks, QK_SCALE, SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2, 0)),
-        (_wide_consumer, (k_smem, v_smem, k_smem.slice(HALF_D, HALF_D, dim=1), kv_bar, p_smem, ds_smem, ds_bar,
-                          free_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
+                          b, sq, sk, hk, key0, first, n_q_blocks, QK_SCALE, SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2, 0,
+                          SPLIT)),
+        (_wide_consumer, (k_smem, v_smem, k_smem.slice(HALF_D, HALF_D, dim=1), kv_bar, p_smem, ds_smem, bars,
+                          q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
                           dq_bufs.index(1), b, sq, sk, hk, key0, first, n_q_blocks, QK_SCALE, SCALE, HEADS, KV_HEADS,
-                          D, CAUSAL, EXP2, 1)),
+                          D, CAUSAL, EXP2, 1, SPLIT)),
         (_bwd_loader, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b,
                        sq, hk, first, n_q_blocks, HEADS, KV_HEADS, D, BLOCK_M)),
     ], [4, 1], [240, 24])
@@ -786,7 +841,7 @@ def bwd_kernel(head_dim: int):
 def bwd_config(head_dim: int = HEAD_DIM) -> L.Config:
     """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
     which then launches no dq kernel)."""
-    wide = dict(BLOCK_N=WIDE_BLOCK_N, DQ_COLS=WIDE_DQ_COLS) if head_dim > 128 else dict(BLOCK_N=BWD_BLOCK_N)
+    wide = dict(BLOCK_N=WIDE_BLOCK_N, DQ_COLS=WIDE_DQ_COLS, SPLIT=WIDE_SPLIT) if head_dim > 128 else dict(BLOCK_N=BWD_BLOCK_N)
     return L.Config.of(BLOCK_M=BWD_BLOCK_M, **wide, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1, EXP2=BWD_EXP2,
                        num_warps=4, num_stages=BWD_STAGES)
 
