@@ -2857,7 +2857,9 @@ def test_jax_nn_lengths_of_one_number_for_every_entry(causal):
     """Lengths made by jnp.full((b,), n) from a traced n (a decode step's position): canonicalize makes
     them a broadcast of n, which the templates, traced with lengths [b], did not take (the scores were
     made, the softmax alone fused). Now they do: values and gradients against jax.jit's, n of 0 (every
-    key hidden), inside and past the sequence."""
+    key hidden), inside and past the sequence. So are lengths of a literal n (`jnp.full((b,), 5)`),
+    which canonicalize keeps as that [b] array (a broadcast of it was folded into one of the literal,
+    which no template takes)."""
     q, k, v, do = make(2, 13, 11, 4, 2, 16, jnp.float32, seed=14)
 
     def f(q, k, v, n):
@@ -2871,6 +2873,13 @@ def test_jax_nn_lengths_of_one_number_for_every_entry(causal):
         close(xkern.jit(f)(q, k, v, n), jax.jit(f)(q, k, v, n), jnp.float32)
         for got, want in zip(jax.jit(jax.grad(loss(xkern.optimize(f)), (0, 1, 2)))(q, k, v, n),
                              jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v, n)):
+            close(got, want, jnp.float32)
+        literal = lambda q, k, v, n=n: f(q, k, v, n)  # (n a Python int: a literal in the program)
+        [match] = xkern.explain(literal)(q, k, v).matches
+        assert match.pattern.startswith("attention/jax.nn") and "key_value_seq_lengths" in match.pattern, n
+        close(xkern.jit(literal)(q, k, v), jax.jit(literal)(q, k, v), jnp.float32)
+        for got, want in zip(jax.jit(jax.grad(lambda *a: jnp.sum(xkern.optimize(literal)(*a) * do), (0, 1, 2)))(q, k, v),
+                             jax.jit(jax.grad(lambda *a: jnp.sum(literal(*a) * do), (0, 1, 2)))(q, k, v)):
             close(got, want, jnp.float32)
 
 

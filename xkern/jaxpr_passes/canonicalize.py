@@ -16,6 +16,8 @@ and dead equations found.
   scalar (jax.vmap writes `broadcast(broadcast(0.0, [10]), [4, 10])` where the unmapped program
   has `broadcast(0.0, [4, 10])`: a per-example loss mapped over a batch); inside shard_map, where
   jax marks the first broadcast as varying over the mesh (pvary), the scalar is marked instead.
+  But for a 1-D integer array of a literal, `jnp.full((b,), 20)`: jax.nn's lengths, which its
+  patterns take as an input.
 - Iotas made at their shape: a broadcast of an iota that keeps its counted axis becomes an iota of
   the broadcast's shape (jax.nn.one_hot mapped by jax.vmap writes `broadcast(iota([1, V]), [1, 1, V])`
   where the unmapped program has `iota([1, 1, V])`).
@@ -97,7 +99,11 @@ def _filled_from(eqn, filled: dict):
 
 def _note_filled(eqn, filled: dict, chain) -> None:
     """Records `eqn`'s result if it is a broadcast of a scalar (chain: the scalar it was folded to),
-    or that broadcast marked as varying over the mesh."""
+    or that broadcast marked as varying over the mesh. Not a 1-D array of an integer literal
+    (`jnp.full((b,), 20)`): that is how jax.nn's lengths are given, an input of its patterns."""
+    if eqn.primitive.name == "broadcast_in_dim" and isinstance(eqn.invars[0], Literal) and len(
+            eqn.outvars[0].aval.shape) == 1 and np.issubdtype(eqn.outvars[0].aval.dtype, np.integer):
+        return
     if eqn.primitive.name == "broadcast_in_dim" and (chain or not eqn.invars[0].aval.shape):
         filled[eqn.outvars[0]] = chain or (eqn.invars[0], None)
     elif (eqn.primitive.name == "pvary" and len(eqn.invars) == 1 and not isinstance(eqn.invars[0], Literal)
