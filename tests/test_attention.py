@@ -308,6 +308,21 @@ def test_nan_propagates_like_xla_and_empty_inputs():
     assert no_keys.shape == q.shape and not np.any(np.asarray(no_keys))
     by_hand = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
     np.testing.assert_array_equal(xkern.jit(by_hand)(q, k[:, :0], v[:, :0]), jax.jit(by_hand)(q, k[:, :0], v[:, :0]))
+    # empty problems of any batch rank (batch dims made one: reshaped by their count, not -1, as a
+    # zero-length axis leaves -1 undefined), and an empty batch with a bias per entry
+    any_rank = lambda q, k, v: jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(
+        jnp.einsum("...qhd,...khd->...hqk", q, k) / 4.0, -1), v)
+    biased = lambda q, k, v, bias: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(
+        jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0 + bias, -1), v)
+    for f, args in ((any_rank, (jnp.ones((2, 2, 8, 2, 16)), jnp.ones((2, 2, 0, 2, 16)), jnp.ones((2, 2, 0, 2, 16)))),
+                    (any_rank, (jnp.ones((2, 2, 0, 2, 16)), jnp.ones((2, 2, 8, 2, 16)), jnp.ones((2, 2, 8, 2, 16)))),
+                    (jax.vmap(any_rank), (jnp.ones((2, 1, 8, 2, 16)),) + (jnp.ones((2, 1, 0, 2, 16)),) * 2),
+                    (biased, (jnp.ones((0, 8, 2, 16)),) * 3 + (jnp.ones((0, 2, 8, 8)),))):
+        want = jax.jit(f)(*args)
+        got = xkern.jit(f)(*args)
+        [match] = xkern.explain(f)(*args).matches  # (taken; the op runs an empty problem as XLA would)
+        assert got.shape == want.shape and match.pattern.startswith("attention/")
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("cap", [None, 1.0], ids=["uncapped", "soft cap"])

@@ -762,7 +762,7 @@ def _flat_batch(x, batch: tuple):
     rest = x.shape[len(batch):]
     if all(n == 1 for n in x.shape[:len(batch)]):
         return x.reshape((1, *rest))
-    return jnp.broadcast_to(x, (*batch, *rest)).reshape((-1, *rest))
+    return jnp.broadcast_to(x, (*batch, *rest)).reshape((math.prod(batch), *rest))  # (not -1: rest may hold a 0)
 
 
 def _producing(graph, var, name: str):

@@ -2108,7 +2108,7 @@ def _as_4d(name, a, batch, heads, sq, sk):
     if shape is None or any(n not in (1, size) for n, size in zip(shape, (batch, heads, sq, sk))):
         raise ValueError(f"attention: {name} must broadcast to [batch, heads, q_seq, kv_seq] = "
                          f"{[batch, heads, sq, sk]}; got shape {tuple(a.shape)}")
-    varies = (shape[0] == batch > 1, shape[1] == heads > 1)
+    varies = (shape[0] == batch != 1, shape[1] == heads != 1)  # (an empty batch varies: [0, ..] stays so)
     target = (batch if varies[0] else 1, heads if varies[1] else 1, sq, sk)
     return jnp.broadcast_to(a.reshape(shape), target), varies
 
