@@ -1330,7 +1330,7 @@ def tuned_configs(q, k, st: "Static") -> tuple[L.Config, L.Config, L.Config]:
             autotune.agrees(first, step(*args))
             return time_pipelined(step, *args, min_seconds=0.02)
         version = autotune.version_of(_fwd, _fwd_split_kv, attention_hopper.fwd, _bwd_dkdv, _bwd_dq,
-                                      attention_hopper.bwd)
+                                      attention_hopper.bwd, attention_hopper.bwd_wide)
         configs[i] = autotune.tuned(f"attention_{kernel}", key, candidates(kernel, d, st.backend, **fit), measure,
                                     st.backend, version=version)
     return tuple(configs)
