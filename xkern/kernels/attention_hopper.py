@@ -738,17 +738,14 @@ def _wide_consumer(k_smem, v_smem, k_cols, kv_bar, p_smem, ds_smem, bars, q_bufs
     zeros_q = gl.zeros([block_m, dq_cols], gl.float32, q_layout)
     dk = gl.zeros([keys_n, half_d], gl.float32, o_layout)
     dv = gl.zeros([keys_n, half_d], gl.float32, o_layout)
-    n_masked: gl.constexpr = keys_n // block_m if CAUSAL else 0  # the query blocks the diagonal crosses
+    # Causal, every step masks (a compare and select of S^T's tile, true past the diagonal): a second
+    # copy of the step for the diagonal's block alone made ptxas spill (126 stores in the loops).
     for g in range(group):
         h = hk * group + g
-        for m in range(0, n_masked):
+        for m in range(0, n_q_blocks):
             dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
                                 ds_smem, bars, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
-                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, True, s_layout, EXP2, WG, SPLIT)
-        for m in range(n_masked, n_q_blocks):
-            dk, dv = _wide_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_smem, v_smem, k_cols, p_smem,
-                                ds_smem, bars, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc,
-                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, EXP2, WG, SPLIT)
+                                dq_smem, b, sq, key0, zeros_s, zeros_q, QK_SCALE, D, CAUSAL, s_layout, EXP2, WG, SPLIT)
     tma.store_wait(0)
     rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
     dims = WG * half_d + gl.arange(0, half_d, gl.SliceLayout(0, o_layout))
