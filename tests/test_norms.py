@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import flax.linen as nn
 
 import xkern
 from xkern.kernels.launch import kernel_names
@@ -394,6 +395,20 @@ def test_a_residual_add_used_before_the_norm_or_broadcast_is_not_taken():
         names = [m.pattern for m in xkern.explain(f)(x, a).matches if "norm" in m.pattern]
         assert names == ["rms_norm/rms_square*scale/plain"], names
         close(xkern.jit(f)(x, a), jax.jit(f)(x, a), jnp.float32)
+    # flax's RMSNorm upcasts a float16 h, and the program reads that same upcast again: the upcast is
+    # left in the program for that user, before the norm, so the add must run first (it raised)
+    x, a = (z.astype(jnp.float16) for z in (x, a))
+
+    def upcast_shared(x, a, scale):
+        h = x + a
+        return nn.RMSNorm().apply({"params": {"scale": scale}}, h), h.astype(jnp.float32) * 2
+    names = [m.pattern for m in xkern.explain(upcast_shared)(x, a, scale).matches if "norm" in m.pattern]
+    assert names and not [n for n in names if "residual" in n], names
+    for got, want in zip(xkern.jit(upcast_shared)(x, a, scale), jax.jit(upcast_shared)(x, a, scale)):
+        close(got, want, jnp.float16)
+    loss = lambda *z: sum(jnp.sum(y.astype(jnp.float32)) for y in upcast_shared(*z))
+    for g, w in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(x, a, scale), jax.grad(loss, (0, 1, 2))(x, a, scale)):
+        close(g, w, jnp.float16)
 
 
 def test_a_bf16_residual_stream_with_a_float32_branch():

@@ -373,14 +373,16 @@ def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
     """Let each rewrite whose pattern can (a norm) take the add h = x + r that makes its first input:
     the kernel then reads x and r and writes h beside its output. The replacement runs at the
     pattern's anchor, so h's other users must all come after it (as in a pre-norm transformer block,
-    where h is next used by the block's second residual add)."""
+    where h is next used by the block's second residual add). A matched equation left in the program
+    for another user (match.shared: h's upcast, also read outside the norm) runs where it stood, so
+    it counts as such a user."""
     for anchor, rewrite in plan.rewrites.items():
         h = rewrite.match.inputs[0]
         add = graph.residual_sum(h) if rewrite.match.pattern.folds_residual_add else None
         if add is None or add in claimed or add not in plan.live:
             continue
-        if any(c in plan.live and c < anchor and c not in rewrite.match.program_eqns
-               for c in graph.consumers.get(h, ())):
+        own = rewrite.match.program_eqns - rewrite.match.shared
+        if any(c in plan.live and c < anchor and c not in own for c in graph.consumers.get(h, ())):
             continue
         rewrite.residual_add = add
         claimed.add(add)
