@@ -62,6 +62,26 @@ def test_values_and_every_gradient(rms, shape, dtype, with_residual):
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=lambda d: jnp.dtype(d).name)
+def test_eps_of_zero(rms, dtype):
+    """eps 0 (BERT's 1e-12 rounds to it in a float16 program): rows past the last full block of rows
+    must not turn the scale's gradient into NaN (their rstd is inf)."""
+    x, _, scale, bias, dy = make((7, 16), dtype, seed=5)
+    b = None if rms else bias
+    op = (lambda x, s, b: xkern.ops.rms_norm(x, s, eps=0.0)) if rms else \
+        (lambda x, s, b: xkern.ops.layer_norm(x, s, b, eps=0.0))
+    ref = lambda x, s, b: reference(x, s, b, 0.0, None, rms)
+    loss = lambda f: lambda x, s, b: jnp.sum(f(x, s, b).astype(jnp.float32) * dy)
+    argnums = (0, 1) if rms else (0, 1, 2)
+    close(op(x, scale, b), ref(x, scale, b), dtype)
+    got = jax.grad(loss(op), argnums)(x, scale, b)
+    want = jax.grad(loss(ref), argnums)(x.astype(jnp.float32), scale, b)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g, np.float32)).all()
+        close(g, w, dtype)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 def test_rows_wider_than_the_backward_kernel_take_xlas_backward(rms, with_residual, monkeypatch):
     """Rows wider than the backward kernel takes (RMS norm past 8192 columns, where it spills: 8.9x
