@@ -488,6 +488,23 @@ def test_matmul_epilogue_backward_reuses_the_product():
                                rtol=1e-5)
 
 
+@pytest.mark.parametrize("m,k,n", [(4, 0, 8), (0, 5, 8), (4, 5, 0)], ids=str)
+def test_empty_matmuls_and_rows_of_nothing_equal_xla(m, k, n):
+    """An empty contraction (the product is zeros, the epilogue still runs on them), an empty product,
+    and a row reduction over no columns (max: -inf): values and gradients as jax.jit's (they raised)."""
+    rng = np.random.default_rng(m + k + n)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((m, k), (k, n)))
+    b = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    mlp = lambda x, w, b: jax.nn.gelu(x @ w + b) * 2.0
+    rows = lambda x, w, b: (jax.lax.reduce_max(jnp.exp(x) * 2.0, (1,)), jnp.sum(jnp.tanh(x) + 1.0, -1))
+    for f in (mlp, rows):
+        for got, want in zip(jax.tree.leaves(xkern.jit(f)(x, w, b)), jax.tree.leaves(jax.jit(f)(x, w, b))):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    loss = lambda x, w, b: jnp.sum(mlp(x, w, b))
+    for got, want in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(x, w, b), jax.grad(loss, (0, 1, 2))(x, w, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 @pytest.mark.cost_model
 def test_matmul_epilogue_batching_and_what_it_leaves_alone():
     rng = np.random.default_rng(7)

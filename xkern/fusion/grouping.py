@@ -205,17 +205,21 @@ def _finish(group: Group, graph, live: set[int]) -> str | None:
             group.outputs.append((v, kind))
     if group.n_cols > 16384:
         return f"rows of {group.n_cols} are longer than the one-block template takes (16384)"
+    if group.n_cols == 0:  # (a max over no columns is -inf: XLA's to give)
+        return "rows of 0 elements: nothing to fuse"
     return None
 
 
 def supported_dot(eqn) -> bool:
-    """A dot_general the matmul template takes: [..., K] @ [K, N], one float dtype, no batch dims."""
+    """A dot_general the matmul template takes: [..., K] @ [K, N], one float dtype, no batch dims, K
+    and N not 0 (an empty contraction's zeros, or an empty product, are XLA's to make)."""
     if eqn.primitive.name != "dot_general":
         return False
     lhs, rhs = eqn.invars
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     dtypes = {lowering.dtype_name(lhs.aval), lowering.dtype_name(rhs.aval)}
-    return (len(rhs.aval.shape) == 2 and len(lhs.aval.shape) >= 2 and tuple(lc) == (len(lhs.aval.shape) - 1,)
+    return (len(rhs.aval.shape) == 2 and min(rhs.aval.shape) > 0 and len(lhs.aval.shape) >= 2
+            and tuple(lc) == (len(lhs.aval.shape) - 1,)
             and tuple(rc) == (0,) and not lb and not rb and len(dtypes) == 1
             and dtypes <= lowering.FLOATS and lowering.dtype_name(eqn.outvars[0].aval) in lowering.FLOATS
             and not isinstance(lhs, Literal) and not isinstance(rhs, Literal))
