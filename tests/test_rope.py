@@ -111,6 +111,12 @@ def test_empty_arrays_and_the_xla_backend():
         x, cos, sin, _ = make(shape, jnp.float32, False)
         assert R.rope(x, cos, sin).shape == shape
         assert jax.grad(lambda x: R.rope(x, cos, sin).sum())(x).shape == shape
+    # a program's rotation of an empty sequence with tables per example: left to XLA (it raised)
+    x, cos, sin = jnp.ones((2, 0, 2, 8)), jnp.ones((2, 0, 1, 8)), jnp.zeros((2, 0, 1, 8))
+    loss = lambda x, c, s: jnp.sum(x * c + jnp.concatenate([-x[..., 4:], x[..., :4]], -1) * s)
+    for got, want in zip(xkern.jit(jax.grad(loss, (0, 1, 2)))(x, cos, sin), jax.grad(loss, (0, 1, 2))(x, cos, sin)):
+        assert got.shape == want.shape
+    assert "empty" in xkern.explain(jax.grad(loss))(x, cos, sin).declined[0].reason
     x, cos, sin, _ = make((2, 5, 3, 8), jnp.bfloat16, True)
     np.testing.assert_array_equal(R.rope(x, cos, sin, backend="xla"), R.reference(x, cos, sin))
     assert kernel_names(jax.make_jaxpr(lambda x: R.rope(x, cos, sin, backend="xla"))(x)) == []

@@ -153,6 +153,8 @@ def _check(full_width):
             return f"cos / sin do not have one value per rotated element ({width}) on the last axis"
         if cos.ndim > x.ndim or sin.ndim > x.ndim:
             return "cos / sin have more axes than x"
+        if 0 in x.shape:
+            return "empty: nothing to rotate"
         return None
     return check
 
