@@ -35,8 +35,10 @@ logits upcast to float32. Like take_along_axis, the
 replacement counts negative labels from the end; labels still out of range give NaN, as the
 program's gather does. NumPy indexing of [n, V] logits, `log_softmax(logits)[jnp.arange(n), labels]`
 (and logsumexp minus `logits[jnp.arange(n), labels]`): negative labels count from the end; one
-still out of range is clamped into range, as indexing's forward does (its gradient drops such a
-label: the kernels' is the clamped label's, the same where the row is masked, as HF's -100 are). One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
+still out of range is clamped into range, as indexing's forward does. The gradient of such a row
+differs from jax.jit's: jax.jit's scatter drops the index, so its gradient there is 0 (while its
+loss counts the clamped label); the kernels' is the clamped label's. Masked rows (HF's -100 labels,
+masked after the loss) are 0 in both. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
 a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
 log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
