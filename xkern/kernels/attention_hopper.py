@@ -40,7 +40,8 @@ Without the dq reductions (dq then wrong, its product and store kept) the kernel
 after the Triton forward: 417 against the two kernels' 371, cuDNN 420).
 
 At head dim 256 dk and dv for 64 keys would take a warpgroup 256 registers; `bwd_wide` splits
-their columns between the two warpgroups instead (see WIDE_BLOCK_N), behind BWD_WIDE until timed.
+their columns between the two warpgroups instead (see WIDE_BLOCK_N); it lost to the Triton pair on
+the H200, so BWD_WIDE leaves it off.
 
 Hopper only (wgmma): the interpreter cannot run Gluon, so on a CPU the same problems take the
 Triton kernels, and tests check these by compiling them for sm_90 (and on a GPU, by value).
@@ -409,7 +410,9 @@ BWD_BLOCK_N = BLOCK_N  # keys per program (64 per consumer warpgroup)
 BWD_STAGES = 2
 # Causal: 1 runs the diagonal's query blocks in the one loop, every step masking (a compare and select
 # of S^T's tile), as bwd_wide does; 0 gives them a copy of the step of their own, which makes ptxas
-# spill 120 registers' stores at head dim 128 (57 without causal). Not yet timed: 0 is the measured one.
+# spill 120 registers' stores at head dim 128 (57 without causal), 75 with 1. H200, b4 s4096 h32 causal
+# (h200-attention-one-loop-bwd-session48.json): forward+backward 4.296 ms with 1, 4.244 with 0 (cuDNN
+# 4.247-4.273): fewer spills do not pay for masking every step. So 0.
 BWD_ONE_LOOP = 0
 # At 256 one warpgroup's dk and dv would need 256 registers. At 64 (session 35, b4 s4096 h32, same
 # run, with the Triton forward): 417 TFLOP/s forward+backward against the Triton pair's 371 (cuDNN
@@ -619,7 +622,12 @@ WIDE_DQ_COLS = 32
 # How the two warpgroups share S^T's and dP^T's products: 0, each half of the queries (N = 32); 1,
 # warpgroup 0 S^T and warpgroup 1 dP^T, then dS^T from P^T in shared memory (N = 64, but in series)
 WIDE_SPLIT = 0
-BWD_WIDE = 0  # whether head dim 256 takes it (applies_bwd): not yet measured on a GPU
+# Whether head dim 256 takes it (applies_bwd). H200, b2 s4096 h16 (h200-attention-wide-bwd-session48.json):
+# its values match float32 (dq, dk, dv within 8e-3, causal GQA too), but forward+backward runs at
+# 365 TFLOP/s with WIDE_SPLIT 1 and 316 with 0, against 383 for the Triton pair (cuDNN 403-424).
+# Not profiled; the likely costs: each step's four dQ chunks a warpgroup wait on their TMA reductions
+# in turn, and the warpgroups wait on each other's halves of P^T and dS^T. So 0: the Triton pair.
+BWD_WIDE = 0
 
 
 @gluon.jit
