@@ -86,7 +86,7 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # the wide backward at head dim 256 (64-key programs, P^T and dS^T through shared memory): 225 KB
     wide = {r["case"]: r["detail"] for r in results if r["kernel"] == "bwd_wide"}
     assert set(wide) == {f"attention/sm_90/d256/bf16/{kind}/bwd" for kind in ("plain", "causal-gqa")}, wide
-    assert all(", 230800 B shared" in detail for detail in wide.values()), wide
+    assert all(", 230784 B shared" in detail for detail in wide.values()), wide  # (WIDE_SPLIT 1)
     assert any(r["case"] == "attention/sm_90/d128/bf16/softcap/fwd_diagonal" for r in results)
     # Attention sinks, counted after the loop: in the warp-specialized forward (Hopper) too
     sunk = {r["target"]: r["detail"] for r in results if r["case"].endswith("/sinks/fwd")}

@@ -408,12 +408,6 @@ BWD_BLOCK_N = BLOCK_N  # keys per program (64 per consumer warpgroup)
 # q/do/lse/delta ring, k, v, two dS^T and two dQ halves: 194 KB of the 227 KB at 2 stages at head dim
 # 128, 113 KB at 64 (3 measured the same, in sessions 32 and 33 at 128, and at 64 in session 35)
 BWD_STAGES = 2
-# Causal: 1 runs the diagonal's query blocks in the one loop, every step masking (a compare and select
-# of S^T's tile), as bwd_wide does; 0 gives them a copy of the step of their own, which makes ptxas
-# spill 120 registers' stores at head dim 128 (57 without causal), 75 with 1. H200, b4 s4096 h32 causal
-# (h200-attention-one-loop-bwd-session48.json): forward+backward 4.296 ms with 1, 4.244 with 0 (cuDNN
-# 4.247-4.273): fewer spills do not pay for masking every step. So 0.
-BWD_ONE_LOOP = 0
 # At 256 one warpgroup's dk and dv would need 256 registers. At 64 (session 35, b4 s4096 h32, same
 # run, with the Triton forward): 417 TFLOP/s forward+backward against the Triton pair's 371 (cuDNN
 # 420), causal 340 against 330 (cuDNN 368).
@@ -493,7 +487,7 @@ def _bwd_step(i, start, h, dk, dv, k_half, v_half, k_cols, ds_bufs, ds_bar, q_bu
 def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs,
                   delta_bufs, dk_ptr, dv_ptr, dq_desc, dq_smem, b, sq, sk, hk, key0, half, first, n_q_blocks,
                   QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
-                  D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr, ONE_LOOP: gl.constexpr):
+                  D: gl.constexpr, CAUSAL: gl.constexpr, EXP2: gl.constexpr):
     """One warpgroup's 64 keys (k_half, v_half from key0) against every query block the loader
     brings, then its rows of dk (scaled) and dv."""
     num_warps: gl.constexpr = gl.num_warps()
@@ -512,8 +506,7 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
     zeros_q = gl.zeros([block_m, D // 2], gl.float32, q_layout)
     dk = gl.zeros([keys_n, D], gl.float32, o_layout)
     dv = gl.zeros([keys_n, D], gl.float32, o_layout)
-    # the query blocks the diagonal crosses (ONE_LOOP: none apart, every step masks; see BWD_ONE_LOOP)
-    n_masked: gl.constexpr = 2 * keys_n // block_m if CAUSAL and not ONE_LOOP else 0
+    n_masked: gl.constexpr = 2 * keys_n // block_m if CAUSAL else 0  # the query blocks the diagonal crosses
     for g in range(group):
         h = hk * group + g
         for m in range(0, n_masked):
@@ -523,8 +516,7 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
         for m in range(n_masked, n_q_blocks):
             dk, dv = _bwd_step(g * n_q_blocks + m, first + m * block_m, h, dk, dv, k_half, v_half, k_cols, ds_bufs,
                                ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dq_desc, dq_smem, b, sq,
-                               key0, half, zeros_s, zeros_q, QK_SCALE, D, CAUSAL and ONE_LOOP, s_layout, a_layout,
-                               EXP2)
+                               key0, half, zeros_s, zeros_q, QK_SCALE, D, False, s_layout, a_layout, EXP2)
     tma.store_wait(0)
     rows = key0 + gl.arange(0, keys_n, gl.SliceLayout(1, o_layout))
     dims = gl.arange(0, D, gl.SliceLayout(0, o_layout))
@@ -537,14 +529,12 @@ def _bwd_consumer(k_half, v_half, k_cols, kv_bar, ds_bufs, ds_bar, q_bufs, do_bu
 def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr, dq_ptr,
         QK_SCALE: gl.constexpr, SCALE: gl.constexpr, HEADS: gl.constexpr, KV_HEADS: gl.constexpr,
         D: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr,
-        ONE_LOOP: gl.constexpr):
+        BLOCK_D: gl.constexpr, STAGES: gl.constexpr, GLUON: gl.constexpr, EXP2: gl.constexpr):
     """dk, dv [batch, sk, KV_HEADS, D] and dq's float32 accumulator ([batch, sq, HEADS, D], zeroed
     before, unscaled) of attention over q, do [batch, sq, HEADS, D] and k, v (16-bit), given the
     forward's lse (log2 domain) and delta = rowsum(do * o) [batch, HEADS, sq]; no masking but causal
     (then sq == sk); sq a multiple of BLOCK_M, sk of BLOCK_N. Grid (sk // BLOCK_N, batch * KV_HEADS),
-    4 warps asked. (BLOCK_D == D and GLUON: the config's marks; EXP2: see FWD_EXP2; ONE_LOOP: see
-    BWD_ONE_LOOP.)"""
+    4 warps asked. (BLOCK_D == D and GLUON: the config's marks; EXP2: see FWD_EXP2.)"""
     # (causal: the first key blocks, which see the most queries, first within each head; by groups of
     # heads, as the forward, lost 2% at s16384, whose 4 heads' q, do and dq overflow L2)
     pid_n = gl.program_id(0)
@@ -597,11 +587,11 @@ def bwd(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, sq, sk, dk_ptr, dv_ptr,
         (_bwd_consumer, (k_smem.slice(0, HALF), v_smem.slice(0, HALF), k_smem.slice(0, HALF_D, dim=1), kv_bar,
                          ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr, dq_desc,
                          dq_bufs.index(0), b, sq, sk, hk, key0, 0, first, n_q_blocks, QK_SCALE, SCALE, HEADS,
-                         KV_HEADS, D, CAUSAL, EXP2, ONE_LOOP)),
+                         KV_HEADS, D, CAUSAL, EXP2)),
         (_bwd_consumer, (k_smem.slice(HALF, HALF), v_smem.slice(HALF, HALF), k_smem.slice(HALF_D, HALF_D, dim=1),
                          kv_bar, ds_bufs, ds_bar, q_bufs, do_bufs, ready, empty, lse_bufs, delta_bufs, dk_ptr, dv_ptr,
                          dq_desc, dq_bufs.index(1), b, sq, sk, hk, key0 + HALF, 1, first, n_q_blocks, QK_SCALE,
-                         SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2, ONE_LOOP)),
+                         SCALE, HEADS, KV_HEADS, D, CAUSAL, EXP2)),
         (_bwd_loader, (q_desc, do_desc, lse_desc, delta_desc, q_bufs, do_bufs, lse_bufs, delta_bufs, ready, empty, b,
                        sq, hk, first, n_q_blocks, HEADS, KV_HEADS, D, BLOCK_M)),
     ], [4, 1], [240, 24])
@@ -620,8 +610,9 @@ bwd.xkern_maxnreg = MAXNREG
 WIDE_BLOCK_N = 64
 WIDE_DQ_COLS = 32
 # How the two warpgroups share S^T's and dP^T's products: 0, each half of the queries (N = 32); 1,
-# warpgroup 0 S^T and warpgroup 1 dP^T, then dS^T from P^T in shared memory (N = 64, but in series)
-WIDE_SPLIT = 0
+# warpgroup 0 S^T and warpgroup 1 dP^T, then dS^T from P^T in shared memory (N = 64, but in series).
+# 1 is the faster (below: 365 TFLOP/s against 316), and spills nothing
+WIDE_SPLIT = 1
 # Whether head dim 256 takes it (applies_bwd). H200, b2 s4096 h16 (h200-attention-wide-bwd-session48.json):
 # its values match float32 (dq, dk, dv within 8e-3, causal GQA too), but forward+backward runs at
 # 365 TFLOP/s with WIDE_SPLIT 1 and 316 with 0, against 383 for the Triton pair (cuDNN 403-424).
@@ -854,8 +845,7 @@ def bwd_kernel(head_dim: int):
 def bwd_config(head_dim: int = HEAD_DIM) -> L.Config:
     """The backward's config: attention's dk/dv candidate (GLUON marks it for attention._launch_bwd,
     which then launches no dq kernel)."""
-    wide = (dict(BLOCK_N=WIDE_BLOCK_N, DQ_COLS=WIDE_DQ_COLS, SPLIT=WIDE_SPLIT) if head_dim > 128
-            else dict(BLOCK_N=BWD_BLOCK_N, ONE_LOOP=BWD_ONE_LOOP))
+    wide = dict(BLOCK_N=WIDE_BLOCK_N, DQ_COLS=WIDE_DQ_COLS, SPLIT=WIDE_SPLIT) if head_dim > 128 else dict(BLOCK_N=BWD_BLOCK_N)
     return L.Config.of(BLOCK_M=BWD_BLOCK_M, **wide, BLOCK_D=head_dim, STAGES=BWD_STAGES, GLUON=1, EXP2=BWD_EXP2,
                        num_warps=4, num_stages=BWD_STAGES)
 
