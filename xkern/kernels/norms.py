@@ -264,8 +264,10 @@ def _bwd(h_ptr, dy_ptr, dh_out_ptr, scale_ptr,  # inputs
         if HAS_RESIDUAL:
             dh += tl.load(dh_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(dh_ptr + offs, dh.to(dh_ptr.dtype.element_ty), mask=mask)
-        # (masked: with eps 0 the zero rows past the end have hhat 0 * inf = NaN)
-        dscale_acc += tl.sum(tl.where(mask, dy * hhat, 0.0), axis=0)
+        if EPS == 0.0:  # the zero rows past the end have hhat 0 * inf = NaN (with eps, 0)
+            dscale_acc += tl.sum(tl.where(mask, dy * hhat, 0.0), axis=0)
+        else:
+            dscale_acc += tl.sum(dy * hhat, axis=0)
         dbias_acc += tl.sum(dy, axis=0)
     sums = (seg * programs + pid) * N_COLS + tl.arange(0, BLOCK_N)
     tl.store(dscale_ptr + sums, dscale_acc, mask=tl.arange(0, BLOCK_N) < N_COLS)
