@@ -242,6 +242,90 @@ def test_forward_mode_through_an_optimized_function_says_what_works():
     np.testing.assert_allclose(xkern.jit(hvp(f))(x, v), jax.jit(hvp(f))(x, v), rtol=1e-5, atol=1e-6)
 
 
+def _ln(x, g, b):
+    m = x.mean(-1, keepdims=True)
+    return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+
+
+@pytest.mark.parametrize("how", ["a gradient penalty", "MAML's inner step", "grad of grad"])
+def test_derivatives_of_derivatives_under_xkern_jit(how):
+    """A derivative taken inside a function that is itself differentiated is differentiated twice,
+    and xkern's backward kernels have none of their own: only the outer function is replaced, the
+    inner derivative's forward still planned with it (its kernels differentiated once)."""
+    rng = np.random.default_rng(7)
+    x, g, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((6, 24), (24,), (24,)))
+    f = lambda x, g, b: jnp.sum(jax.nn.softmax(_ln(x, g, b)) ** 2)
+    outer = {"a gradient penalty": lambda g: f(x, g, b) + jnp.sum(jax.grad(f)(x, g, b) ** 2),
+             "MAML's inner step": lambda g: f(x, g - 0.1 * jax.grad(lambda g: f(x, g, b))(g), b),
+             "grad of grad": lambda g: jnp.sum(jax.grad(f, argnums=1)(x, g, b) * jnp.cos(g))}[how]
+    step = jax.grad(outer)
+    assert "layer_norm_fwd" in kernel_names(jax.make_jaxpr(xkern.jit(step))(g))
+    np.testing.assert_allclose(xkern.jit(step)(g), jax.jit(step)(g), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_vmap_over_a_norms_scale_and_bias(rms):
+    """A scale and bias per example (an ensemble's, vmapped): the kernels read one of each for every
+    row, so XLA computes those calls from the reference; values and every gradient, a residual too."""
+    rng = np.random.default_rng(8)
+    x, r = (jnp.asarray(rng.standard_normal((5, 7)), jnp.float32) for _ in range(2))
+    g, b = (jnp.asarray(rng.standard_normal(7), jnp.float32) for _ in range(2))
+    ours = (lambda x, r, g, b: xkern.ops.rms_norm(x, g, bias=b, residual=r, eps=1e-5)) if rms else (
+        lambda x, r, g, b: xkern.ops.layer_norm(x, g, b, eps=1e-5, residual=r))
+
+    def theirs(x, r, g, b):
+        h = x + r
+        c = h if rms else h - h.mean(-1, keepdims=True)
+        return c * jax.lax.rsqrt((c ** 2).mean(-1, keepdims=True) + 1e-5) * g + b, h
+    for in_axes in [(None, None, 0, 0), (None, None, 0, None), (0, None, None, 0), (0, 0, 0, 0)]:
+        examples = lambda a: a[None] * jnp.arange(1.0, 4.0).reshape(3, *[1] * a.ndim)  # (3 different)
+        args = [a if axis is None else examples(a) for a, axis in zip((x, r, g, b), in_axes)]
+        loss = lambda norm: lambda *a: sum(jnp.sum(jnp.sin(o) * (k + 1)) for k, o in enumerate(norm(*a)))
+        run = lambda norm: jax.vmap(jax.value_and_grad(loss(norm), argnums=(0, 1, 2, 3)), in_axes)(*args)
+        for got, want in zip(*(jax.tree.leaves(jax.jit(run, static_argnums=0)(norm)) for norm in (ours, theirs))):
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=str(in_axes))
+
+
+def test_arguments_and_calls_as_jax_jit_takes_them():
+    """What jax.jit takes, xkern.jit takes the same way: NumPy scalars as static arguments, a
+    function that adds to a dict it is given, xkern.jit(f) made anew for each call (f traced once, as
+    by jax.jit: the wrapper is cached per function, holding it weakly, kept alive by the result's
+    __wrapped__); eager optimize of a float64 NumPy array; explain with static arguments."""
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((4, 6)), jnp.float32)
+    soft = lambda x, axis, double: jax.nn.softmax(x, axis=axis) * (2.0 if double else 1.0)
+    for axis, double in [(np.int64(-1), np.bool_(True)), (np.int32(0), np.bool_(False))]:
+        got = xkern.jit(soft, static_argnums=(1, 2))(x, axis, double)
+        np.testing.assert_allclose(got, jax.jit(soft, static_argnums=(1, 2))(x, axis, double), rtol=1e-6)
+
+    def adds(d):
+        d["y"] = jax.nn.softmax(d["x"])
+        return d
+    np.testing.assert_allclose(xkern.jit(adds)({"x": x})["y"], jax.nn.softmax(x), rtol=1e-6)
+
+    traces = []
+    def f(x):
+        traces.append(1)
+        return jax.nn.softmax(x)
+    for _ in range(3):
+        np.testing.assert_allclose(xkern.jit(f)(x), jax.nn.softmax(x), rtol=1e-6)
+    assert len(traces) == 1 and xkern.jit(f).__wrapped__ is f
+    once = xkern.jit(lambda x: jax.nn.log_softmax(x))  # (nothing else holds the lambda)
+    import gc
+    gc.collect()
+    np.testing.assert_allclose(once(x), jax.nn.log_softmax(x), rtol=1e-6)
+
+    wide = np.asarray(x, np.float64)
+    got = xkern.optimize(jax.nn.softmax)(wide)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, jax.nn.softmax(wide), rtol=1e-6)
+
+    softmax_at = lambda x, axis: jax.nn.softmax(x, axis=axis)
+    for report in [xkern.explain(softmax_at, static_argnums=1)(x, -1),
+                   xkern.explain(softmax_at, static_argnames="axis")(x, -1),
+                   xkern.explain(xkern.jit(softmax_at, static_argnums=1))(x, -1)]:
+        assert report.kernels == ["softmax_fwd"]
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""

@@ -170,6 +170,26 @@ def test_inside_shard_map_each_device_launches_on_its_shard(case, mesh):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_xkern_jit_of_a_program_that_calls_shard_map(axis_type):
+    """xkern around shard_map (not inside its body): the body is planned and rebuilt in shard_map's
+    context, its mesh axis bound and its values varying over it as jax typed them; a training step's
+    values and gradients as jax.jit's, the kernels launched inside the body."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(getattr(jax.sharding.AxisType, axis_type),))
+    rng = np.random.default_rng(6)
+    x = jax.device_put(_normal(rng, (8, 32)), NamedSharding(mesh, P("data")))
+    g, b = _normal(rng, (32,)), _normal(rng, (32,))
+    body = lambda x, g, b: jax.nn.softmax(_layer_norm(x, g, b)) * g + 1.0
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=P("data"))
+    step = jax.value_and_grad(lambda x, g, b: jnp.sum(jnp.sin(f(x, g, b))), argnums=(0, 1, 2))
+    assert {"layer_norm_fwd", "softmax_fwd"} <= set(kernel_names(jax.make_jaxpr(xkern.jit(f))(x, g, b)))
+    assert "layer_norm_bwd" in kernel_names(jax.make_jaxpr(xkern.jit(step))(x, g, b))
+    got = jax.block_until_ready((xkern.jit(f)(x, g, b), xkern.jit(step)(x, g, b)))
+    want = jax.block_until_ready((jax.jit(f)(x, g, b), jax.jit(step)(x, g, b)))
+    for a, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, w, rtol=2e-5, atol=2e-5)
+
+
 def test_ops_called_inside_shard_map_sum_replicated_gradients(mesh):
     """xkern.ops called directly on a device's shard, with a replicated scale and a numpy bias: the
     scale's gradient is the sum over devices, as for the same norm written in jax.numpy."""

@@ -78,6 +78,18 @@ def varying_axes(aval) -> frozenset:
     return mat.varying if mat is not None else frozenset(getattr(aval, "vma", ()))
 
 
+def spec_like(aval) -> jax.ShapeDtypeStruct:
+    """A ShapeDtypeStruct of `aval` with its weak type and, inside shard_map, the mesh axes it varies
+    over (a body traced again from such specs types its values as jax did)."""
+    extra = {"weak_type": getattr(aval, "weak_type", False)}
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None and mat.varying:
+        extra.update(manual_axis_type=mat, sharding=aval.sharding)  # (a manual mesh's sharding)
+    elif getattr(aval, "vma", None):
+        extra["vma"] = aval.vma
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **extra)
+
+
 def shaped_array_like(shape, dtype, avals):
     """A ShapedArray of `shape` and `dtype` that varies over every mesh axis one of `avals` varies
     over (shard_map's type of a value computed on each device from those), on their mesh."""
@@ -101,10 +113,30 @@ def vary(x, axes: tuple):
     return jax.lax.pvary(x, axes)
 
 
-__all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source", "eval_context",
+__all__ = ["apply_primitive", "bind_equation", "user_context", "summarize_source", "eval_context", "body_context",
            "wrapping_differentiated",
-           "varying_axes", "shaped_array_like", "vary",
+           "varying_axes", "spec_like", "shaped_array_like", "vary",
            "partitioned_lowering", "manual_lowering", "require_devices_when_lowering", "spec_of"]
+
+
+@contextlib.contextmanager
+def body_context(eqn):
+    """The context jax traced `eqn`'s body in, for tracing it again (planning it, rebuilding it with
+    kernels): inside shard_map, its mesh axes bound and manual, as the body's values were typed."""
+    from jax._src import config, shard_map
+    parts = [getattr(shard_map, n, None) for n in ("_extend_axis_env", "use_abstract_mesh", "_as_manual_mesh")]
+    if eqn.primitive.name != "shard_map" or None in parts:  # (a jax without them: traced as before)
+        yield
+        return
+    extend_axis_env, use_abstract_mesh, as_manual_mesh = parts
+    params = eqn.params
+    manual = params.get("newly_manual_axes", params.get("manual_axes", frozenset()))
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(extend_axis_env(params["mesh"], manual))
+        stack.enter_context(use_abstract_mesh(as_manual_mesh(params["mesh"], manual)))
+        if hasattr(config, "_check_vma"):
+            stack.enter_context(config._check_vma(params.get("check_vma", True)))
+        yield
 
 
 def eval_context():
@@ -180,9 +212,18 @@ def _install_linearize_hook() -> None:
         wrap = getattr(_differentiated, "wrap", None)
         # Reverse mode only (vjp, grad), and not under forward mode (jacfwd of jacrev): xkern's ops
         # are custom_vjp functions, which jax cannot differentiate forwards.
+        # Nor inside a function already replaced (jax traces it within this call): a derivative taken
+        # there (a gradient penalty, MAML's inner step) is differentiated again by the outer one, and
+        # xkern's backward kernels have no derivatives of their own; its forward is still planned
+        # with the outer function's program, whose kernels are differentiated once.
         if (wrap is not None and kwargs.get("is_vjp") and not _asked_by_xkern()
+                and not getattr(_differentiated, "inside", False)
                 and not any(isinstance(p, ad.JVPTracer) for p in primals)):
-            traceable = wrap(traceable)
+            _differentiated.inside = True
+            try:
+                return original(wrap(traceable), primals, *args, **kwargs)
+            finally:
+                _differentiated.inside = False
         return original(traceable, primals, *args, **kwargs)
 
     linearize._xkern_hook = True

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import re
 import threading
 import warnings
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -17,9 +19,9 @@ from xkern.jaxpr_passes.rewrite import Declined, evaluate, hearing_as_written, r
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
 from xkern.memory.liveness import peak_live_bytes
 
-# Array leaves are traced; everything else (Python numbers included: under jax.jit they arrive as
-# Python values only when they are static) is baked into the trace and keys its cache entry.
-_DYNAMIC = (jax.Array, np.ndarray, np.generic)
+# Array leaves are traced; everything else (Python and NumPy scalars included: under jax.jit they
+# arrive as such only when they are static) is baked into the trace and keys its cache entry.
+_DYNAMIC = (jax.Array, np.ndarray)
 
 
 @dataclasses.dataclass
@@ -32,15 +34,17 @@ class _Traced:
     static_out: dict  # output leaves that are not arrays (a string in jax.grad's aux): position -> value
 
 
-def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
+def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_place: bool = True) -> _Traced:
     """The jaxpr of `fun` at these arguments; non-array leaves (strings, None...) are static.
     What `fun` differentiates (a training step's jax.value_and_grad) is optimized before jax
-    differentiates it, so its patterns are found in the forward pass it was written as."""
+    differentiates it, so its patterns are found in the forward pass it was written as.
+    carry_in_place: whether values fun sets on its arguments become outputs (_set_in_place); under
+    xkern.jit they go nowhere, as under jax.jit, so fun may also change their structure there."""
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     # A ShapeDtypeStruct (explain, planning at shapes only, as jax.jit(f).lower takes) is traced as
     # the abstract value it describes.
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (*_DYNAMIC, jax.ShapeDtypeStruct))]
-    dynamic = [leaves[i] for i in dyn_idx]
+    dynamic = [_canonical(leaves[i]) for i in dyn_idx]
     out_tree, mutated, static_out = [], [], {}
 
     def flat_fun(*dyn):
@@ -51,13 +55,18 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
         out, tree = jax.tree_util.tree_flatten(fun(*a, **k))
         out_tree.append(tree)
         static_out.update({n: v for n, v in enumerate(out) if not isinstance(v, _DYNAMIC)})
-        after = _set_in_place(fun, treedef, full, (a, k))
+        if carry_in_place:
+            after = _set_in_place(fun, treedef, full, (a, k))
+        else:
+            after = {}
+            _warn_if_set_in_place(fun, full, (a, k), out)
         mutated.extend(after)
         return [v for n, v in enumerate(out) if n not in static_out] + list(after.values())
 
     with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
         closed = jax.make_jaxpr(flat_fun)(*dynamic)
-    static = tuple((i, leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
+    # (the type too: 1, 1.0, True and np.int32(1) are equal keys, but trace to different dtypes)
+    static = tuple((i, type(leaf), leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
     key = (treedef, static, tuple((tuple(np.shape(d)), jax.numpy.result_type(d),
                                    getattr(jax.typeof(d), "weak_type", False)) for d in dynamic))
     try:
@@ -67,6 +76,14 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str) -> _Traced:
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
     return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out)
+
+
+def _canonical(leaf):
+    """A NumPy array in the dtype jax would make of it (float64 -> float32 unless jax_enable_x64), as
+    the program is traced and its kernels launched at that dtype (eager `optimize` gets such arrays)."""
+    if isinstance(leaf, np.ndarray):
+        return np.asarray(leaf, jax.dtypes.canonicalize_dtype(leaf.dtype))
+    return leaf
 
 
 def _set_in_place(fun: Callable, treedef, before: list, arguments) -> dict:
@@ -141,12 +158,16 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     if fun is None:
         return functools.partial(optimize, backend=backend)
     _check_args("optimize", fun, backend)
+    return _optimized(fun, backend, carry_in_place=True)
+
+
+def _optimized(fun: Callable, backend: str | None, carry_in_place: bool) -> Callable:
     plans: dict = {}  # signature -> [(the program as traced, its plan)], the latest last
 
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
         chosen = resolve_backend(backend)
-        traced = _trace(fun, args, kwargs, chosen)
+        traced = _trace(fun, args, kwargs, chosen, carry_in_place)
         plan = _cached_plan(plans, traced, chosen)
         if getattr(_inner_plans, "plans", None) is not None:
             _inner_plans.plans.append(plan)
@@ -163,6 +184,7 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
 
 
 PLANS_PER_SIGNATURE = 8
+SIGNATURES_KEPT = 64  # (eager calls with a new Python scalar each time make a new signature each)
 
 
 def _cached_plan(plans: dict, traced: _Traced, backend: str):
@@ -174,6 +196,8 @@ def _cached_plan(plans: dict, traced: _Traced, backend: str):
     if traced.key is None:
         return pipeline.plan(traced.closed, backend)
     text = str(traced.closed.jaxpr)
+    if (traced.key, backend) not in plans and len(plans) >= SIGNATURES_KEPT:
+        del plans[next(iter(plans))]  # the oldest signature's
     entries = plans.setdefault((traced.key, backend), [])
     for entry_text, consts, plan in entries:
         if entry_text == text and _same_constants(consts, traced.closed.consts):
@@ -193,22 +217,16 @@ def _same_constants(old: list, new: list) -> bool:
         for a, b in zip(old, new))
 
 
-def _warn_if_mutating(fun: Callable) -> Callable:
-    """fun, saying so when it sets values on its arguments in place: under jax.jit those go nowhere."""
-    @functools.wraps(fun)
-    def checked(*args, **kwargs):
-        before = [id(leaf) for leaf in jax.tree_util.tree_leaves((args, kwargs))]
-        out = fun(*args, **kwargs)
-        after = jax.tree_util.tree_leaves((args, kwargs))
-        returned = {id(leaf) for leaf in jax.tree_util.tree_leaves(out)}
-        # (a functional NNX step, merge then return nnx.state(model), returns what it set: no warning)
-        if any(old != id(new) and id(new) not in returned for old, new in zip(before, after)):
-            warnings.warn(f"xkern.jit: {getattr(fun, '__name__', 'fun')} set values on its arguments in place "
-                          "(as Flax NNX's optimizer.update does); like jax.jit, xkern.jit returns them nowhere "
-                          "and the caller's objects keep their old values: use nnx.jit(xkern.optimize(fun)), "
-                          "or return what changed", stacklevel=2)
-        return out
-    return checked
+def _warn_if_set_in_place(fun: Callable, before: list, arguments, outs: list) -> None:
+    """Under xkern.jit, as under jax.jit, values fun sets on its arguments go nowhere: say so, unless
+    fun returns them too (a functional NNX step, merge then return nnx.state(model))."""
+    returned = {id(leaf) for leaf in outs}
+    if any(new is not old and id(new) not in returned
+           for old, new in zip(before, jax.tree_util.tree_leaves(arguments))):
+        warnings.warn(f"xkern.jit: {getattr(fun, '__name__', 'fun')} set values on its arguments in place "
+                      "(as Flax NNX's optimizer.update does); like jax.jit, xkern.jit returns them nowhere "
+                      "and the caller's objects keep their old values: use nnx.jit(xkern.optimize(fun)), "
+                      "or return what changed", stacklevel=2)
 
 
 def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs):
@@ -220,7 +238,40 @@ def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs
     if fun is None:
         return functools.partial(jit, backend=backend, **jit_kwargs)
     _check_args("jit", fun, backend)
-    return jax.jit(_warn_if_mutating(optimize(fun, backend=backend)), **jit_kwargs)
+    jitted = jax.jit(_jit_wrapper(fun, backend), **jit_kwargs)
+    jitted.__wrapped__ = fun  # as jax.jit's; it also keeps fun alive, which its wrapper holds weakly
+    return jitted
+
+
+# xkern.jit(f) made again for the same f (in a loop, as jax.jit allows) reuses f's wrapper, so that
+# jax.jit's caches, keyed on the function, hit: nothing is traced, planned or compiled again. The
+# wrapper holds f weakly (from this cache a strong reference would keep every f alive forever).
+_JIT_WRAPPERS = weakref.WeakKeyDictionary()  # f -> {backend: xkern.jit's wrapper of f}
+
+
+def _jit_wrapper(fun: Callable, backend: str | None) -> Callable:
+    """What xkern.jit hands jax.jit: `fun` optimized, its in-place updates left in its trace (under
+    jax.jit they go nowhere; _warn_if_set_in_place). One per (fun, backend) where fun can be cached."""
+    try:
+        per_fun = _JIT_WRAPPERS.setdefault(fun, {})
+        signature = inspect.signature(fun)  # (jax.jit reads it for static_argnames)
+    except (TypeError, ValueError):  # not weakly referenceable, unhashable, or no signature
+        return _optimized(fun, backend, carry_in_place=False)
+    if backend not in per_fun:
+        per_fun[backend] = _optimized(_weakly(fun, signature), backend, carry_in_place=False)
+    return per_fun[backend]
+
+
+def _weakly(fun: Callable, signature) -> Callable:
+    """fun, called through a weak reference; named, documented and signed as fun."""
+    ref = weakref.ref(fun)
+
+    def call(*args, **kwargs):
+        return ref()(*args, **kwargs)
+    functools.update_wrapper(call, fun)
+    del call.__wrapped__  # (a strong reference)
+    call.__signature__ = signature
+    return call
 
 
 # --------------------------------------------------------------------------------------------------
@@ -314,15 +365,33 @@ def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list,
     return matches, declined
 
 
-def explain(fun: Callable, *, backend: str | None = None):
-    """`explain(fun)(*args)`: a Report of what xkern.jit / optimize would do to `fun` at these args."""
+def explain(fun: Callable, *, backend: str | None = None, static_argnums: int | tuple = (),
+            static_argnames: str | tuple = ()):
+    """`explain(fun)(*args)`: a Report of what xkern.jit / optimize would do to `fun` at these args.
+    static_argnums / static_argnames: as xkern.jit's (jax.jit's); a function jitted already keeps
+    its own."""
     _check_args("explain", fun, backend)
+    nums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
+    names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+    try:  # (a name of a parameter passed by position, as jax.jit reads static_argnames)
+        positional = [p.name for p in inspect.signature(fun).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        nums |= {positional.index(name) for name in names if name in positional}
+    except (TypeError, ValueError):
+        pass
+    jitted = hasattr(fun, "lower") and hasattr(fun, "trace")  # (it decides what its arguments are)
+
+    def as_jit_traces(value, static: bool):
+        """Python numbers traced as xkern.jit's jax.jit traces them (weakly typed), not baked in."""
+        if static or jitted:
+            return value
+        return jax.tree.map(lambda a: jax.numpy.asarray(a) if type(a) in (int, float, complex) else a, value)
 
     def report(*args, **kwargs) -> Report:
         chosen = resolve_backend(backend)
-        # Python numbers traced as xkern.jit's jax.jit traces them (weakly typed), not baked in
-        args, kwargs = jax.tree.map(lambda a: jax.numpy.asarray(a) if type(a) in (int, float, complex) else a,
-                                    (args, kwargs))
+        n = len(args)
+        args = tuple(as_jit_traces(a, i in nums or i - n in nums) for i, a in enumerate(args))
+        kwargs = {k: as_jit_traces(v, k in names) for k, v in kwargs.items()}
         _inner_plans.plans = inner = []
         with hearing_as_written() as as_written:  # (the rewrites a call runs as written: Pattern.xla_when)
             try:

@@ -363,7 +363,8 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
         for name, value in eqn.params.items():
             bodies = _sub_jaxprs(value)
             if bodies:
-                plans = [plan_sub(body) for body in bodies]
+                with _compat.body_context(eqn):
+                    plans = [plan_sub(body) for body in bodies]
                 if any(p.changes or any(q.declined for q in p.walk()) for p in plans):
                     plan.subplans.setdefault(i, {})[name] = plans
     return plan
@@ -413,8 +414,7 @@ def _sub_jaxprs(value) -> list[ClosedJaxpr]:
 # --------------------------------------------------------------------------------------------------
 
 def specs(avals) -> list[jax.ShapeDtypeStruct]:
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-            for a in avals]
+    return [_compat.spec_like(a) for a in avals]
 
 
 def evaluate(plan: Plan, args, backend: str) -> list:
@@ -454,8 +454,9 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             _check_replaced(rewrite, eqn.outvars[0].aval, outs[0])
         elif i in plan.subplans:
             params = dict(eqn.params)
-            for name, plans in plan.subplans[i].items():
-                params[name] = _rebuilt(eqn.params[name], plans, backend)
+            with _compat.body_context(eqn):
+                for name, plans in plan.subplans[i].items():
+                    params[name] = _rebuilt(eqn.params[name], plans, backend)
             outs = bind_equation(eqn, map(read, eqn.invars), params)
         else:
             outs = _compat.run_equation(eqn, list(map(read, eqn.invars)))

@@ -398,7 +398,7 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
     if fwd:
         x, r, scale, bias = (move(a, d) if i < 2 else a for i, (a, d) in enumerate(zip(args, dims)))
         if dims[2] is not None or dims[3] is not None:
-            raise NotImplementedError("xkern norms: vmap over scale or bias is not supported")
+            return _batched_params_fwd(x, r, args[2:], dims[2:], flags, out_shapes)
         shape, n_cols = x.shape, x.shape[-1]
         rows = _rows(x) // size
         folded_r = r.reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
@@ -410,9 +410,10 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
         h = h.reshape(shape) if flags["HAS_RESIDUAL"] else jnp.broadcast_to(h, (size, 1))
         return [y.reshape(shape), h], [0, 0]
     h, dy, dh_out, scale = args
-    if dims[3] is not None:
-        raise NotImplementedError("xkern norms: vmap over scale is not supported")
     h, dy = move(h, dims[0]), move(dy, dims[1])
+    if dims[3] is not None:
+        dh_out = move(dh_out, dims[2]) if flags["HAS_RESIDUAL"] else None
+        return _batched_params_bwd(h, dy, dh_out, jnp.moveaxis(scale, dims[3], 0), flags, out_shapes)
     shape, n_cols = h.shape, h.shape[-1]
     rows = _rows(h) // size
     folded_dh = move(dh_out, dims[2]).reshape(size * rows, n_cols) if flags["HAS_RESIDUAL"] else None
@@ -422,6 +423,37 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
                                     segments=size)  # one segment per example
     return [dh.reshape(shape), dscale.reshape(size, -1, n_cols),
             dbias.reshape(size, -1, n_cols)], [0] * 3
+
+
+# A scale or bias per example (vmap over a model ensemble's or per-example parameters): the kernels
+# read one row of them for every row, so XLA computes these from the reference, example by example.
+
+def _per_example(a, d, ndim: int):
+    """scale / bias (absent: None) shaped to broadcast against [size, ..., cols] rows."""
+    if a is None or d is None:
+        return a
+    a = jnp.moveaxis(a, d, 0)
+    return a.reshape(a.shape[0], *[1] * (ndim - 2), a.shape[-1])
+
+
+def _batched_params_fwd(x, r, params, dims, flags, out_shapes):
+    h = x + r if flags["HAS_RESIDUAL"] else x
+    scale, bias = (_per_example(a, d, h.ndim) if flags[flag] else None
+                   for a, d, flag in zip(params, dims, ("HAS_SCALE", "HAS_BIAS")))
+    y = reference(h, scale, bias, flags["EPS"], None, flags["RMS"], out_shapes[0].dtype)
+    h = h if flags["HAS_RESIDUAL"] else jnp.zeros((x.shape[0], 1), out_shapes[1].dtype)
+    return [y, h], [0, 0]
+
+
+def _batched_params_bwd(h, dy, dh_out, scale, flags, out_shapes):
+    """(dh, dscale, dbias) of each example; each example's sums in its first partial row."""
+    def one(h, dy, scale):
+        return _xla_bwd(h, scale, jnp.zeros_like(scale), dy, flags["EPS"], flags["RMS"], dy.dtype)
+    dh, dscale, dbias = jax.vmap(one)(h, dy, scale)
+    if dh_out is not None:
+        dh = (dh.astype(jnp.float32) + dh_out.astype(jnp.float32)).astype(h.dtype)
+    partials = lambda sums: jnp.zeros((h.shape[0], *out_shapes[1].shape), jnp.float32).at[:, 0].set(sums)
+    return [dh.astype(out_shapes[0].dtype), partials(dscale), partials(dbias)], [0] * 3
 
 
 def _split(params) -> L.Split:
