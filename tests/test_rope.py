@@ -226,6 +226,59 @@ def test_spellings_differentiate_through_the_kernels(name):
     close(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.jit(jax.grad(loss))(x), x.dtype.type)
 
 
+def maxtext_rotary_embedding(x, position, fprop_dtype):
+    """MaxText's RotaryEmbedding (layers/embeddings.py) as it computes: sin and cos of the half angles
+    in x's dtype, each repeated to the full width; x's halves by jnp.split (a split equation, not
+    slices); the result cast to the fprop dtype."""
+    d = x.shape[-1]
+    angles = position[:, :, None, None] / 10_000 ** (2 * jnp.arange(d // 2) / d)
+    sin, cos = (jnp.concatenate([t, t], -1) for t in (jnp.sin(angles).astype(x.dtype), jnp.cos(angles).astype(x.dtype)))
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return (x * cos + jnp.concatenate((-x2, x1), axis=-1) * sin).astype(fprop_dtype)
+
+
+def maxtext_llama_rotary_embedding(x, position, fprop_dtype, sign=(-1, 1)):
+    """MaxText's LLaMARotaryEmbedding (use_scale off) as it computes: float32 tables of each angle
+    twice; x shifted left for the even elements and right for the odd ones (lax.select on an iota
+    parity mask tiled to x's shape); times sin, times a tiled sign."""
+    d = x.shape[-1]
+    angles = position[:, :, None, None] / 10_000 ** jnp.repeat(2 * jnp.arange(d // 2) / d, 2)
+    left = jnp.concatenate([x[..., 1:], x[..., :1]], axis=-1)
+    right = jnp.concatenate([x[..., -1:], x[..., :-1]], axis=-1)
+    shifted = jax.lax.select(jnp.tile(jnp.mod(jnp.arange(d, dtype=jnp.int32), 2), x.shape[:-1] + (1,)), right, left)
+    signs = jnp.tile(jnp.array(sign), d // 2)
+    return (x * jnp.cos(angles) + shifted * jnp.sin(angles) * signs).astype(fprop_dtype)
+
+
+@pytest.mark.parametrize("llama", [False, True], ids=["RotaryEmbedding", "LLaMARotaryEmbedding"])
+@pytest.mark.parametrize("dtype, fprop_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                                                (jnp.float32, jnp.bfloat16)], ids=["float32", "bfloat16", "to_bf16"])
+def test_maxtexts_rotary_embeddings_train_through_the_kernels(llama, dtype, fprop_dtype):
+    """MaxText's two spellings, differentiated (the half rotation's forward alone runs as written),
+    packed positions (tables per example): the rope kernels, values and dx equal to jax.jit's. The
+    LLaMA one's sign the other way round is not a rotation xkern takes (constants matched by value)."""
+    x, _, _, dy = make((2, 5, 3, 8), dtype, False, seed=12)
+    positions = jnp.array([[0, 1, 2, 3, 4], [3, 4, 0, 1, 2]])
+    rope = maxtext_llama_rotary_embedding if llama else maxtext_rotary_embedding
+
+    def y_and_dx(x, rope=rope):
+        y, pullback = jax.vjp(lambda x: rope(x, positions, fprop_dtype), x)
+        return y, pullback(dy.astype(y.dtype))[0]
+    report = xkern.explain(y_and_dx)(x)
+    name = ("rope/interleaved/x*cos+select(shifted)*sin*sign" + ("+cast back" if dtype == jnp.bfloat16 else "")
+            if llama else "rope/x*cos+rotate_half(split)*sin")
+    assert [m.pattern for m in report.matches if m.op == "rope"] == [name]
+    assert {"rope_fwd", "rope_bwd"} <= set(report.kernels)
+    for got, want in zip(xkern.jit(y_and_dx)(x), jax.jit(y_and_dx)(x)):
+        assert got.dtype == want.dtype
+        close(got, want, got.dtype.type)
+    if llama:
+        other_way = lambda x: y_and_dx(x, lambda *a: maxtext_llama_rotary_embedding(*a, sign=(1, -1)))
+        assert not [m for m in xkern.explain(other_way)(x).matches if m.op == "rope"]
+        for got, want in zip(xkern.jit(other_way)(x), jax.jit(other_way)(x)):
+            close(got, want, got.dtype.type)
+
+
 def test_table_layouts_read_off_the_program():
     """Per-example tables (HF's position ids), heads before seq, no batch axis, one shared row."""
     rng = np.random.default_rng(9)

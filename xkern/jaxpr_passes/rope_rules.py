@@ -3,13 +3,19 @@
 
 Forms (x [..., seq, heads, d]; cos and sin broadcast against x, or against its halves):
   x*cos+rotate_half(x)*sin     HF (Flax Llama / GPT-NeoX): rotate_half = concatenate([-x2, x1]),
-                               x1, x2 the halves of d; full-width tables
+                               x1, x2 the halves of d (slices); full-width tables
+  x*cos+rotate_half(split)*sin MaxText's RotaryEmbedding: the same, x1, x2 = jnp.split(x, 2, -1)
+                               (one split equation in the jaxpr, not two slices)
   concatenate(split)           MaxText: x1, x2 = jnp.split(x, 2, -1);
                                concatenate([x1*cos - x2*sin, x2*cos + x1*sin]); half-width tables
   interleaved/stack(pairs)     x as [..., d/2, 2] pairs, x1, x2 = pairs[..., 0], pairs[..., 1];
                                stack([x1*cos - x2*sin, x2*cos + x1*sin], -1) back to [..., d]
   interleaved/rotate_every_two HF Flax GPT-J: x*cos + rotate_every_two(x)*sin, rotate_every_two =
                                stack([-x[..., 1::2], x[..., ::2]], -1) back to [..., d]
+  interleaved/x*cos+select(shifted)*sin*sign
+                               MaxText's LLaMARotaryEmbedding: rotate_every_two(x) * sin as x shifted
+                               left or right by a concatenate, picked by an iota parity mask
+                               (lax.select), times sin, times a tiled [-1, 1] sign constant
   interleaved/complex multiply Meta's Llama reference, EasyLM: the pairs of float32 x as complex
                                numbers times a complex64 table freqs_cis (cos + i sin, [..., d/2]),
                                stack([real, imag], -1) back to [..., d]
@@ -48,12 +54,23 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def rotate_half_by_split(x):
+    """rotate_half as MaxText's RotaryEmbedding writes it: jnp.split traces to one `split`
+    equation, which the slices' template does not match."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-x2, x1], axis=-1)
+
+
 def rotate_every_two(x):
     return jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
 
 
 def rotate_half_form(x, cos, sin):
     return x * cos + rotate_half(x) * sin
+
+
+def rotate_half_split_form(x, cos, sin):
+    return x * cos + rotate_half_by_split(x) * sin
 
 
 def split_form(x, cos, sin):
@@ -71,11 +88,28 @@ def every_two_form(x, cos, sin):
     return x * cos + rotate_every_two(x) * sin
 
 
+def shifted_form(x, cos, sin):
+    """MaxText's LLaMARotaryEmbedding: rotate_every_two(x) as x shifted left (even elements) or right
+    (odd ones, picked by an iota parity mask), times a tiled [-1, 1] sign after sin. Multiplying by
+    +-1 is exact, so this is every_two_form's value."""
+    d = x.shape[-1]
+    left = jnp.concatenate([x[..., 1:], x[..., :1]], axis=-1)
+    right = jnp.concatenate([x[..., -1:], x[..., :-1]], axis=-1)
+    odd = jnp.tile(jnp.mod(jnp.arange(d, dtype=jnp.int32), 2), x.shape[:-1] + (1,))
+    sign = jnp.tile(jnp.array([-1, 1]), d // 2)
+    return x * cos + jax.lax.select(odd, right, left) * sin * sign
+
+
+shifted_form.constants = 1  # the sign's [-1, 1], an array constant (Pattern.constants): matched by value
+
+
 FORMS = {  # name: (function, interleaved, tables cover the whole head dim)
     "x*cos+rotate_half(x)*sin": (rotate_half_form, False, True),
+    "x*cos+rotate_half(split)*sin": (rotate_half_split_form, False, True),
     "concatenate(split)": (split_form, False, False),
     "interleaved/stack(pairs)": (pairs_form, True, False),
     "interleaved/x*cos+rotate_every_two(x)*sin": (every_two_form, True, True),
+    "interleaved/x*cos+select(shifted)*sin*sign": (shifted_form, True, True),
 }
 
 
@@ -143,7 +177,7 @@ def apply_rope(x, cos, sin, *, interleaved, full_width, out_dtype, backend):
 
 def _check(full_width):
     def check(match, params) -> str | None:
-        x, cos, sin = match.input_avals
+        x, cos, sin = match.input_avals[:3]  # (then a form's constants)
         if x.dtype not in kernels.SUPPORTED_DTYPES:
             return f"dtype {x.dtype}: the rope kernel takes float32, bfloat16 and float16"
         if x.ndim < 1 or x.shape[-1] % 2:
@@ -161,6 +195,7 @@ def _check(full_width):
 
 def _pattern(form: str, kind: str) -> Pattern:
     fn, interleaved, full_width = FORMS[form]
+    constants = getattr(fn, "constants", 0)
     fn = precision(fn, kind)
 
     def example(key):
@@ -170,14 +205,15 @@ def _pattern(form: str, kind: str) -> Pattern:
         return (jax.ShapeDtypeStruct((2, 4, 3, 8), x_dtype),
                 *[jax.ShapeDtypeStruct(table, table_dtype)] * 2)
 
-    def replace(x, cos, sin, *, backend):
+    def replace(x, cos, sin, *ignored, backend):  # (the form's constants: None)
         out_dtype = jax.eval_shape(fn, x, cos, sin).dtype
         return apply_rope(x, cos, sin, interleaved=interleaved, full_width=full_width,
                           out_dtype=out_dtype, backend=backend)
 
     return Pattern(name=f"rope/{form}{SUFFIX[kind]}", op="rope", fn=fn, dtypes=tuple(EXAMPLES[kind]),
                    example=example, params_of=lambda match: {}, check=_check(full_width),
-                   replace=replace, xla_when=None if interleaved else _forward_alone)
+                   replace=replace, xla_when=None if interleaved else _forward_alone, constants=constants,
+                   ignores=lambda params: set(range(3, 3 + constants)))
 
 
 def _forward_alone(perturbed: list[bool], params: dict) -> str | None:
