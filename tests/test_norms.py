@@ -304,7 +304,8 @@ def test_a_per_example_norm_mapped_by_vmap_is_found(rms, dtype):
     """Equinox's LayerNorm and RMSNorm normalize one example (every axis of a 1-D x), in float32
     (the layer norm's variance clamped at 0), then `weight * out + bias` (the RMS norm's bias too, the
     kernels' bias), and models map them over the batch with jax.vmap: the mapped program is found
-    (equinox.nn's spellings) and equals jax.jit's, gradients included."""
+    (equinox.nn's LayerNorm; the RMS norm, a mean without keepdims mapped, is the rms_square spelling
+    once canonical) and equals jax.jit's, gradients included."""
     x, _, scale, bias, dy = make((6, 37), dtype, seed=8)
     scale, bias = scale.astype(jnp.float32), bias.astype(jnp.float32)
 
@@ -317,13 +318,74 @@ def test_a_per_example_norm_mapped_by_vmap_is_found(rms, dtype):
         return (scale * out + bias).astype(x.dtype)
     f = jax.vmap(per_example, (0, None, None))
     [match] = xkern.explain(f)(x, scale, bias).matches
-    assert match.pattern == f"{'rms_norm/equinox.nn.RMSNorm' if rms else 'layer_norm/equinox.nn.LayerNorm'}(2 params)"
+    precision = "plain" if dtype == jnp.float32 else "upcast"
+    assert match.pattern == (f"rms_norm/rms_square*scale+bias/{precision}" if rms
+                             else "layer_norm/equinox.nn.LayerNorm(2 params)")
     loss = lambda f: (lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy.astype(jnp.float32)))
     f32 = [a.astype(jnp.float32) for a in (x, scale, bias)]
     close(xkern.jit(f)(x, scale, bias), jax.jit(f)(*f32), dtype)
     for g, w in zip(jax.jit(jax.grad(xkern.optimize(loss(f)), (0, 1, 2)))(x, scale, bias),
                     jax.grad(loss(f), (0, 1, 2))(*f32)):
         close(g, w, dtype)
+
+
+def haliax_layer_norm(x, *params, eps=1e-5):
+    """haliax.nn.LayerNorm (Levanter's): in x's dtype, the statistics reduced without keepdims and
+    expanded back by `[..., None]`, the result cast to x's dtype, then `weight * out + bias`."""
+    mean, var = x.mean(-1), x.var(-1)
+    out = ((x - mean[..., None]) * jax.lax.rsqrt(var + eps)[..., None]).astype(x.dtype)
+    for i, param in enumerate(params):
+        out = param * out if i == 0 else out + param
+    return out
+
+
+def haliax_rms_norm(x, *params, eps=1e-5):
+    """haliax.nn.RmsNorm: in float32, the mean square without keepdims, cast back to x's dtype before
+    `weight * out + bias`."""
+    h = x.astype(jnp.float32)
+    out = (h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1) + eps)[..., None]).astype(x.dtype)
+    for i, param in enumerate(params):
+        out = param * out if i == 0 else out + param
+    return out
+
+
+@pytest.mark.parametrize("n_params", [0, 1, 2], ids=["no weight", "weight", "weight and bias"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_haliax_norms_reduced_without_keepdims_are_found(rms, dtype, n_params):
+    """haliax's norms reduce without keepdims and expand the statistics after the elementwise steps
+    (`rsqrt(var + eps)[..., None]`): canonicalization expands them first, as keepdims=True writes
+    them, so the kernels take them, weight and bias (float32, as haliax makes them) included; values
+    and gradients are jax.jit's. (Neither was found before; the RMS norm with a weight was in float32
+    only, as Equinox's RMSNorm, which applies the weight before the cast back.)"""
+    x, _, scale, bias, dy = make((2, 3, 7), dtype, seed=16)
+    params = (scale, bias)[:n_params]
+    f = haliax_rms_norm if rms else haliax_layer_norm
+    op = "rms_norm" if rms else "layer_norm"
+    [match] = xkern.explain(f)(x, *params).matches
+    affine = ("", "*scale", "*scale+bias")[n_params]
+    assert match.op == op and match.pattern.split("/")[1].endswith(affine), match.pattern
+    got, want = xkern.jit(f)(x, *params), jax.jit(f)(x, *params)
+    assert got.dtype == want.dtype
+    close(got, want, dtype)
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) * dy)
+    argnums = tuple(range(1 + n_params))
+    grad = lambda loss: jax.grad(loss, argnums)
+    assert {f"{op}_fwd", f"{op}_bwd"} <= set(kernel_names(jax.make_jaxpr(grad(xkern.optimize(loss)))(x, *params)))
+    for g, w in zip(jax.jit(grad(xkern.optimize(loss)))(x, *params), jax.jit(grad(loss))(x, *params)):
+        close(g, w, dtype)
+
+
+def test_statistics_expanded_by_reshape_or_expand_dims_are_found():
+    """`[..., None]` is a broadcast_in_dim; a reshape or jnp.expand_dims gives the unit dim back too."""
+    x, _, scale, _, _ = make((5, 7), jnp.float32, seed=17)
+    expanded = {"reshape": lambda v: v.reshape(*v.shape, 1), "expand_dims": lambda v: jnp.expand_dims(v, -1)}
+    for name, expand in expanded.items():
+        rms = lambda x: x * expand(jax.lax.rsqrt(jnp.mean(jnp.square(x), -1) + 1e-6)) * scale
+        layer = lambda x: (x - expand(x.mean(-1))) * expand(jax.lax.rsqrt(x.var(-1) + 1e-6))
+        for f, want in ((rms, "rms_norm/rms_square*scale/plain"), (layer, "layer_norm/ln_var/plain")):
+            assert [m.pattern for m in xkern.explain(f)(x).matches] == [want], name
+            close(xkern.jit(f)(x), jax.jit(f)(x), jnp.float32)
 
 
 def test_squares_and_repeated_subexpressions_are_found():

@@ -35,15 +35,21 @@ and dead equations found.
   spelling. Only where nothing else reads the maximum, the exps or their sum: the softmax does not
   change when its inputs shift together, so no gradient flows through the maximum and stopping it
   changes nothing; `m + log(sum(exp(x - m)))` sharing them is another function. (A sum cast back
-  before it is broadcast, bf16 `e / e.sum(-1)[..., None]`, is broadcast first, as jax.nn.softmax
-  does.) The stop_gradient is marked: where no kernel takes the softmax, the program runs it as
+  before it is broadcast, bf16 `e / e.sum(-1)[..., None]`, is broadcast first, as below.) The
+  stop_gradient is marked: where no kernel takes the softmax, the program runs it as
   the identity it was (_compat.run_equation), so its bf16 gradient is the one written.
 - Weak types dropped, not cast: `convert_element_type` to a value's own dtype, only making a weakly
   typed value (`jnp.where(mask, 0., -1e9)`, a Python number's array) strongly typed, computes
   nothing, but stands between a pattern's equations (jax.nn.dot_product_attention casts such a
   bias; a strongly typed one it does not). Readers take the weak value; the program's outputs keep
   their types (cast back at the end where one became weak).
-The program is re-traced through an interpreter that does all eight (source info kept).
+- Sums expanded where they are taken: a row sum without keepdims, taken through elementwise
+  equations (`mean`, `+ eps`, `rsqrt`, a cast: other operands scalars) then given its unit dims back
+  (`[..., None]`, as haliax writes its norms), is expanded first and the equations run on [..., 1],
+  as keepdims=True computes it: both spellings become one. (The same values and gradients: an
+  elementwise equation commutes with adding unit dims.) jnp.var's sum is inside its jit: where
+  inlining exposes one, the program is re-traced once more.
+The program is re-traced through an interpreter that does all nine (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -197,14 +203,8 @@ def _through(var, readers: dict, names: set):
     return var, reader, passed
 
 
-def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
-    """{maximum: its broadcast (keepdims)} of the softmaxes written by hand in `jaxpr`: max(x) along
-    some axes, broadcast, subtracted from x, exp, divided by its own sum along those axes (converts
-    around the sum allowed, as jnp.sum of bf16 writes them), nothing else reading any of them.
-    swaps, filled here: {a sum cast back to the exps' dtype: the broadcast (keepdims) reading it},
-    where the cast comes first (`e / e.sum(-1)[..., None]` in bf16); jax.nn.softmax broadcasts
-    first. (Swapped, the same values and gradients: the broadcast only adds unit dims.)"""
-    swaps = {} if swaps is None else swaps
+def _readers(jaxpr) -> dict:
+    """{value: the equations reading it, None for each time it is an output of `jaxpr`}."""
     readers = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
@@ -213,6 +213,16 @@ def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
     for v in jaxpr.outvars:
         if not isinstance(v, Literal):
             readers.setdefault(v, []).append(None)
+    return readers
+
+
+def _hand_softmaxes(jaxpr) -> dict:
+    """{maximum: its broadcast (keepdims)} of the softmaxes written by hand in `jaxpr`: max(x) along
+    some axes, broadcast, subtracted from x, exp, divided by its own sum along those axes (converts
+    around the sum allowed, as jnp.sum of bf16 writes them; a cast before the broadcast,
+    `e / e.sum(-1)[..., None]` in bf16, is moved after it by _late_expansions), nothing else reading
+    any of them."""
+    readers = _readers(jaxpr)
     found = {}
     for eqn in jaxpr.eqns:
         if eqn.primitive.name != "reduce_max" or not jax.numpy.issubdtype(eqn.invars[0].aval.dtype, jax.numpy.floating):
@@ -238,10 +248,66 @@ def _hand_softmaxes(jaxpr, swaps: dict | None = None) -> dict:
         if reader is not div[0] or div[0].invars[1] is not var or passed.count("broadcast_in_dim") != 1:
             continue
         found[eqn.outvars[0]] = keep.outvars[0]
-        if passed == ["convert_element_type", "broadcast_in_dim"]:
-            convert = _only_reader(total.outvars[0], readers)
-            swaps[convert.outvars[0]] = _only_reader(convert.outvars[0], readers)
     return found
+
+
+def _kept_dims(reduction) -> tuple:
+    """The dims of a reduction's operand that its result keeps."""
+    return tuple(i for i in range(reduction.invars[0].aval.ndim) if i not in reduction.params["axes"])
+
+
+def _expansion(eqn, var, shape, kept: tuple) -> bool:
+    """Whether `eqn` only gives `var` unit dims back, to `shape` (`[..., None]`, jnp.expand_dims or a
+    reshape; kept: the dims of `shape` that `var` has)."""
+    if eqn is None or eqn.invars[0] is not var or tuple(eqn.outvars[0].aval.shape) != shape:
+        return False
+    if eqn.primitive.name == "broadcast_in_dim":
+        return tuple(eqn.params["broadcast_dimensions"]) == kept
+    return eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None
+
+
+def _late_expansion(reduction, readers: dict, producers: dict):
+    """(the sum `reduction` and the elementwise equations after it, {a broadcast scalar they read:
+    its broadcast}, the expansions that give the last one the sum's unit dims back) where its result
+    gets them back late (see the module's docstring), else None. Each value on the way is read by
+    the next equation only: the narrow one is not needed."""
+    var, kept = reduction.outvars[0], _kept_dims(reduction)
+    wide = tuple(n if i in kept else 1 for i, n in enumerate(reduction.invars[0].aval.shape))
+    chain, scalars = [reduction], {}
+    while not all(_expansion(r, var, wide, kept) for r in readers.get(var) or [None]):
+        reader = _only_reader(var, readers)
+        if (reader is None or reader.primitive.name not in ELEMENTWISE or reader.effects
+                or reader.outvars[0].aval.shape != var.aval.shape):
+            return None
+        for v in reader.invars:  # the others: literals and scalars, or scalars broadcast (again, wide)
+            if v is var or isinstance(v, Literal) or not v.aval.shape:
+                continue
+            producer = producers.get(v)
+            if producer is None or producer.primitive.name != "broadcast_in_dim" or producer.invars[0].aval.shape:
+                return None
+            scalars[v] = producer
+        chain.append(reader)
+        var = reader.outvars[0]
+    return chain, scalars, readers[var]
+
+
+def _late_expansions(jaxpr) -> tuple[dict, dict, dict]:
+    """The row sums of `jaxpr` that get their unit dims back late, as (widened, scalars, expansions):
+    widened {the sum's result and each result after it: its shape with the unit dims}, the values to
+    compute wide; scalars {a broadcast scalar those read: its broadcast}, to broadcast wide instead;
+    expansions {an expansion's result: the wide value it is}."""
+    readers, producers = _readers(jaxpr), {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    widened, scalars, expansions = {}, {}, {}
+    for eqn in jaxpr.eqns:
+        found = eqn.primitive.name == "reduce_sum" and _late_expansion(eqn, readers, producers)
+        # (a sum expanded at once is written as keepdims writes it, unless by a reshape)
+        if found and (len(found[0]) > 1 or any(r.primitive.name == "reshape" for r in found[2])):
+            chain, chain_scalars, found_expansions = found
+            wide = found_expansions[0].outvars[0].aval.shape
+            widened.update((e.outvars[0], wide) for e in chain)
+            scalars.update(chain_scalars)
+            expansions.update((r.outvars[0], chain[-1].outvars[0]) for r in found_expansions)
+    return widened, scalars, expansions
 
 
 def _weak_cast(eqn, eqn_reads: set) -> bool:
@@ -285,16 +351,13 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
     filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
-    swaps, eqn_reads = {}, _read_vars(jaxpr, outputs=False)
-    softmax_maxima = _hand_softmaxes(jaxpr, swaps)
-    kept_maxima, swapped = set(softmax_maxima.values()), {id(b) for b in swaps.values()}
+    eqn_reads = _read_vars(jaxpr, outputs=False)
+    softmax_maxima = _hand_softmaxes(jaxpr)
+    kept_maxima = set(softmax_maxima.values())
+    widened, scalars, expansions = _late_expansions(jaxpr)
     for eqn in jaxpr.eqns:
-        if id(eqn) in swapped:  # (computed with the cast before it)
-            continue
-        if eqn.outvars and eqn.outvars[0] in swaps:  # broadcast first, then cast, as jax.nn.softmax
-            broadcast = swaps[eqn.outvars[0]]
-            wide = bind_equation(broadcast, [read(eqn.invars[0])], source_info=source_info)
-            env[broadcast.outvars[0]] = bind_equation(eqn, wide, source_info=source_info)[0]
+        if eqn.outvars and eqn.outvars[0] in expansions:  # (computed wide already)
+            env[eqn.outvars[0]] = read(expansions[eqn.outvars[0]])
             continue
         if eqn.outvars and eqn.outvars[0] in softmax_maxima:
             env[eqn.outvars[0]] = jax.numpy.max(read(eqn.invars[0]), axis=tuple(eqn.params["axes"]),
@@ -326,14 +389,21 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen)
             env.update(zip(eqn.outvars, outs))
             continue
-        key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else id(env[v])
-                                  for v in eqn.invars))
+        shape = widened.get(eqn.outvars[0]) if eqn.outvars else None
+        if shape is not None:  # (after a sum expanded early: its scalars broadcast to its wide shape)
+            invals = [bind_equation(scalars[v], [read(scalars[v].invars[0])], source_info=source_info,
+                                    params={**scalars[v].params, "shape": shape})[0]
+                      if not isinstance(v, Literal) and v in scalars else val for v, val in zip(eqn.invars, invals)]
+        key = _cse_key(eqn, tuple(_literal_key(v) if isinstance(v, Literal) else id(val)
+                                  for v, val in zip(eqn.invars, invals)))
         if key is not None and key in seen:
             outs = seen[key][0]
         else:
             outs = bind_equation(eqn, invals, source_info=source_info)
             if key is not None:
                 seen[key] = (outs, invals)  # invals kept alive: their ids are in the key
+        if shape is not None and eqn.primitive.name == "reduce_sum":  # its unit dims back, as keepdims
+            outs = [jax.lax.broadcast_in_dim(outs[0], shape, _kept_dims(eqn))]
         env.update(zip(eqn.outvars, outs))
     # (an output that a dropped cast left weakly typed is cast as the program's was)
     return [read(v) if isinstance(v, Literal) else _compat.typed_as(read(v), v.aval) for v in jaxpr.outvars]
@@ -341,7 +411,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    if _hand_softmaxes(jaxpr):
+    if _hand_softmaxes(jaxpr) or _late_expansions(jaxpr)[0]:
         return True
     keys, filled, iotas, transposes, read_vars = set(), {}, {}, {}, _read_vars(jaxpr)
     eqn_reads = _read_vars(jaxpr, outputs=False)
@@ -365,8 +435,12 @@ def canonicalize(closed: ClosedJaxpr) -> ClosedJaxpr:
     """`closed` in canonical form (the same jaxpr when it already is)."""
     if not _needs_rewriting(closed.jaxpr):
         return closed
-    avals = [v.aval for v in closed.jaxpr.invars]
-    return jax.make_jaxpr(lambda *args: _inline_eval(closed.jaxpr, closed.consts, args))(*avals)
+    retrace = lambda c: jax.make_jaxpr(lambda *args: _inline_eval(c.jaxpr, c.consts, args))(
+        *[v.aval for v in c.jaxpr.invars])
+    closed = retrace(closed)
+    # once more where inlining exposed a sum expanded late (jnp.var's, inside its jit), so that
+    # repeats it leaves (`x - mean[..., None]` written twice) are merged too
+    return retrace(closed) if _late_expansions(closed.jaxpr)[0] else closed
 
 
 def live_equations(jaxpr, reads=None) -> set[int]:

@@ -4,14 +4,18 @@ xkern.ops.layer_norm / rms_norm (float32 math, one rounding to the program's out
 A spelling is three choices, combined:
   statistics  layer norm: (h - mean) * rsqrt(mean(square(h - mean)) + eps), or divided by
               sqrt(mean(square(h - mean)) + eps), each also through jnp.var; rms norm: h * rsqrt(mean(square(h)) + eps),
-              or divided by sqrt(...). `h ** 2` and `h * h` are `square(h)`, and h - mean written
-              twice is computed once, after canonicalization (canonicalize.py).
-  affine      none, * scale, * scale + bias (layer norm), * (1 + scale) (rms norm, Gemma's form)
+              or divided by sqrt(...). `h ** 2` and `h * h` are `square(h)`, h - mean written
+              twice is computed once, and statistics reduced without keepdims and expanded after
+              (`rsqrt(var + eps)[..., None]`, as haliax and Equinox write them) are the keepdims
+              ones, after canonicalization (canonicalize.py).
+  affine      none, * scale, * scale + bias, * (1 + scale) (rms norm, Gemma's form)
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
 and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
-flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm and RMSNorm
-(written here as those libraries compute them: neither is a dependency). eps is read off the program (any value; the exact re-trace checks it).
+flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm
+(written here as those libraries compute them: neither is a dependency); Equinox's RMSNorm and
+haliax's norms are spellings above once canonical. eps is read off the program (any value; the
+exact re-trace checks it).
 A norm of h = x + r (a residual connection) also takes the add: the kernel reads x and r and writes
 the normalized rows and h, one pass fewer than an add and a norm (xkern/jaxpr_passes/rewrite.py).
 
@@ -154,23 +158,21 @@ def haiku_rms_norm(x, scale, *, eps):
     return x * jnp.broadcast_to(scale, x.shape) * jax.lax.rsqrt(mean_squared + eps)
 
 
-def equinox_norm(op: str, n_params: int):
-    """eqx.nn.LayerNorm / RMSNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result
-    cast back); the layer norm's variance clamped at 0, the RMS norm's `rsqrt(mean(x**2) + eps) * x`
-    (one row's mean: a scalar, mapped); then `weight * out + bias` (the RMS norm's bias too, by default)."""
+def equinox_layer_norm(n_params: int):
+    """eqx.nn.LayerNorm (one example, mapped by jax.vmap): in float32 (x cast up, the result cast
+    back), the variance clamped at 0, then `weight * out + bias`. (Its RMSNorm, `rsqrt(mean(x**2) +
+    eps) * x` of one example, mapped, then `weight * out + bias`, is rms_square*scale+bias/upcast
+    once canonical.)"""
     def fn(x, *params, eps):
         h = x.astype(jnp.result_type(x.dtype, F32))
-        if op == "rms_norm":
-            out = jax.lax.rsqrt(jnp.mean(h ** 2, -1) + eps)[..., None] * h
-        else:
-            variance = jnp.maximum(0.0, jnp.var(h, -1, keepdims=True))
-            out = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(variance + eps)
+        variance = jnp.maximum(0.0, jnp.var(h, -1, keepdims=True))
+        out = (h - jnp.mean(h, -1, keepdims=True)) * jax.lax.rsqrt(variance + eps)
         if params:
             out = params[0].astype(h.dtype) * out
         if len(params) > 1:
             out = out + params[1].astype(h.dtype)
         return out.astype(x.dtype)
-    fn.__name__ = f"equinox.nn.{'RMSNorm' if op == 'rms_norm' else 'LayerNorm'}({n_params} params)"
+    fn.__name__ = f"equinox.nn.LayerNorm({n_params} params)"
     return fn
 
 
@@ -258,7 +260,7 @@ def _param_dtypes(x_dtypes):
 def _spellings():
     out = []
     for op, stats_fns, affines in (("layer_norm", (ln_square, ln_square_sqrt, ln_var, ln_var_sqrt), ("", "*scale", "*scale+bias")),
-                                   ("rms_norm", (rms_square, rms_sqrt), ("", "*scale", "*(1+scale)"))):
+                                   ("rms_norm", (rms_square, rms_sqrt), ("", "*scale", "*scale+bias", "*(1+scale)"))):
         for stats in stats_fns:
             for affine in affines:
                 for precision, x_dtypes in (("plain", ALL), ("upcast", HALF), ("cast back first", HALF)):
@@ -273,11 +275,8 @@ def _spellings():
 PATTERNS = _spellings() + [
     _pattern("layer_norm/jax.nn.standardize", "layer_norm", standardize, 0, _param_dtypes(ALL)),
     _pattern("rms_norm/haiku.RMSNorm", "rms_norm", haiku_rms_norm, 1, _param_dtypes(ALL), "*scale"),
-    *(_pattern(f"{op}/{fn.__name__}", op, fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
-      for op, n, fn in (*(("layer_norm", n, f) for n in (0, 1, 2) for f in (haiku_layer_norm(n),
-                                                                          haiku_layer_norm(n, fast=True),
-                                                                          equinox_norm("layer_norm", n))),
-                        *(("rms_norm", n, equinox_norm("rms_norm", n)) for n in (1, 2)))),
+    *(_pattern(f"layer_norm/{fn.__name__}", "layer_norm", fn, n, _param_dtypes(ALL), ("", "*scale", "*scale+bias")[n])
+      for n in (0, 1, 2) for fn in (haiku_layer_norm(n), haiku_layer_norm(n, fast=True), equinox_layer_norm(n))),
 ]
 if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dependency
     PATTERNS += [
