@@ -82,12 +82,20 @@ def spec_like(aval) -> jax.ShapeDtypeStruct:
     """A ShapeDtypeStruct of `aval` with its weak type and, inside shard_map, the mesh axes it varies
     over (a body traced again from such specs types its values as jax did)."""
     extra = {"weak_type": getattr(aval, "weak_type", False)}
+    takes = _spec_params()
     mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
-    if mat is not None and mat.varying:
+    if mat is not None and mat.varying and "manual_axis_type" in takes:
         extra.update(manual_axis_type=mat, sharding=aval.sharding)  # (a manual mesh's sharding)
-    elif getattr(aval, "vma", None):
+    elif getattr(aval, "vma", None) and "vma" in takes:
         extra["vma"] = aval.vma
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, **extra)
+
+
+@functools.cache
+def _spec_params() -> frozenset:
+    """The keywords this jax's ShapeDtypeStruct takes (the varying axes' one was renamed)."""
+    import inspect
+    return frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
 
 
 def shaped_array_like(shape, dtype, avals):

@@ -268,7 +268,7 @@ def _weakly(fun: Callable, signature) -> Callable:
 
     def call(*args, **kwargs):
         return ref()(*args, **kwargs)
-    functools.update_wrapper(call, fun)
+    functools.update_wrapper(call, fun, updated=())  # (not fun's __dict__: references of its own)
     del call.__wrapped__  # (a strong reference)
     call.__signature__ = signature
     return call
