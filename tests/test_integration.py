@@ -324,6 +324,8 @@ def test_arguments_and_calls_as_jax_jit_takes_them():
                    xkern.explain(softmax_at, static_argnames="axis")(x, -1),
                    xkern.explain(xkern.jit(softmax_at, static_argnums=1))(x, -1)]:
         assert report.kernels == ["softmax_fwd"]
+    with pytest.raises(TypeError, match="static_argnums must be ints"):
+        xkern.explain(softmax_at, static_argnums=["axis"])
 
 
 def test_only_the_users_derivatives_are_replaced():

@@ -373,6 +373,9 @@ def explain(fun: Callable, *, backend: str | None = None, static_argnums: int | 
     _check_args("explain", fun, backend)
     nums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
     names = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+    if not all(isinstance(n, int) for n in nums) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"xkern.explain: static_argnums must be ints and static_argnames strings, as "
+                        f"jax.jit's; got {static_argnums!r} and {static_argnames!r}")
     try:  # (a name of a parameter passed by position, as jax.jit reads static_argnames)
         positional = [p.name for p in inspect.signature(fun).parameters.values()
                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
