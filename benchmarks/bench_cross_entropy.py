@@ -10,6 +10,7 @@ TFLOP/s over the three matmuls XLA runs, and its temporary memory is recorded be
 from __future__ import annotations
 
 import importlib.util
+import math
 
 import jax
 import jax.numpy as jnp
@@ -193,6 +194,17 @@ def linear_cases(on_gpu: bool) -> list[Case]:
     def summarization_head(h, table, y, c):  # HF's Flax summarization over a tied table (its loss above)
         return jax.value_and_grad(lambda h, table: summarization_loss(h @ table.T, y, (c > 0.1).astype(jnp.float32)),
                                   (0, 1))(h, table)
+    def gemma2_head(h, table, y, c):  # Gemma 2's final logits, soft-capped at 30 as the gemma library writes it
+        def loss(h, table):
+            logits = jnp.dot(h, table.T)
+            logits /= 30.0
+            logits = jnp.tanh(logits) * 30.0
+            return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+        return jax.value_and_grad(loss, (0, 1))(h, table)
+    head = (8192, 2304, 256000) if on_gpu else (rows, dim, vocab)  # Gemma 2 2B's on a GPU
+    out.append(Case("Gemma 2 2B LM head: soft-capped logits (tanh(z / 30) * 30) + optax loss, tied table, xkern.jit",
+                    head, "bfloat16", "fwd+bwd", xkern.jit(gemma2_head), gemma2_head, as_table(_head_inputs(*head)),
+                    0, 3e-2, 3 * 2 * math.prod(head), memory=True))
     out.append(Case("LM head + z-loss (PaLM, z * logsumexp^2), xkern.jit", (rows, dim, vocab), "bfloat16", "fwd+bwd",
                     xkern.jit(z_loss_head), z_loss_head, make, 0, 3e-2, flops, memory=True))
     if importlib.util.find_spec("flax") is not None:

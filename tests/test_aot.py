@@ -63,6 +63,11 @@ def test_every_kernel_compiles_for_cuda_and_rocm():
     # The soft-capped kernels on each vendor's first target
     capped = {r["target"] for r in results if "/softcap/" in r["case"]}
     assert capped == {"sm_90", "gfx942"}, capped
+    # The cross-entropy kernels under a soft cap (Gemma 2's final logits): precise tanh on every target,
+    # PTX's approximation on CUDA's
+    ce_capped = {(r["case"].split("/")[3], r["target"]) for r in results if r["case"].startswith("cross_entropy/")
+                 and "/soft_cap" in r["case"]}
+    assert ce_capped == {("soft_cap", t) for t in aot.TARGETS} | {("soft_cap_fast_tanh", "sm_90")}, ce_capped
     # cross_entropy_hopper's kernel, on sm_90 alone: 14 chunks (224 KB) in shared memory, a loader
     # warp; integer labels and one-hot targets
     resident = [r for r in results if r["kernel"] == "lse_dx"]

@@ -1,5 +1,7 @@
 """xkern.ops.cross_entropy against a float32 jax.numpy reference: losses and logits gradients for
 every reduction and option, edge values, vmap, and errors; through the interpreter."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +137,48 @@ def test_edge_values_with_gradients_as_xla():
             np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
             # (lse near -1e4 holds ~1e-3 of rounding in float32: exp(x - lse) carries it)
             np.testing.assert_allclose(dgot, dwant, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_soft_capped_logits_as_the_capped_program(reduction, dtype, monkeypatch):
+    """soft_cap: the loss of cap * tanh(logits / cap) (Gemma 2's final logits) in the kernels, values
+    and gradients against the float32 reference of the capped logits: rows over chunks with a partial
+    last one, every option, logits far past the cap, +-inf (capped to +-cap: finite losses, zero
+    gradients there) and NaN; one-hot targets, weights and where-masked sums too."""
+    monkeypatch.setattr(ce, "default_config", lambda n, backend: L.Config.of(BLOCK_N=64))
+    logits, labels = make((2, 3, 150), dtype, seed=21)
+    logits = (logits * 10).at[0, 0, 5].set(jnp.inf).at[0, 1, 7].set(-jnp.inf).at[1, 2, 149].set(400.0)
+    logits = logits.at[1, 0, 9].set(jnp.nan)  # that row's loss and gradient NaN, as XLA's
+    labels = labels.at[0, 0].set(5).at[0, 1].set(7)  # the labels at +inf and at -inf
+    weights = jnp.asarray(np.random.default_rng(3).uniform(0.5, 2, labels.shape), jnp.float32)
+    cap, upcast = 7.5, lambda x: x.astype(jnp.float32)
+    for kw in ({}, {"ignore_index": 0, "label_smoothing": 0.1, "z_loss": 1e-3}):
+        def loss(impl, x):
+            out = impl(x, labels, reduction=reduction, soft_cap=cap, **kw)
+            return jnp.sum(out * weights) if reduction == "none" else out * 1.5
+        (got, g), (want, w) = (jax.value_and_grad(lambda x: loss(impl, x))(x) for impl, x in
+                               ((xkern.ops.cross_entropy, logits), (ce.reference, upcast(logits))))
+        assert np.isnan(got) == np.isnan(want) and g.dtype == dtype
+        np.testing.assert_array_equal(np.isnan(np.asarray(g, np.float32)), np.isnan(w))
+        finite = lambda a: np.where(np.isnan(np.asarray(w)), 0.0, np.asarray(a, np.float64))
+        close(finite(g), finite(w), dtype, scale=1.0)
+        rows = xkern.ops.cross_entropy(logits, labels, reduction="none", soft_cap=cap, **kw)
+        want_rows = ce.reference(upcast(logits), labels, reduction="none", soft_cap=cap, **kw)
+        np.testing.assert_allclose(rows, want_rows, rtol=2e-5, atol=2e-5)
+        assert np.isfinite(rows[0, :2]).all()  # +-inf capped
+    one_hot = lambda impl: jax.value_and_grad(lambda x: jnp.sum(impl(x, labels, soft_cap=cap, label_smoothing=0.2)))
+    (got, g), (want, w) = one_hot(ce.one_hot_cross_entropy)(logits), one_hot(functools.partial(
+        ce.one_hot_cross_entropy, backend="xla"))(upcast(logits))
+    assert np.isnan(got) and np.isnan(want)  # (the NaN logit)
+    np.testing.assert_array_equal(np.isnan(np.asarray(g, np.float32)), np.isnan(w))
+    close(np.nan_to_num(g[0]), np.nan_to_num(w[0]), dtype, scale=1.0)
+    kept = labels[0] != labels[0, 1]  # the -inf row masked out; the first row on weights 0.25
+    masked = lambda impl, x: jax.value_and_grad(lambda x: impl(x, labels[0], kept, scale=0.25, soft_cap=cap))(x)
+    (got, g), (want, w) = (masked(functools.partial(ce.where_masked_sum, backend=b), x) for b, x in
+                           ((None, logits[0]), ("xla", upcast(logits[0]))))
+    np.testing.assert_allclose(got, want, rtol=2e-5)
+    close(g, w, dtype, scale=1.0)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -365,6 +409,8 @@ def test_bad_input_names_the_argument():
              ((x, y), {"ignore_index": 2**40}, ValueError, r"ignore_index must be in int32's range"),
              ((x, y), {"label_smoothing": "0.1"}, ValueError, "label_smoothing must be a number"),
              ((x, y), {"z_loss": True}, ValueError, "z_loss must be a non-negative number"),
+             ((x, y), {"soft_cap": 0.0}, ValueError, "soft_cap must be None or a positive finite number"),
+             ((x, y), {"soft_cap": float("inf")}, ValueError, "soft_cap must be None or a positive"),
              ((jnp.ones(()), y), {}, ValueError, "logits must have a class axis")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):

@@ -1,6 +1,8 @@
 """xkern.ops.linear_cross_entropy against cross-entropy of the materialized float32 logits: losses and
 h / w gradients for every reduction and option, chunks that do not divide the rows, edge values,
 vmap, errors, and that no rows x vocabulary buffer appears in the gradient program."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ import xkern
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
-from xkern.kernels.linear_cross_entropy import linear_cross_entropy, reference
+from xkern.kernels.linear_cross_entropy import linear_cross_entropy, one_hot_linear_cross_entropy, reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
 OPTIONS = {"plain": {}, "all": {"ignore_index": 2, "label_smoothing": 0.1, "z_loss": 1e-3}}
@@ -184,6 +186,32 @@ def test_row_weights_such_as_a_padding_mask(reduction):
         assert kernel_names(jax.make_jaxpr(jax.grad(ours))(h, w, weights)) == ["cross_entropy_fwd"]
 
 
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+def test_soft_capped_logits_tied_table_and_one_hot(reduction):
+    """soft_cap: the loss of cap * tanh(h @ w / cap) (Gemma 2's final logits, over its tied table),
+    capped inside the kernels: values and gradients against the capped reference, and with one-hot
+    targets."""
+    h, w, labels = make((3, 3), 16, 37, jnp.float32, seed=9)
+    table, h = w.T, h * 4  # logits past the cap
+    ct = jnp.asarray(np.random.default_rng(4).uniform(0.5, 2, labels.shape), jnp.float32)
+    for one_hot, kw in ((False, {"label_smoothing": 0.05, "ignore_index": 2}), (True, {"z_loss": 1e-3})):
+        ours = functools.partial(one_hot_linear_cross_entropy if one_hot else linear_cross_entropy, chunk_rows=4)
+        want = functools.partial(ours, backend="xla")
+
+        def loss(f, h, table):
+            out = f(h, table, labels, reduction=reduction, transpose_w=True, soft_cap=5.0, **kw)
+            return jnp.sum(out * ct) if reduction == "none" else out
+        (value, grads), (want_value, wants) = (jax.value_and_grad(lambda h, t: loss(f, h, t), (0, 1))(h, table)
+                                               for f in (ours, want))
+        close(value, want_value, jnp.float32)
+        uncapped = loss(lambda *a, soft_cap, **k: want(*a, **k), h, table)
+        assert abs(float(uncapped - want_value)) > 0.1 * abs(float(want_value))  # the cap matters here
+        for g, r in zip(grads, wants):
+            close(g, r, jnp.float32)
+        jaxpr = jax.make_jaxpr(jax.grad(lambda h, t: loss(ours, h, t), (0, 1)))(h, table)
+        assert "cross_entropy_fwd" in kernel_names(jaxpr) and "tanh" not in str(jaxpr)  # capped in the kernel
+
+
 def test_bad_input_names_the_argument():
     h, w, labels = make((4,), 8, 11, jnp.float32)
     cases = [((h.astype(jnp.int32), w, labels), {}, TypeError, "h must have dtype"),
@@ -199,7 +227,8 @@ def test_bad_input_names_the_argument():
              ((h, w, labels), {"reduction": "avg"}, ValueError, "reduction must be one of"),
              ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "^linear_cross_entropy: label_smoothing must be"),
              ((h, w, labels), {"z_loss": "0"}, ValueError, "^linear_cross_entropy: z_loss must be"),
-             ((h, w, labels), {"ignore_index": -2**40}, ValueError, "^linear_cross_entropy: ignore_index must be in")]
+             ((h, w, labels), {"ignore_index": -2**40}, ValueError, "^linear_cross_entropy: ignore_index must be in"),
+             ((h, w, labels), {"soft_cap": -30.0}, ValueError, "^linear_cross_entropy: soft_cap must be None or a posi")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             linear_cross_entropy(*args, **kw)
@@ -271,6 +300,12 @@ def _spellings():
                 jnp.squeeze(log_z, -1)))(jax.nn.logsumexp(z, -1, keepdims=True)))(dense(h, w).astype(jnp.float32))),
         "mean(logsumexp_minus_label_upcast(einsum_transposed))": lambda h, t, y: jnp.mean(
             (lambda z: jax.nn.logsumexp(z, -1) - take(z, y))(jnp.einsum("btd,vd->btv", h, t).astype(jnp.float32))),
+        # Gemma 2's final logits soft-capped (the gemma library's spelling: /=, tanh, * cap), tied or not
+        "mean(optax_integer_labels_upcast(soft_cap(matmul_transposed)))": lambda h, t, y: (lambda z: (
+            optax.softmax_cross_entropy_with_integer_labels((jnp.tanh(z / 2.0) * 2.0).astype(jnp.float32), y).mean()))(
+                jnp.dot(h, t.T)),
+        "sum(minus_log_softmax_at_label(soft_cap(lax_dot_general)) * weights) / d": lambda h, w, y: jnp.sum(
+            -take(jax.nn.log_softmax(jnp.tanh(dense(h, w) / 5.0) * 5.0), y) * (y != 3)) / jnp.sum(y != 3),
         # scaled: by a constant (gradient accumulation's steps), by a scalar (a dynamic loss scale)
         "mean(optax_integer_labels(jnp_matmul)) / c":
             lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean() / 4,
@@ -339,6 +374,8 @@ def test_linear_near_misses_keep_the_logits():
         "self-weighted": lambda h, w, y: (lambda rows: jnp.sum(rows * rows))(ce_rows(h @ w, y)),
         # the log-probability's mean, not negated: the rows' log-probabilities are fused, not the mean
         "log-probability": lambda h, w, y: jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(h @ w), y[:, None], -1)),
+        # tanh(z / a) * b with a != b: not a soft cap (the kernels take one number)
+        "two caps": lambda h, w, y: ce_rows(jnp.tanh((h @ w) / 30.0) * 20.0, y).mean(),
     }
     for name, f in near_misses.items():
         args = (h, w, labels)

@@ -21,7 +21,10 @@ losses times a weight each (a padding mask), each sum also over a scalar, each a
 constant or a given scalar (traced where the scaled reduction is found), the rows less a scalar
 first (HF's summarization), then over a scalar or a constant, the rows normalized per example, and
 the rows masked by `where` (HF's -100 labels): a row it drops is given h = 0 and label 0, so it adds 0 to the loss and the gradients
-even where its h is not finite (under jax.jit the gradients are then NaN). Each row loss's 24 plain
+even where its h is not finite (under jax.jit the gradients are then NaN). The plain and padding-masked
+means and sums also over soft-capped logits, tanh(h @ w / c) * c (Gemma 2's final logits, as the gemma
+library and MaxText write them): the cap goes into the loss kernels (their soft_cap), so neither the
+logits nor the capped logits exist; traced only for programs holding a tanh. Each row loss's 24 plain
 LM-head patterns and its reductions (plain, masked, shifted) are traced only for programs where that
 row loss is found (`Pattern.extends`), each reduction's scaled forms and LM heads only where that
 reduction is found, and the row losses only for programs holding what they all do (`_requires`):
@@ -59,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern, literal_at
+from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
 from xkern.kernels import cross_entropy as kernels
 from xkern.kernels import linear_cross_entropy as linear_kernels
 
@@ -378,6 +381,7 @@ TRANSPOSED = (matmul_transposed, einsum_transposed)
 # count, a loss's weight), traced with a distinctive value and read back
 DIVIDED, TIMES_D, TIMES_C, OVER_C = "/ d", "* d", "* c", "/ c"
 SCALE_EXAMPLE = 0.713
+CAP_EXAMPLE = 29.7  # a soft cap of the logits, likewise (Gemma 2's is 30)
 # How a reduced loss masks its rows: times a weight, or where(mask, rows, 0); or each example's
 # weighted sum over a count of its own first, sum(rows * mask, -1) / n (a loss normalized per
 # sequence, n = sum(mask, -1), its maximum with 1, the lengths given; or a per-example masked mean
@@ -531,21 +535,26 @@ def _scalar_example(post, unscaled, param, *avals) -> tuple:
     return (jax.ShapeDtypeStruct((), out.dtype),)
 
 
-def _linear(loss_fn, project, reduce, log_probability, masked, post=None, shifted=False):
+def _linear(loss_fn, project, reduce, log_probability, masked, post=None, shifted=False, capped=False):
     """reduce(loss_fn(project(h, w), labels)), negated for log-probabilities; shifted: each row's
     loss minus a scalar first, the input after the mask; masked: each row's loss times a weight (a
     padding mask: WEIGHTS) or kept where a boolean mask is true (WHERE), the mask the pattern's
-    fourth input; post: then scaled as _reduced's."""
-    def pattern(h, w, labels, *rest, scale=None, **params):
-        return _reduce_rows(loss_fn(project(h, w), labels, **params), rest, scale, reduce, log_probability,
+    fourth input; post: then scaled as _reduced's; capped: the logits soft-capped first,
+    tanh(logits / cap) * cap, as Gemma 2 caps its final logits (param cap)."""
+    def pattern(h, w, labels, *rest, scale=None, cap=CAP_EXAMPLE, **params):
+        logits = project(h, w)
+        if capped:
+            logits = jnp.tanh(logits / cap) * cap
+        return _reduce_rows(loss_fn(logits, labels, **params), rest, scale, reduce, log_probability,
                             masked, post, shifted)
-    rows = _rows_name(f"{loss_fn.__name__}({project.__name__})", masked, shifted)
+    projected = f"soft_cap({project.__name__})" if capped else project.__name__
+    rows = _rows_name(f"{loss_fn.__name__}({projected})", masked, shifted)
     pattern.__name__ = f"{'-' if log_probability else ''}{reduce.__name__}({rows}){f' {post}' if post else ''}"
     return pattern
 
 
 def _check_linear(match, params, transposed, post, masked, shifted) -> str | None:
-    if reason := _scalar_reason(match, post) or _literal_reason(post, params):
+    if reason := _scalar_reason(match, post) or _literal_reason(post, params) or _cap_reason(params):
         return reason
     h, w, labels = match.input_avals[:3]
     if reason := _empty_reason(labels):
@@ -559,17 +568,37 @@ def _check_linear(match, params, transposed, post, masked, shifted) -> str | Non
         return "not h [..., D] @ w [D, V] (or w [V, D] transposed) with one label per row"
     if masked and (reason := _mask_reason(match.input_avals[3:], labels, masked)):
         return reason
-    return _check_params({n: v for n, v in params.items() if n != "scale"})
+    return _check_params({n: v for n, v in params.items() if n not in ("scale", "cap")})
+
+
+def _cap_reason(params) -> str | None:
+    if "cap" in params and not (params["cap"] > 0 and math.isfinite(params["cap"])):
+        return (f"tanh(logits / a) * b with a != b, or a cap of {params['cap']}: the kernels take a soft cap, "
+                f"one positive finite number")
+    return None
+
+
+def _with_cap(capped, params_of, example_params):
+    """(params_of, example params) of a pattern whose logits are soft-capped: the cap read off the
+    program's two literals (NaN where they differ: not a soft cap, which _cap_reason declines)."""
+    if not capped:
+        return params_of, example_params
+
+    def with_cap(match):
+        caps = literals_at(match, CAP_EXAMPLE)
+        return {**params_of(match), "cap": caps[0] if len(set(caps)) == 1 else float("nan")}
+    return with_cap, {**example_params, "cap": CAP_EXAMPLE}
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,
                     labels_as="take_along_axis", param=None, masked=None, post=None, extends=None,
-                    shifted=False):
+                    shifted=False, capped=False):
     """Its reduction's scales folded into the rows' weights, and a shift's share subtracted after,
     as _reduced_pattern's. Rows a `where` drops are given weight 0, label 0 and h = 0 (the program's
-    loss there may be NaN, from a label out of range or a non-finite h, and counts 0)."""
+    loss there may be NaN, from a label out of range or a non-finite h, and counts 0). capped: the
+    logits soft-capped first (see _linear), the cap applied in the loss kernels."""
     transposed = project in TRANSPOSED
-    fn = _linear(loss_fn, project, reduce, log_probability, masked, post, shifted)
+    fn = _linear(loss_fn, project, reduce, log_probability, masked, post, shifted, capped)
     overall = OVERALL.get(reduce, reduce)
 
     def replace(h, w, labels, *rest, backend, **params):
@@ -583,7 +612,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
         options = dict(reduction="sum" if folded else overall.__name__, transpose_w=transposed, backend=backend,
-                       weights=factors if folded else None)
+                       weights=factors if folded else None, soft_cap=params.get("cap"))
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
@@ -607,16 +636,17 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         if shifted:  # (a scalar of the row losses' dtype)
             rows = jax.eval_shape(lambda h, w, y: loss_fn(project(h, w), y, **EXAMPLE_PARAMS[param]), h, w, labels)
             weights += (jax.ShapeDtypeStruct((), rows.dtype),)
-        unscaled = _linear(loss_fn, project, reduce, log_probability, masked, shifted=shifted)
+        unscaled = _linear(loss_fn, project, reduce, log_probability, masked, shifted=shifted, capped=capped)
         return (h, w, labels) + weights + _scalar_example(post, unscaled, param, h, w, labels, *weights)
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
-    params_of, example_params = _with_literal_scale(post, _params_of(param, vocab, 16), EXAMPLE_PARAMS[param])
+    params_of, example_params = _with_cap(capped, *_with_literal_scale(post, _params_of(param, vocab, 16),
+                                                                        EXAMPLE_PARAMS[param]))
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of,
         check=lambda match, params: _check_linear(match, params, transposed, post, masked, shifted),
         replace=replace, example_params=example_params,
-        requires=_requires(labels_as) | {"dot_general"}, extends=extends)
+        requires=_requires(labels_as) | {"dot_general"} | ({"tanh"} if capped else set()), extends=extends)
 
 
 def mean(loss):
@@ -642,13 +672,14 @@ OVERALL = {mean_of_means: mean, sum_of_sums: sum}  # a reduction in two steps ->
 
 # Each row loss above, its mean or sum over each projection, plain or weighted per row (a padding
 # mask), each sum also over a scalar (sum(loss * mask) / sum(mask)), the scales folded into the rows'
-# weights: traced for a program only when the row loss itself is found in it (Pattern.extends), so
-# the ~890 patterns cost start-up time by the 24 of the loss a program holds.
+# weights, the logits soft-capped or not: traced for a program only when the row loss itself is found
+# in it (Pattern.extends), so the ~1900 patterns cost start-up time by the 24 of the loss a program
+# holds (48 where it holds a tanh).
 PATTERNS += [_linear_pattern(loss, project, reduce, *rest, masked=masked, post=post,
-                             extends=f"cross_entropy/{name}")
+                             extends=f"cross_entropy/{name}", capped=capped)
              for name, loss, *rest in _ROW_LOSSES for masked in (None, WEIGHTS)
              for project in (jnp_matmul, lax_dot_general, *TRANSPOSED) for reduce in (mean, sum)
-             for post in ((None, DIVIDED) if reduce is sum else (None,))]
+             for post in ((None, DIVIDED) if reduce is sum else (None,)) for capped in (False, True)]
 
 
 # --------------------------------------------------------------------------------------------------

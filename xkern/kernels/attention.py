@@ -44,7 +44,7 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
-from xkern.fusion.triton_math import tanh_absolute
+from xkern.fusion.triton_math import tanh_absolute, tanh_approx
 from xkern.kernels import attention_hopper
 from xkern.kernels.hopper import free_dead_barriers
 from xkern.tuning import autotune
@@ -154,8 +154,7 @@ def _logits(product, QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: t
     if SOFTCAP > 0:  # (one return: the compiler checks every return's type, even one not taken)
         x = product * (QK_SCALE / (SOFTCAP * 1.4426950408889634))
         if FAST_TANH:
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                          pack=1)
+            t = tanh_approx(x)
         else:
             t = tanh_absolute(x)
         logits, slope = t * (SOFTCAP * 1.4426950408889634), 1.0 - t * t

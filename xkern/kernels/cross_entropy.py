@@ -8,6 +8,9 @@ Per row of V logits x with label l, smoothing e and z-loss weight z (float32 ins
     loss = lse - (1 - e) * x[l] - (e / V) * sum(x) + z * lse^2          (0 where l == ignore_index)
     dx   = softmax(x) * (1 + 2 z lse) - (1 - e) * onehot(l) - e / V     (times the row's cotangent)
 
+Under a soft cap c (Gemma 2's final logits), x is c * tanh(logits / c), computed as each logit is
+read, and dx is multiplied by the cap's derivative, 1 - tanh^2: the capped logits are never written.
+
 Two differentiation strategies, by reduction:
   mean / sum  the forward kernel also writes dx, pre-scaled by the reduction (1 / valid rows), in a
               second pass over the row (read back from L2 where it fits); the backward is dx * g,
@@ -31,6 +34,7 @@ import numpy as np
 from xkern.kernels import launch as L  # first: it fixes Triton's mode before the kernels below exist
 from xkern.kernels import cross_entropy_hopper
 from xkern.kernels.launch import number_error, static_number
+from xkern.fusion.triton_math import tanh, tanh_approx
 
 import triton
 import triton.language as tl
@@ -39,9 +43,9 @@ SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0, reduction="mean"):
+def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0, reduction="mean", soft_cap=None):
     """The definition the kernels are checked against (and the `xla` backend)."""
-    x = logits.astype(jnp.float32)
+    x = soft_capped(logits.astype(jnp.float32), soft_cap)
     n_cols = x.shape[-1]
     labels = int32_labels(labels, ignore_index)
     valid = jnp.ones(labels.shape, bool) if ignore_index is None else labels != ignore_index
@@ -60,13 +64,36 @@ def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0
     return jnp.sum(loss) / jnp.maximum(jnp.sum(valid), 1)
 
 
+def soft_capped(x, cap):
+    """Logits under a soft cap (None: none), cap * tanh(x / cap), as Gemma 2 caps its final logits."""
+    return x if not cap else jnp.tanh(x / cap) * cap
+
+
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _capped(x, SOFT_CAP: tl.constexpr, FAST_TANH: tl.constexpr):
+    """float32 logits under a soft cap c (SOFT_CAP; 0: none): c tanh(x / c), and its derivative
+    1 - tanh^2; else x and 1. tanh to a few ulp (triton_math.tanh), or, FAST_TANH (CUDA, 16-bit
+    logits), PTX's approximation: relative error about 2^-11, below the 16-bit logits' own rounding
+    (a bf16 logit near a cap of 30 is 0.125 from the next)."""
+    if SOFT_CAP > 0:  # (one return: the compiler checks every return's type, even one not taken)
+        if FAST_TANH:
+            t = tanh_approx(x * (1.0 / SOFT_CAP))
+        else:
+            t = tanh(x * (1.0 / SOFT_CAP))
+        y, slope = t * SOFT_CAP, 1.0 - t * t
+    else:
+        y, slope = x, 1.0
+    return y, slope
+
+
+@triton.jit
 def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMOOTHING: tl.constexpr,
-                  Z_LOSS: tl.constexpr, ONE_HOT: tl.constexpr, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
+                  Z_LOSS: tl.constexpr, ONE_HOT: tl.constexpr, SOFT_CAP: tl.constexpr, FAST_TANH: tl.constexpr,
+                  N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx of one row, times `factor` (the reduction's scale, or the row's cotangent), chunk by chunk;
     0 for an ignored row, and, as XLA, NaN across a row holding +inf. A label out of range (its loss
     NaN) takes nothing from the label: dx is the softmax's part alone, as the gradient of the
@@ -77,14 +104,16 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
     SMOOTHING / N_COLS everywhere, of mass SMOOTHING: dx = SMOOTHING * softmax - SMOOTHING / N_COLS;
     with z-loss, softmax * (the target's mass + 2 * Z_LOSS * lse) less the target.
     The softmax is exp((x - shift) - log_sum), lse's two parts kept apart: their sum rounds away
-    log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1."""
+    log_sum when the row's max is large (at 1e8, lse = max), which would make every p at the max 1.
+    Under a soft cap: dx of the capped logits, times the cap's derivative."""
     cols = tl.arange(0, BLOCK_N)
     in_range = (label >= 0) & (label < N_COLS)
     lse = shift + log_sum
     log_sum = tl.where(log_sum == float("inf"), float("nan"), log_sum)  # a row holding +inf
     for start in range(0, N_COLS, BLOCK_N):
         mask = start + cols < N_COLS
-        x = tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32)
+        x, slope = _capped(tl.load(x_ptr + base + start + cols, mask=mask, other=0.0).to(tl.float32), SOFT_CAP,
+                           FAST_TANH)
         p = tl.exp((x - shift) - log_sum)
         if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # the target's mass: SMOOTHING out of range
             p = p * (tl.where(in_range, 1.0, SMOOTHING) + 2.0 * Z_LOSS * lse)
@@ -93,6 +122,8 @@ def _write_dx_row(x_ptr, dx_ptr, base, label, shift, log_sum, valid, factor, SMO
         dx = p - tl.where(start + cols == label, 1.0 - SMOOTHING, 0.0)
         if SMOOTHING != 0.0:
             dx -= SMOOTHING / N_COLS
+        if SOFT_CAP > 0:
+            dx *= slope
         dx = tl.where(valid, dx * factor, p * 0.0 if ONE_HOT else 0.0)
         tl.store(dx_ptr + base + start + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
@@ -120,7 +151,7 @@ def _online_lse(x, m, ref, s):
 @triton.jit
 def _neg_inf_outside(x_ptr, base, label, N_COLS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Whether a row holds -inf outside the label's class (read again: only rows whose label's own
-    logit is -inf get here)."""
+    logit is -inf get here, never under a soft cap, which maps -inf to -cap)."""
     cols = tl.arange(0, BLOCK_N)
     count = 0
     for start in range(0, N_COLS, BLOCK_N):
@@ -137,7 +168,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
                                      # of exp(x - shift)); dx [n_rows, N_COLS] (WRITE_DX)
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, WRITE_DX: tl.constexpr,
-         BLOCK_N: tl.constexpr):
+         SOFT_CAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr):
     # Each program takes every num_programs-th row (see PROGRAMS_PER_SM for how many programs).
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
@@ -155,7 +186,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         total = 0.0
         lowest = tl.full([BLOCK_N], float("inf"), tl.float32)  # ONE_HOT: per lane, see below
         for start in range(0, N_COLS // BLOCK_N * BLOCK_N, BLOCK_N):
-            x = tl.load(x_ptr + base + start + cols).to(tl.float32)
+            x, _ = _capped(tl.load(x_ptr + base + start + cols).to(tl.float32), SOFT_CAP, FAST_TANH)
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += tl.sum(x, 0)
@@ -165,6 +196,8 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             start = N_COLS // BLOCK_N * BLOCK_N
             mask = start + cols < N_COLS
             x = tl.load(x_ptr + base + start + cols, mask=mask, other=-float("inf")).to(tl.float32)
+            if SOFT_CAP > 0:  # (past the row: -inf, not the cap's -c)
+                x = tl.where(mask, _capped(x, SOFT_CAP, FAST_TANH)[0], -float("inf"))
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
@@ -172,7 +205,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
                 lowest = tl.minimum(lowest, tl.where(mask, x, float("inf")))
         log_sum = tl.log(s)
         lse = log_sum + ref
-        picked = tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32)
+        picked, _ = _capped(tl.load(x_ptr + base + tl.where(in_range, label, 0)).to(tl.float32), SOFT_CAP, FAST_TANH)
         picked = tl.where(in_range, picked, float("nan"))
         loss = lse - (1.0 - SMOOTHING) * picked + Z_LOSS * lse * lse
         if ONE_HOT and (SMOOTHING != 0.0 or Z_LOSS != 0.0):  # out of range: the smoothing's mass, the z-loss
@@ -195,7 +228,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         tl.store(lse_ptr + 2 * row + 1, log_sum)
         if WRITE_DX:
             _write_dx_row(x_ptr, dx_ptr, base, label, ref, log_sum, valid, tl.load(row_scale_ptr + row),
-                          SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
+                          SMOOTHING, Z_LOSS, ONE_HOT, SOFT_CAP, FAST_TANH, N_COLS, BLOCK_N)
 
 
 @triton.jit
@@ -203,7 +236,8 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
          n_rows,
          dx_ptr,  # output: dx [n_rows, N_COLS]
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_N: tl.constexpr):
+         HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, SOFT_CAP: tl.constexpr,
+         FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr):
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
         base = row * N_COLS
@@ -212,7 +246,7 @@ def _bwd(x_ptr, labels_ptr, lse_ptr, g_ptr,  # inputs: logits [n_rows, N_COLS]; 
         valid = _row_valid(label, in_range, ONE_HOT, SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX)
         _write_dx_row(x_ptr, dx_ptr, base, label, tl.load(lse_ptr + 2 * row), tl.load(lse_ptr + 2 * row + 1), valid,
                       tl.load(g_ptr + row),
-                      SMOOTHING, Z_LOSS, ONE_HOT, N_COLS, BLOCK_N)
+                      SMOOTHING, Z_LOSS, ONE_HOT, SOFT_CAP, FAST_TANH, N_COLS, BLOCK_N)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -245,10 +279,10 @@ def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=
     """in_place: dx overwrites the logits (each row's dx pass reads a chunk before writing it), for
     callers whose logits are a temporary (linear_cross_entropy)."""
     n_rows, n_cols = x2.shape
-    consts = dict(constexprs)
+    consts = _with_tanh(constexprs, x2.dtype, backend)
     aliases = {0: 2} if in_place and consts["WRITE_DX"] else None
     if backend == "triton" and cross_entropy_hopper.applies(n_cols, x2.dtype.itemsize, consts) and L.hopper():
-        return cross_entropy_hopper.launch_fwd(x2, labels, row_scale, consts, backend, aliases)
+        return cross_entropy_hopper.launch_fwd(x2, labels, row_scale, uncapped(consts), backend, aliases)
     outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
     return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
@@ -260,7 +294,20 @@ def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, in_place=Fal
     out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
     return L.launch(_bwd, x2, labels, lse, g, x2.shape[0], kernel="cross_entropy_bwd", out_shapes=[out],
                     grid=(programs(x2.shape[0], backend),), config=config, backend=backend,
-                    constexprs=dict(constexprs), aliases={0: 0} if in_place else None)
+                    constexprs=_with_tanh(constexprs, x2.dtype, backend), aliases={0: 0} if in_place else None)
+
+
+def _with_tanh(constexprs, dtype, backend) -> dict:
+    """The constexprs with FAST_TANH decided: PTX's tanh for a soft cap of 16-bit logits on CUDA."""
+    consts = dict(constexprs)
+    consts["FAST_TANH"] = bool(consts["SOFT_CAP"]) and backend == "triton" and dtype != jnp.float32 \
+        and L.vendor() == "cuda"
+    return consts
+
+
+def uncapped(consts: dict) -> dict:
+    """cross_entropy_hopper's constexprs: the kernel takes no soft cap (applies declines one)."""
+    return {name: value for name, value in consts.items() if name not in ("SOFT_CAP", "FAST_TANH")}
 
 
 def _batch_fwd(args, dims, **params):
@@ -299,10 +346,12 @@ L.def_split("cross_entropy_bwd", _split)
 # Differentiation
 # --------------------------------------------------------------------------------------------------
 
-def _consts(n_cols, ignore_index, smoothing, z_loss, write_dx=None, one_hot=False) -> dict:
+def _consts(n_cols, ignore_index, smoothing, z_loss, write_dx=None, one_hot=False, soft_cap=None) -> dict:
+    """The kernels' constexprs (FAST_TANH is decided at launch, by _with_tanh)."""
     consts = {"N_COLS": n_cols, "SMOOTHING": float(smoothing), "Z_LOSS": float(z_loss),
               "HAS_IGNORE": ignore_index is not None,
-              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index), "ONE_HOT": one_hot}
+              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index), "ONE_HOT": one_hot,
+              "SOFT_CAP": float(soft_cap or 0.0), "FAST_TANH": False}
     return consts if write_dx is None else {**consts, "WRITE_DX": write_dx}
 
 
@@ -323,17 +372,18 @@ def _reduce(loss, labels, ignore_index, reduction):
 
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8))
-def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False):
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
+def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
     scale = jnp.zeros((x2.shape[0],), jnp.float32)
     loss, _, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     return _reduce(loss, labels, ignore_index, reduction)
 
 
-def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False):
+def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
     write_dx = reduction != "none"
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=write_dx, one_hot=one_hot)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=write_dx, one_hot=one_hot,
+                     soft_cap=soft_cap)
     _, scale = _row_scale(labels, ignore_index, reduction)
     loss, lse, dx = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     out = _reduce(loss, labels, ignore_index, reduction)
@@ -342,14 +392,14 @@ def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, con
     return out, (x2, labels, lse)
 
 
-def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot, residuals, g):
+def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot, soft_cap, residuals, g):
     if reduction != "none":
         dx, labels = residuals
         # dx already holds the reduction's scale: g is the cotangent of the scalar loss (usually
         # the constant 1 of jax.grad, which XLA folds away).
         return (dx * g.astype(dx.dtype)).astype(dx.dtype), None
     x2, labels, lse = residuals
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
     (dx,) = _launch_bwd(x2, labels, lse, g.astype(jnp.float32), backend=backend, config=config,
                         constexprs=consts)
     return dx, None
@@ -381,25 +431,26 @@ def _sum(loss, weights, zero_where_unweighted):
 
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
 def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted=False,
-                  one_hot=False):
+                  one_hot=False, soft_cap=None):
     """sum(loss * weights) over the rows (see _sum); differentiated, the forward also writes dx
     (scaled by each row's weight: NaN * 0 where a row of weight 0 is not finite, as jax.jit's
     gradient of either form), and the weights' gradient is the rows' losses."""
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot)
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
     loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return _sum(loss, weights, zero_where_unweighted)
 
 
 def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config,
-                      zero_where_unweighted=False, one_hot=False):
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot)
+                      zero_where_unweighted=False, one_hot=False, soft_cap=None):
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot, soft_cap=soft_cap)
     loss, _, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return _sum(loss, weights, zero_where_unweighted), (dx, loss)
 
 
-def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, one_hot, residuals, g):
+def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, one_hot, soft_cap,
+                      residuals, g):
     dx, loss = residuals
     return (dx * g.astype(dx.dtype)).astype(dx.dtype), None, loss * g
 
@@ -428,7 +479,7 @@ def int32_labels(labels, ignore_index=None):
 
 
 def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op="cross_entropy", weights=None):
-    """Raises for a bad argument; returns (label_smoothing, z_loss) as Python floats."""
+    """Raises for a bad argument; returns (label_smoothing, z_loss) as Python floats (see check_soft_cap)."""
     if not hasattr(logits, "dtype") or not hasattr(logits, "shape"):
         raise TypeError(f"{op}: logits must be a jax or numpy array; got {type(logits).__name__}")
     if logits.dtype not in SUPPORTED_DTYPES:
@@ -458,6 +509,16 @@ def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op=
     return smoothing, z
 
 
+def check_soft_cap(op, soft_cap) -> float | None:
+    """soft_cap as a Python float, or None; raises unless it is None or a positive finite number."""
+    if soft_cap is None:
+        return None
+    cap = static_number(soft_cap)
+    if cap is None or not (cap > 0 and math.isfinite(cap)):
+        raise number_error(op, "soft_cap", "None or a positive finite number", soft_cap)
+    return cap
+
+
 def check_weights(op, labels, weights):
     """Raises unless weights is None or a float array of labels' shape."""
     if weights is not None and not (hasattr(weights, "dtype") and jnp.issubdtype(weights.dtype, jnp.floating)
@@ -468,7 +529,8 @@ def check_weights(op, labels, weights):
 
 
 def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, reduction: str = "mean", weights=None, backend: str | None = None):
+                  z_loss: float = 0.0, reduction: str = "mean", weights=None, soft_cap: float | None = None,
+                  backend: str | None = None):
     """Softmax cross-entropy of `logits` [..., V] against integer `labels` [...], float32 math.
 
     ignore_index: rows with this label add 0 to the loss and get zero gradients; "mean" divides by
@@ -481,30 +543,34 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
         "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0; ignored
         rows weigh 0). Given here rather than applied to reduction="none"'s rows, the gradient is
         still made in the forward pass.
+    soft_cap: the loss of the logits capped first, soft_cap * tanh(logits / soft_cap) (Gemma 2's
+        final logits), in the kernels' float32: the capped logits are never written.
     """
     label_smoothing, z_loss = _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction,
                                      weights=weights)
+    soft_cap = check_soft_cap("cross_entropy", soft_cap)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels, ignore_index)
     if weights is not None and reduction != "none":
         if backend == "xla" or logits.size == 0:
-            rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none")
+            rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none", soft_cap)
             return jnp.sum(rows * row_weights(labels, ignore_index, reduction, weights))
         n_cols = logits.shape[-1]
         return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1),
                              row_weights(labels, ignore_index, reduction, weights).reshape(-1), ignore_index,
-                             label_smoothing, z_loss, backend, default_config(n_cols, backend))
+                             label_smoothing, z_loss, backend, default_config(n_cols, backend), False, False, soft_cap)
     if backend == "xla" or logits.size == 0:
-        out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction)
+        out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction, soft_cap)
     else:
         n_cols = logits.shape[-1]
         out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, label_smoothing,
-                  z_loss, reduction, backend, default_config(n_cols, backend))
+                  z_loss, reduction, backend, default_config(n_cols, backend), False, soft_cap)
         out = out.reshape(labels.shape) if reduction == "none" else out
     return out if weights is None else out * weights  # (reduction "none")
 
 
-def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, backend: str | None = None):
+def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, soft_cap: float | None = None,
+                     backend: str | None = None):
     """sum(where(mask, loss, 0)) * scale over the rows (mask: a bool per row; scale: a scalar, such
     as 1 / the count of true rows, or one per row, such as 1 / its sequence's count), as programs mask padding after the loss (where(labels != -100,
     loss, 0)), the gradient made in the forward pass: jax.jit's value and gradient, a masked row's
@@ -512,18 +578,20 @@ def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, ba
     is each kept row's weight, so the forward's dx is final. What the patterns replace such programs
     with."""
     backend = L.resolve_backend(backend)
+    soft_cap = check_soft_cap("where_masked_sum", soft_cap)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     mask = jnp.asarray(mask).reshape(labels.shape)
     weights = jnp.where(mask, jnp.asarray(scale, jnp.float32), 0.0)
     if backend == "xla" or logits.size == 0:
-        return jnp.sum(jnp.where(mask, reference(logits, labels, z_loss=z_loss, reduction="none") * weights, 0.0))
+        rows = reference(logits, labels, z_loss=z_loss, reduction="none", soft_cap=soft_cap)
+        return jnp.sum(jnp.where(mask, rows * weights, 0.0))
     n_cols = logits.shape[-1]
     return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1), weights.reshape(-1), None,
-                         0.0, float(z_loss), backend, default_config(n_cols, backend), True)
+                         0.0, float(z_loss), backend, default_config(n_cols, backend), True, False, soft_cap)
 
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, weights=None,
-                          backend: str | None = None):
+                          soft_cap: float | None = None, backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
     its loss and gradient are 0; a logit that is not finite outside the label's class makes the
@@ -532,22 +600,23 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
     everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label.
     weights: a float per row (labels' shape): then sum(loss * weights) over the rows (a mean: 1 / n
-    each), the gradient made in the forward pass."""
+    each), the gradient made in the forward pass. soft_cap: as cross_entropy's."""
     label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy",
                                      weights=weights)
+    soft_cap = check_soft_cap("one_hot_cross_entropy", soft_cap)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     n_cols = logits.shape[-1]
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
-        x = logits.astype(jnp.float32)
+        x = soft_capped(logits.astype(jnp.float32), soft_cap)
         rows = -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
         return rows if weights is None else jnp.sum(rows * weights.astype(jnp.float32))
     x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
     if weights is not None:
         return _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing, z_loss,
-                             backend, config, False, True)
-    return _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True).reshape(labels.shape)
+                             backend, config, False, True, soft_cap)
+    return _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True, soft_cap).reshape(labels.shape)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -590,4 +659,14 @@ def aot_cases():
         yield (name, cross_entropy_hopper.lse_dx,
                {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
                 "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
-               cross_entropy_hopper.config(n_cols).replace(**consts), ("sm_90",))
+               cross_entropy_hopper.config(n_cols).replace(**uncapped(consts)), ("sm_90",))
+    # a soft cap (Gemma 2's vocabulary): tanh in full everywhere, PTX's approximation on CUDA
+    for fast, targets in ((False, None), (True, ("sm_90",))):
+        config = default_config(256000, "triton").replace(**{**_consts(256000, None, 0.0, 0.0, soft_cap=30.0),
+                                                             "FAST_TANH": fast})
+        tag = f"cross_entropy/bf16/n256000/soft_cap{'_fast_tanh' if fast else ''}"
+        yield (f"{tag}/fwd", _fwd, {"x_ptr": "*bf16", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
+                                    "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": "*bf16"},
+               config.replace(WRITE_DX=True), *([targets] if targets else []))
+        yield (f"{tag}/bwd", _bwd, {"x_ptr": "*bf16", "labels_ptr": "*i32", "lse_ptr": "*fp32", "g_ptr": "*fp32",
+                                    "n_rows": "i32", "dx_ptr": "*bf16"}, config, *([targets] if targets else []))

@@ -349,8 +349,10 @@ MIN_COLS = 3 * CHUNK.value
 
 def applies(n_cols: int, itemsize: int, consts: dict) -> bool:
     """Whether the problem is this kernel's (consts: cross_entropy's constexprs): 16-bit logits,
-    dx written, rows a multiple of 8 wide (TMA's 16-byte strides) and at least MIN_COLS wide."""
-    return itemsize == 2 and consts["WRITE_DX"] and n_cols % 8 == 0 and MIN_COLS <= n_cols
+    dx written, no soft cap, rows a multiple of 8 wide (TMA's 16-byte strides) and at least MIN_COLS
+    wide."""
+    return itemsize == 2 and consts["WRITE_DX"] and not consts.get("SOFT_CAP") and n_cols % 8 == 0 \
+        and MIN_COLS <= n_cols
 
 
 def launch_fwd(x2, labels, row_scale, consts: dict, backend: str, aliases=None):

@@ -46,6 +46,7 @@ class Options(NamedTuple):
     n_cols: int
     one_hot: bool = False  # labels out of range are rows of zeros (see ce.one_hot_cross_entropy)
     transpose_w: bool = False  # w is [V, D]
+    soft_cap: float | None = None  # the logits capped first, in the kernels (ce.cross_entropy's soft_cap)
 
 
 def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
@@ -86,7 +87,7 @@ def _unchunk(a, n_rows):
 
 def _consts(options: Options, write_dx=None) -> dict:
     return ce._consts(options.n_cols, options.ignore_index, options.smoothing, options.z_loss, write_dx,
-                      options.one_hot)
+                      options.one_hot, options.soft_cap)
 
 
 def _losses(h2, w, labels, options, chunk, backend, config):
@@ -208,7 +209,7 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", wei
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                          weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
-                         backend: str | None = None):
+                         soft_cap: float | None = None, backend: str | None = None):
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
     w [D, V] (or [V, D] with transpose_w: `h @ w.T`, as a tied embedding table is used), labels
     [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose logits exist at
@@ -217,30 +218,35 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     weights: a float per row (labels' shape), such as a padding mask: "none" returns weights * loss,
     "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0). Given here
     rather than applied to reduction="none"'s rows, the gradients are still made in the forward pass
-    (reduction "none" must recompute the logits in the backward: one matmul more)."""
+    (reduction "none" must recompute the logits in the backward: one matmul more).
+
+    soft_cap: the logits capped first, soft_cap * tanh(h @ w / soft_cap) (Gemma 2's final logits),
+    inside the loss kernels: the capped logits never exist either."""
     _check(h, w, labels, chunk_rows, transpose_w, weights=weights)
     n_cols = w.shape[0 if transpose_w else 1]
     logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
     smoothing, z_loss = ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction,
                                   "linear_cross_entropy")
-    options = Options(ignore_index, smoothing, z_loss, n_cols, False, transpose_w)
+    options = Options(ignore_index, smoothing, z_loss, n_cols, False, transpose_w,
+                      ce.check_soft_cap("linear_cross_entropy", soft_cap))
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
 def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                                  reduction: str = "mean",
                                  weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
-                                 backend: str | None = None):
+                                 soft_cap: float | None = None, backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
     outside [0, V) is a row of zeros, label_smoothing smooths the target as optax.smooth_labels and
-    z_loss adds z * logsumexp^2 to every row (see xkern.kernels.cross_entropy.one_hot_cross_entropy).
+    z_loss adds z * logsumexp^2 to every row (see xkern.kernels.cross_entropy.one_hot_cross_entropy);
+    soft_cap caps the logits first, as linear_cross_entropy's.
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
     _check(h, w, labels, chunk_rows, transpose_w, op, weights)
     n_cols = w.shape[0 if transpose_w else 1]
     smoothing, z_loss = ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None,
                                   label_smoothing, z_loss, reduction, op)
-    options = Options(None, smoothing, z_loss, n_cols, True, transpose_w)
+    options = Options(None, smoothing, z_loss, n_cols, True, transpose_w, ce.check_soft_cap(op, soft_cap))
     return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
 
 
@@ -253,9 +259,10 @@ def _reference_rows(h, w, labels, options: Options):
     if options.one_hot:
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
         return ce.one_hot_cross_entropy(logits, labels, label_smoothing=options.smoothing, z_loss=options.z_loss,
-                                        backend="xla")
+                                        soft_cap=options.soft_cap, backend="xla")
     return reference(h, w, labels, options.transpose_w, ignore_index=options.ignore_index,
-                     label_smoothing=options.smoothing, z_loss=options.z_loss, reduction="none")
+                     label_smoothing=options.smoothing, z_loss=options.z_loss, reduction="none",
+                     soft_cap=options.soft_cap)
 
 
 def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None):
