@@ -214,7 +214,84 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
             out.append(Case(f"LM training step, {layers} layers AdamW {name[len('decoder block '):]}, tied "
                             "embeddings, smooth_labels(0.1)", (batch, seq, dim, heads, vocab), "bfloat16",
                             "train step", xkern.jit(step), step, args, 0, 3e-2, memory=True))
-    return out + _nnx_training_cases(on_gpu, layers, vocab)
+    return out + _nnx_training_cases(on_gpu, layers, vocab) + [_gemma2_training_case(on_gpu, layers)]
+
+
+def _gemma2(on_gpu: bool, layers: int):
+    """(model, vocab, (batch, seq, dim, heads, vocab)) of Gemma 2 as the gemma library writes it, at
+    its 2B's widths (d 2304, 8 heads on 4 k/v heads of 256, MLP 9216, vocabulary 256000) with fewer
+    layers: embeddings times sqrt(d); RMSNorm's 1 + scale before and after attention and the MLP;
+    RoPE on split halves; q scaled by 256^-0.5, scores soft-capped at 50, masked by a [b, q, k] mask
+    made from the positions (causal; a sliding window of 1024 on alternate layers, Gemma 2's local
+    ones); a GeGLU MLP (tanh gelu); the final logits over the tied table soft-capped at 30."""
+    import flax.linen as nn
+
+    batch, seq, dim, heads, kv_heads, head_dim, hidden, vocab, window = (
+        (4, 2048, 2304, 8, 4, 256, 9216, 256000, 1024) if on_gpu else (1, 16, 32, 4, 2, 8, 48, 50, 6))
+    final_cap = 30.0 if on_gpu else 0.1  # (the small widths' logits are ~0.1: 0.1 bends them as 30 does Gemma's)
+    bf16, init = jnp.bfloat16, nn.initializers.normal(0.02)
+
+    def rms_norm(module, x, name):
+        scale = module.param(name, nn.initializers.zeros_init(), (x.shape[-1],))
+        normed = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)
+        return normed * (1 + scale.astype(x.dtype))
+
+    def rope(x, positions, base=10000):
+        fraction = 2 * jnp.arange(0, head_dim // 2) / head_dim
+        angles = (positions[..., None] / base ** fraction)[..., None, :]
+        first, second = jnp.split(x, 2, axis=-1)
+        return jnp.concatenate([first * jnp.cos(angles) - second * jnp.sin(angles),
+                                second * jnp.cos(angles) + first * jnp.sin(angles)], axis=-1).astype(x.dtype)
+
+    class Block(nn.Module):
+        local: bool
+
+        @nn.compact
+        def __call__(self, x, positions):
+            w = lambda name, *shape: self.param(name, init, shape).astype(bf16)
+            h = rms_norm(self, x, "pre_attention_norm")
+            q = rope(jnp.einsum("BTD,NDH->BTNH", h, w("q", heads, dim, head_dim)), positions) * head_dim ** -0.5
+            k, v = jnp.einsum("BSD,CKDH->CBSKH", h, w("kv", 2, kv_heads, dim, head_dim))
+            k = rope(k, positions)
+            b, t = q.shape[:2]
+            logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(b, t, kv_heads, heads // kv_heads, head_dim), k)
+            logits = logits.reshape(b, t, heads, t)
+            logits = jnp.tanh(logits / 50.0) * 50.0
+            mask = positions[:, :, None] >= positions[:, None, :]
+            if self.local:
+                mask = mask & (positions[:, :, None] - positions[:, None, :] < window)
+            probs = jax.nn.softmax(jnp.where(jnp.expand_dims(mask, -2), logits, -2.3819763e38), axis=-1).astype(bf16)
+            encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs.reshape(b, t, kv_heads, heads // kv_heads, t), v)
+            attended = jnp.einsum("BTNH,NHD->BTD", encoded.reshape(b, t, heads, head_dim), w("o", heads, head_dim, dim))
+            x = x + rms_norm(self, attended, "post_attention_norm")
+            h = rms_norm(self, x, "pre_ffw_norm")
+            gate, up = w("gating", 2, dim, hidden)
+            h = jnp.dot(nn.gelu(jnp.dot(h, gate)) * jnp.dot(h, up), w("linear", hidden, dim))
+            return x + rms_norm(self, h, "post_ffw_norm")
+
+    class Gemma2(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            table = self.param("embedding", init, (vocab, dim)).astype(bf16)
+            x = table[(tokens,)] * jnp.sqrt(dim).astype(bf16)
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+            for layer in range(layers):
+                x = Block(local=layer % 2 == 0)(x, positions)
+            logits = jnp.dot(rms_norm(self, x, "final_norm"), table.T)
+            logits /= final_cap
+            return jnp.tanh(logits) * final_cap
+    return Gemma2(), vocab, (batch, seq, dim, heads, vocab)
+
+
+def _gemma2_training_case(on_gpu: bool, layers: int) -> Case:
+    """Gemma 2 (see _gemma2) trained one AdamW step on optax's integer-label loss."""
+    import optax
+
+    model, vocab, shape = _gemma2(on_gpu, layers)
+    step, args = _adamw_step(model, optax.adamw(1e-4), jnp.zeros((shape[0], shape[1] + 1), jnp.int32), vocab, 7)
+    return Case(f"LM training step, {layers} layers AdamW (Gemma 2 2B's widths as the gemma library writes it: "
+                "soft caps, sliding windows, GeGLU, tied table)", shape, "bfloat16", "train step", xkern.jit(step),
+                step, args, 0, 3e-2, memory=True)
 
 
 def _adamw_step(model, tx, tokens0, vocab, key, smoothing=None):

@@ -438,3 +438,27 @@ def test_decoder_blocks_at_gpu_sizes_are_planned_as_measured(block):
     assert "matmul with a generated epilogue" in declined
     if block == "Llama":
         assert "swiglu/" in declined and "rope/" in declined
+
+
+def test_gemma2_training_step_as_the_gemma_library_writes_it():
+    """The benchmark suite's Gemma 2 (soft-capped scores and final logits, sliding-window masks from
+    positions, RoPE on split halves, RMSNorm's 1 + scale around both sublayers, GeGLU, a tied table),
+    one AdamW step under xkern.jit against jax.jit: its attention, LM head (with the soft cap in the
+    loss kernel: the logits never exist), RoPE and norms all taken."""
+    from benchmarks.bench_programs import _gemma2_training_case
+    case = _gemma2_training_case(on_gpu=False, layers=2)
+    args = case.make_args(jax.random.key(3))
+    matched = {m.pattern for m in xkern.explain(case.xla_fn)(*args).matches}
+    assert {"linear_cross_entropy/mean(optax_integer_labels_upcast(soft_cap(matmul_transposed)))",
+            "attention/einsum[bqhk,gqa]+scaled q+soft cap+mask[b,q,k]", "rope/concatenate(split)+cast back",
+            "rms_norm/rms_square*(1+scale)/plain + residual add"} <= matched
+    got, want = case.xkern_fn(*args), case.xla_fn(*args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-3)  # the loss
+    # Adam's first step moves each parameter by lr (1e-4) times the sign of its gradient: where a
+    # gradient is near 0 its sign may differ in bf16, so the parameters agree to 2 lr; the moments
+    # (the gradients, scaled) to 5% of each leaf's largest (bf16 math: the norms' scales sum 16 rows)
+    for g, w in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=2e-4)
+    for g, w in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0,
+                                   atol=5e-2 * float(jnp.max(jnp.abs(w))))
