@@ -21,15 +21,21 @@ from xkern.kernels import linear_cross_entropy as linear
 from xkern.kernels.cross_entropy import reference
 
 
+def _logits_maker(rows: int, vocab: int):
+    """A maker of (logits [rows, vocab] bf16, labels, a weight per row)."""
+    def make(key):
+        kx, kl, kw = jax.random.split(key, 3)
+        return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16) * 2,
+                jax.random.randint(kl, (rows,), 0, vocab),
+                jax.random.uniform(kw, (rows,), jnp.float32))
+    return make
+
+
 def cases(on_gpu: bool) -> list[Case]:
     shapes = [(8192, 128256), (8192, 32000)] if on_gpu else [(64, 1000)]
     out = []
     for rows, vocab in shapes:
-        def make(key, rows=rows, vocab=vocab):
-            kx, kl, kw = jax.random.split(key, 3)
-            return (jax.random.normal(kx, (rows, vocab), jnp.bfloat16) * 2,
-                    jax.random.randint(kl, (rows,), 0, vocab),
-                    jax.random.uniform(kw, (rows,), jnp.float32))
+        make = _logits_maker(rows, vocab)
         n = rows * vocab * 2
         mean = lambda f: (lambda x, y, w: f(x, y))
         grad = lambda f: (lambda x, y, w: jax.value_and_grad(f)(x, y))
@@ -40,6 +46,12 @@ def cases(on_gpu: bool) -> list[Case]:
                                          ("cross_entropy none, weighted", per_row, 2 * n, "fwd+bwd")):
             out.append(Case(name, (rows, vocab), "bfloat16", mode, wrap(xkern.ops.cross_entropy),
                             wrap(reference), make, nbytes, 2e-2))
+    # Gemma 2's final logits soft-capped at 30 (the cap in the kernel; XLA's reference caps them first)
+    rows, vocab = (8192, 256000) if on_gpu else (64, 1000)
+    capped = lambda f: (lambda x, y, w: jax.value_and_grad(lambda x: f(x, y, soft_cap=30.0))(x))
+    out.append(Case("cross_entropy mean, soft_cap 30 (Gemma 2's final logits)", (rows, vocab), "bfloat16", "fwd+bwd",
+                    capped(xkern.ops.cross_entropy), capped(reference), _logits_maker(rows, vocab),
+                    2 * rows * vocab * 2, 2e-2))
     return out + loss_cases(on_gpu) + linear_cases(on_gpu)
 
 
