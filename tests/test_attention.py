@@ -1647,13 +1647,16 @@ def test_gemma_attention_is_found(kv_heads, cap):
 MAXTEXT_FILL = -0.7 * float(jnp.finfo(jnp.float32).max)  # MaxText's DEFAULT_MASK_VALUE
 
 
-def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide_by=None, float32_product=False):
+def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide_by=None, float32_product=False,
+                      flat=False):
     """MaxText's dot-product attention as its attention op writes it (apply_attention_dot, qk_product,
     compute_local_attention, wv_product, then the output divided by the sums): q grouped by k/v head,
     unscaled 5-D scores, an optional soft cap, float32 logits or not, the additive mask [b, 1, 1, q, k]
     (0 or the fill) applied with where(mask >= fill / 2, ...), exps and sums kept apart (the max's
     reshape is dead code there too). divide_by: a near miss, another divisor. float32_product:
-    MaxText's float32_qk_product, q and k cast first."""
+    MaxText's float32_qk_product, q and k cast first. flat: compute_local_attention as MaxText writes
+    it since its attention sinks: the softmax's pieces over the scores reshaped to [b, heads, q, k],
+    the exps sliced to the keys and reshaped back, the max and sums transposed (the max dead)."""
     if float32_product:
         q, k = q.astype(jnp.float32), k.astype(jnp.float32)
     b, t, n, d = q.shape
@@ -1666,6 +1669,16 @@ def maxtext_attention(q, k, v, mask=None, cap=None, float32_logits=False, divide
         weights = weights.astype(jnp.float32)
     if mask is not None:
         weights = jnp.where(mask >= MAXTEXT_FILL * 0.5, weights, MAXTEXT_FILL)
+    if flat:
+        _, kv, g, t, s = weights.shape
+        logits = jnp.reshape(weights, (b, kv * g, t, s))
+        local_max = jnp.max(logits, axis=-1, keepdims=True)
+        local_exps = jnp.exp(logits - local_max)
+        local_sum = jnp.sum(local_exps, axis=-1, keepdims=True)
+        local_exps = jnp.reshape(local_exps[..., :s], (b, kv, g, t, s))
+        local_max, local_sum = jnp.transpose(local_max, (0, 2, 1, 3)), jnp.transpose(local_sum, (0, 2, 1, 3))
+        out = jnp.reshape(jnp.einsum("bkgts,bskd->btkgd", local_exps, v), (b, t, n, d))
+        return out / (local_sum if divide_by is None else divide_by(local_sum))
     local_max = jnp.max(weights, axis=-1, keepdims=True)
     local_exps = jnp.exp(weights - local_max)
     local_sum = jnp.moveaxis(jnp.sum(local_exps, axis=-1, keepdims=True), -2, 1)
@@ -1690,7 +1703,8 @@ def _maxtext_mask(segments, causal=True, window=None):
 
 @pytest.mark.parametrize("case", ["gqa causal, soft cap", "mha causal, float32 logits", "gqa sliding window 5",
                                   "packed documents, gqa",
-                                  "packed documents, float32 logits, soft cap", "float32 product and logits"])
+                                  "packed documents, float32 logits, soft cap", "float32 product and logits",
+                                  "gqa causal, soft cap, flat", "packed documents, float32 logits, flat"])
 def test_maxtext_dot_product_attention_is_found(case):
     """MaxText's attention="dot_product" path (also its decode path): one kernel call, with its
     constant causal mask read as causal (a sliding window's as a window) and a packed-documents mask
@@ -1706,12 +1720,14 @@ def test_maxtext_dot_product_attention_is_found(case):
     segments = jnp.array([[1] * 10 + [2] * 10 + [0] * 4, [1] * 24])
     packed = case.startswith("packed")
     window = 5 if "window" in case else None
+    flat = case.endswith("flat")  # MaxText's current spelling: the softmax over [b, heads, q, k]
 
     def f(q, k, v, segments):
         mask = _maxtext_mask(segments) if packed else _maxtext_mask(jnp.ones((b, t), jnp.int32), window=window)
-        return maxtext_attention(q, k, v, mask, cap, f32, float32_product=product)
+        return maxtext_attention(q, k, v, mask, cap, f32, float32_product=product, flat=flat)
     [match] = [m for m in xkern.explain(f)(q, k, v, segments).matches if m.pattern.startswith("attention/")]
-    assert match.pattern.startswith("attention/maxtext dot_product") and match.pattern.endswith("+mask")
+    assert match.pattern.startswith("attention/maxtext dot_product")
+    assert match.pattern.endswith("+mask+[b,h,q,k] softmax" if flat else "+mask")
     assert match.params.get("mask_kind") == (None if packed else "window" if window else "causal")
     assert match.params.get("cap") == cap and (not window or (match.params["left"], match.params["right"]) == (4, 0))
     vjp = lambda *a: (lambda out, back: (out, back(do.astype(out.dtype))))(*jax.vjp(lambda *x: f(*x, segments), *a))
@@ -1721,7 +1737,8 @@ def test_maxtext_dot_product_attention_is_found(case):
     assert kernel_names(jax.make_jaxpr(xkern.optimize(vjp))(q, k, v)).count("attention_fwd") == 1
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(g, w, jnp.bfloat16)
-    near = lambda q, k, v: maxtext_attention(q, k, v, _maxtext_mask(segments), cap, f32, divide_by=lambda s: s + 1)
+    near = lambda q, k, v: maxtext_attention(q, k, v, _maxtext_mask(segments), cap, f32, divide_by=lambda s: s + 1,
+                                             flat=flat)
     assert not [m for m in xkern.explain(near)(q, k, v).matches if m.pattern.startswith("attention/")]
 
 

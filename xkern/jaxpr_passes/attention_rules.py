@@ -1061,8 +1061,11 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, ROW_SCALING), HALF if upca
 # additive mask (0 or a fill of -0.7 times float32's max, [b, 1, 1, q, k]) applied as
 # where(mask >= fill / 2, scores, fill) (the threshold read as its own literal: the fill is rounded to
 # the scores' dtype); then exp(scores - max), the unnormalized output (the exps times v) divided by
-# the row sums, moved to [b, q, heads, 1].
-def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False):
+# the row sums, moved to [b, q, heads, 1]. flat: as MaxText writes it since its attention sinks, the
+# max, exps and sums over the scores reshaped to [b, heads, q, k], the exps reshaped back for the
+# product with v, the sums transposed to [b, q, heads, 1].
+def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False,
+                      flat: bool = False):
     def fn(q, k, v, *extras, **params):
         b, t, n, d = q.shape
         kv = k.shape[2]
@@ -1075,17 +1078,25 @@ def maxtext_attention(mask: bool, softcap: bool, float32_logits: bool, float32_p
             scores = scores.astype(jnp.float32)
         if mask:
             scores = jnp.where(extras[0] >= params["threshold"], scores, params["fill"])
-        exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        sums = jnp.moveaxis(jnp.sum(exps, axis=-1, keepdims=True), -2, 1)
+        if flat:
+            logits = scores.reshape(b, n, t, scores.shape[-1])
+            exps = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
+            sums = jnp.transpose(jnp.sum(exps, axis=-1, keepdims=True), (0, 2, 1, 3))
+            exps = exps.reshape(scores.shape)
+        else:
+            exps = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+            sums = jnp.moveaxis(jnp.sum(exps, axis=-1, keepdims=True), -2, 1).reshape(b, t, n, 1)
         out = jnp.einsum("bkgts,bskd->btkgd", exps, v)
-        return out.reshape(b, t, n, d) / sums.reshape(b, t, n, 1)
+        return out.reshape(b, t, n, d) / sums
     fn.__name__ = (f"maxtext dot_product{'+float32 product' if float32_product else ''}{'+soft cap' if softcap else ''}"
-                   f"{'+float32 logits' if float32_logits else ''}{'+mask' if mask else ''}")
+                   f"{'+float32 logits' if float32_logits else ''}{'+mask' if mask else ''}"
+                   f"{'+[b,h,q,k] softmax' if flat else ''}")
     return fn
 
 
-def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False) -> Pattern:
-    fn = maxtext_attention(mask, softcap, float32_logits, float32_product)
+def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool, float32_product: bool = False,
+                     flat: bool = False) -> Pattern:
+    fn = maxtext_attention(mask, softcap, float32_logits, float32_product, flat)
     check_common = _check("bshd")
 
     def example(dtype):
@@ -1133,8 +1144,9 @@ def _maxtext_pattern(mask: bool, softcap: bool, float32_logits: bool, float32_pr
                    requires=SOFTMAX_AND_PRODUCTS)
 
 
-PATTERNS += [_maxtext_pattern(mask, softcap, logits, product) for mask in (False, True) for softcap in (False, True)
-             for logits, product in ((False, False), (True, False), (True, True))]
+PATTERNS += [_maxtext_pattern(mask, softcap, logits, product, flat) for mask in (False, True)
+             for softcap in (False, True) for logits, product in ((False, False), (True, False), (True, True))
+             for flat in (False, True)]
 
 
 # Equinox's (equinox.nn.MultiheadAttention, dot_product_attention): written for one example and one
