@@ -851,6 +851,15 @@ def test_maxtext_custom_vjp_loss_is_reduced():
     grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(f)))(logits, labels, segmentation)
     assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"] and not dx_scales(grad_jaxpr, logits.size)
     assert "custom_vjp_call" not in str(canonicalize(jax.make_jaxpr(f)(logits, labels, segmentation)))
+    # its z-loss output masked and summed but never returned (dead): the same one kernel
+    def dead_z(x, y, segmentation):
+        xent, z = cross_entropy_with_logits("MaxText.max_utils")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
+        jnp.sum(z * (segmentation != 0))
+        return jnp.sum(xent * (segmentation != 0)) / (jnp.sum(segmentation != 0) + 1e-8)
+    assert kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(dead_z)))(logits, labels, segmentation)) == [
+        "cross_entropy_fwd"]
+    close(jax.jit(jax.grad(xkern.optimize(dead_z)))(logits, labels, segmentation),
+          jax.jit(jax.grad(dead_z))(logits, labels, segmentation), jnp.float32)
 
     # with the LM head (MaxText's logits einsum): linear_cross_entropy, as jax.jit's
     h = jnp.asarray(np.random.default_rng(15).standard_normal((2, 5, 16)), jnp.float32)

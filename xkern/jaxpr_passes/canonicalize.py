@@ -6,7 +6,7 @@ and dead equations found.
   custom_vjp calls of libraries whose backward rule is their body's gradient (see below), written
   by hand to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
   uses only their first output (MaxText's loss; t5x's z-loss output, kept for metrics, would keep
-  intermediates the kernels do not write): the loss then meets the patterns, whose kernels have
+  intermediates the kernels do not write; one read only by dead equations is not used): the loss then meets the patterns, whose kernels have
   that gradient too; where none takes it, jax differentiates the body, the same gradient. (Their
   rule takes each row of targets to sum to 1, as a one-hot of a label in range does: for a label
   out of range, one_hot's row of zeros, it adds the row's softmax, which the body's gradient, and
@@ -131,8 +131,11 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
 
 
 def _read_vars(jaxpr, outputs: bool = True) -> set:
-    """The values some equation of `jaxpr` reads, or its outputs (unless not `outputs`)."""
-    return {v for v in (*(jaxpr.outvars if outputs else ()), *(u for e in jaxpr.eqns for u in e.invars))
+    """The values some equation of `jaxpr` reads, or its outputs (unless not `outputs`); with its
+    outputs, only the live equations' reads count (a z-loss output summed but never returned is
+    not read)."""
+    eqns = [jaxpr.eqns[i] for i in sorted(live_equations(jaxpr))] if outputs else jaxpr.eqns
+    return {v for v in (*(jaxpr.outvars if outputs else ()), *(u for e in eqns for u in e.invars))
             if not isinstance(v, Literal)}
 
 
