@@ -167,6 +167,9 @@ def test_soft_capped_logits_as_the_capped_program(reduction, dtype, monkeypatch)
         want_rows = ce.reference(upcast(logits), labels, reduction="none", soft_cap=cap, **kw)
         np.testing.assert_allclose(rows, want_rows, rtol=2e-5, atol=2e-5)
         assert np.isfinite(rows[0, :2]).all()  # +-inf capped
+    mapped = jax.vmap(lambda x, y: xkern.ops.cross_entropy(x, y, reduction="none", soft_cap=cap))(logits, labels)
+    np.testing.assert_allclose(mapped, ce.reference(upcast(logits), labels, reduction="none", soft_cap=cap),
+                               rtol=2e-5, atol=2e-5)
     one_hot = lambda impl: jax.value_and_grad(lambda x: jnp.sum(impl(x, labels, soft_cap=cap, label_smoothing=0.2)))
     (got, g), (want, w) = one_hot(ce.one_hot_cross_entropy)(logits), one_hot(functools.partial(
         ce.one_hot_cross_entropy, backend="xla"))(upcast(logits))
