@@ -52,7 +52,7 @@ import numpy as np
 from jax.extend.core import Literal, Var
 
 from xkern.jaxpr_passes.graph import constant_value, padding_fill
-from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
+from xkern.jaxpr_passes.patterns import Pattern, literal_at, soft_cap_at
 from xkern.kernels import attention as kernels
 
 ALL = (jnp.bfloat16, jnp.float16, jnp.float32)
@@ -366,9 +366,8 @@ def by_hand(layout: str, causal: bool, upcast: bool, scaling: str = "*scale", ma
 def _params_of(scale: bool, fill: bool, window: bool = False, keep: bool = False, cap: bool = False):
     def params_of(match) -> dict:
         params = {"scale": literal_at(match, EXAMPLE_SCALE)} if scale else {}
-        if cap:  # divided by one number, multiplied by another: not a soft cap (check says so)
-            caps = literals_at(match, EXAMPLE_CAP)
-            params["cap"] = caps[0] if len(set(caps)) == 1 else float("nan")
+        if cap:
+            params["cap"] = soft_cap_at(match, EXAMPLE_CAP)
         if window:
             params.update(zip(("left", "right"), (int(literal_at(match, n)) for n in EXAMPLE_WINDOW)))
         if keep:

@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern, literal_at, literals_at
+from xkern.jaxpr_passes.patterns import Pattern, literal_at, soft_cap_at
 from xkern.kernels import cross_entropy as kernels
 from xkern.kernels import linear_cross_entropy as linear_kernels
 
@@ -583,11 +583,8 @@ def _with_cap(capped, params_of, example_params):
     program's two literals (NaN where they differ: not a soft cap, which _cap_reason declines)."""
     if not capped:
         return params_of, example_params
-
-    def with_cap(match):
-        caps = literals_at(match, CAP_EXAMPLE)
-        return {**params_of(match), "cap": caps[0] if len(set(caps)) == 1 else float("nan")}
-    return with_cap, {**example_params, "cap": CAP_EXAMPLE}
+    return (lambda match: {**params_of(match), "cap": soft_cap_at(match, CAP_EXAMPLE)},
+            {**example_params, "cap": CAP_EXAMPLE})
 
 
 def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_probability=False,

@@ -329,6 +329,14 @@ def literal_at(match: Match, example_value: float) -> float:
     return found[0]
 
 
+def soft_cap_at(match: Match, example_value: float) -> float:
+    """A soft cap's value, tanh(x / c) * c: the program's literal where the template divides and
+    multiplies by `example_value`; NaN where the program's two differ (not a soft cap: the pattern's
+    check declines it)."""
+    caps = literals_at(match, example_value)
+    return caps[0] if len(set(caps)) == 1 else float("nan")
+
+
 def literals_at(match: Match, example_value: float) -> list[float]:
     """Every literal of the program where the template has `example_value`, in template order: a
     param the template uses twice (a soft cap divides and multiplies) must be the same number in both
