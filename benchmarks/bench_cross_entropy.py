@@ -133,6 +133,17 @@ def cross_entropy_with_logits(bwd_module: str = "MaxText.max_utils"):
     return cross_entropy_with_logits
 
 
+def maxtext_train_loss(x, y, segmentation, z=1e-4):
+    """MaxText's loss_fn as its train step runs it (train.py): the z-loss output masked, summed and
+    over the count + EPS, returned in aux for its metrics beside the sum of the losses and the count."""
+    xent, z_loss = cross_entropy_with_logits("MaxText.max_utils")(x, jax.nn.one_hot(y, x.shape[-1]), z)
+    xent, z_loss = xent * (segmentation != 0), z_loss * (segmentation != 0)
+    xent_sum, total_z_loss = jnp.sum(xent), jnp.sum(z_loss)
+    total_weights = jnp.sum(segmentation != 0)
+    loss = xent_sum / (total_weights + 1e-8)
+    return loss, {"xent_sum": xent_sum, "z_loss": total_z_loss / (total_weights + 1e-8), "total_weights": total_weights}
+
+
 def loss_cases(on_gpu: bool) -> list[Case]:
     """Value and gradient of the logits of each loss as written, xkern.jit against jax.jit."""
     if importlib.util.find_spec("optax") is None:  # (a test dependency only)
@@ -142,10 +153,15 @@ def loss_cases(on_gpu: bool) -> list[Case]:
     def make(key):
         kx, kl = jax.random.split(key)
         return jax.random.normal(kx, (rows, vocab), jnp.bfloat16) * 2, jax.random.randint(kl, (rows,), 0, vocab)
-    return [Case(f"loss as written: {name}", (rows, vocab), "bfloat16", "fwd+bwd",
-                 xkern.jit(jax.value_and_grad(loss)), jax.jit(jax.value_and_grad(loss)), make, 2 * rows * vocab * 2,
-                 2e-2)
-            for name, loss in _losses_as_written().items()]
+    cases = [Case(f"loss as written: {name}", (rows, vocab), "bfloat16", "fwd+bwd",
+                  xkern.jit(jax.value_and_grad(loss)), jax.jit(jax.value_and_grad(loss)), make, 2 * rows * vocab * 2,
+                  2e-2)
+             for name, loss in _losses_as_written().items()]
+    # its train step's loss_fn: the z-loss and the losses' sum also returned, for its metrics
+    train = lambda x, y: maxtext_train_loss(x, y, (y % 8 != 7).astype(jnp.int32))
+    step = lambda jit: jit(jax.value_and_grad(train, has_aux=True))
+    return cases + [Case("loss as written: MaxText's train step loss_fn (z-loss 1e-4 and the sum in aux)", (rows, vocab),
+                         "bfloat16", "fwd+bwd", step(xkern.jit), step(jax.jit), make, 2 * rows * vocab * 2, 2e-2)]
 
 
 def _head_inputs(rows: int, dim: int, vocab: int):

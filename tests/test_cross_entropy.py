@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import xkern
-from benchmarks.bench_cross_entropy import cross_entropy_with_logits
+from benchmarks.bench_cross_entropy import cross_entropy_with_logits, maxtext_train_loss
 from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
@@ -400,6 +400,50 @@ def test_kernels_per_reduction_vmap_jit_and_empty():
                                   ce.reference(logits, labels))
 
 
+@pytest.mark.parametrize("op", ["mean", "none", "weights", "where", "one_hot", "one_hot weights"])
+@pytest.mark.parametrize("backend", [None, "xla"])
+def test_rows_logsumexp_and_losses_come_out_of_the_same_pass_with_their_gradients(op, backend):
+    """return_lse / return_rows: every row's logsumexp of the (capped) logits and every row's loss
+    before weights (0 where ignored), masked and non-finite rows too; differentiated, the softmax
+    (times the cap's derivative) and the row loss's gradient, added to the loss's."""
+    logits, labels = make((3, 37), jnp.float32, seed=7)
+    edge = logits.at[1, 4].set(jnp.inf).at[2].set(-jnp.inf)
+    weights = jnp.asarray([0.5, 0.0, 2.0], jnp.float32)
+    mask = jnp.asarray([True, False, True])
+    one_hot_labels, ignored = labels.at[0].set(40), int(labels[2])
+    calls = {"mean": lambda x, **kw: ce.cross_entropy(x, labels, ignore_index=ignored, z_loss=1e-3, **kw),
+             "none": lambda x, **kw: ce.cross_entropy(x, labels, reduction="none", label_smoothing=0.1, **kw),
+             "weights": lambda x, **kw: ce.cross_entropy(x, labels, reduction="sum", weights=weights, **kw),
+             "where": lambda x, **kw: ce.where_masked_sum(x, labels, mask, scale=0.5, **kw),
+             "one_hot": lambda x, **kw: ce.one_hot_cross_entropy(x, one_hot_labels, **kw),
+             "one_hot weights": lambda x, **kw: ce.one_hot_cross_entropy(x, labels, weights=weights, z_loss=1e-3, **kw)}
+    rows_of = {"mean": lambda x: ce.reference(x, labels, ignored, z_loss=1e-3, reduction="none"),
+               "none": lambda x: ce.reference(x, labels, label_smoothing=0.1, reduction="none"),
+               "one_hot": lambda x: ce.one_hot_cross_entropy(x, one_hot_labels, backend="xla"),
+               "one_hot weights": lambda x: ce.one_hot_cross_entropy(x, labels, z_loss=1e-3, backend="xla")}
+    for cap in (None, 3.0):
+        capped = lambda x: ce.soft_capped(x, cap)
+        call = lambda x, **kw: calls[op](x, soft_cap=cap, backend=backend, **kw)
+        loss, lse, rows = call(edge, return_lse=True, return_rows=True)
+        np.testing.assert_allclose(lse, jax.nn.logsumexp(capped(edge), -1), rtol=1e-6)
+        want_rows = rows_of.get(op, lambda x: ce.reference(x, labels, reduction="none"))(capped(edge))
+        np.testing.assert_allclose(rows, want_rows, rtol=1e-5)
+        np.testing.assert_array_equal(loss, call(edge))  # the loss as without them
+        # value and gradient of the loss plus weighted sums of the others, against the reference's
+        both = lambda outs: jnp.sum(outs[0]) + jnp.sum(outs[1] * jnp.arange(1.0, 4.0)) + jnp.sum(
+            outs[2] * jnp.arange(3.0, 0.0, -1.0))
+        got = jax.jit(jax.value_and_grad(lambda x: both(call(x, return_lse=True, return_rows=True))))(logits)
+        reference = lambda x: (calls[op](x, soft_cap=cap, backend="xla"), jax.nn.logsumexp(capped(x), -1),
+                               rows_of.get(op, lambda x: ce.reference(x, labels, reduction="none"))(capped(x)))
+        want = jax.value_and_grad(lambda x: both(reference(x)))(logits)
+        close(got[0], want[0], jnp.float32)
+        close(got[1], want[1], jnp.float32)
+    if backend is None:  # undifferentiated, or their cotangents zero: the same kernels as without them
+        aux = lambda x: (lambda out: (jnp.sum(out[0]), out[1:]))(calls[op](x, return_lse=True, return_rows=True))
+        assert kernel_names(jax.make_jaxpr(jax.grad(aux, has_aux=True))(logits)) == kernel_names(
+            jax.make_jaxpr(jax.grad(lambda x: jnp.sum(calls[op](x))))(logits))
+
+
 def test_bad_input_names_the_argument():
     x, y = jnp.ones((2, 8)), jnp.zeros((2,), jnp.int32)
     cases = [((jnp.ones((2, 8), jnp.int32), y), {}, TypeError, "logits must have dtype"),
@@ -414,6 +458,8 @@ def test_bad_input_names_the_argument():
              ((x, y), {"z_loss": True}, ValueError, "z_loss must be a non-negative number"),
              ((x, y), {"soft_cap": 0.0}, ValueError, "soft_cap must be None or a positive finite number"),
              ((x, y), {"soft_cap": float("inf")}, ValueError, "soft_cap must be None or a positive"),
+             ((x, y), {"return_lse": 1}, TypeError, "return_lse must be a bool"),
+             ((x, y), {"return_rows": "yes"}, TypeError, "return_rows must be a bool"),
              ((jnp.ones(()), y), {}, ValueError, "logits must have a class axis")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
@@ -886,16 +932,59 @@ def test_maxtext_custom_vjp_loss_is_reduced():
     close(want[0, 0] - got[0, 0], jax.nn.softmax(logits[0, 0]) * weight, jnp.float32)
     close(got[1:], want[1:], jnp.float32)
 
-    def t5x_metrics(x, y):  # the z-loss output used too
-        loss, z_loss = cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
-        return jnp.mean(loss) + 0 * jnp.mean(z_loss), jnp.mean(z_loss)
-    for f, args in ((maxtext_loss(cross_entropy_with_logits("my_project.losses_v2")), (logits, labels, segmentation)),
-                    (t5x_metrics, (logits, labels))):
-        assert not any(m.pattern.startswith("cross") for m in xkern.explain(f)(*args).matches)
-        assert "custom_vjp_call" in str(canonicalize(jax.make_jaxpr(f)(*args)))  # (its rule kept)
-        for got, want in zip(xkern.jit(f)(*args), jax.jit(f)(*args)) if f is t5x_metrics else [
-                (xkern.jit(f)(*args), jax.jit(f)(*args))]:
-            close(got, want, jnp.float32)
+    # the same function from another module keeps its rule: no kernel takes it
+    f, args = maxtext_loss(cross_entropy_with_logits("my_project.losses_v2")), (logits, labels, segmentation)
+    assert not any(m.pattern.startswith("cross") for m in xkern.explain(f)(*args).matches)
+    assert "custom_vjp_call" in str(canonicalize(jax.make_jaxpr(f)(*args)))  # (its rule kept)
+    close(xkern.jit(f)(*args), jax.jit(f)(*args), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_maxtext_and_t5x_z_loss_metrics_come_from_the_kernels_logsumexp(dtype):
+    """MaxText's train step returns the z-loss (its custom_vjp's second output, masked and summed) and
+    the summed loss in aux; t5x's metrics read the z-loss too. The loss over the count takes the
+    kernel, which gives the rows' logsumexp and the loss's sum (Pattern.provides): the z-loss terms
+    are computed from it after the kernel, and the count's 1 / n stays in the forward's dx.
+    Values, aux and gradients as jax.jit's; where the z-loss output is added to the loss, its
+    gradient is none, as the libraries' rules ignore its cotangent (the kernels' logsumexp gradient
+    is test_rows_logsumexp_comes_out_of_the_same_pass_with_its_gradient's). Where the loss's weights
+    are computed from the z-loss, the kernel would need its own output first: declined, said so."""
+    logits, labels = make((2, 5, 300), dtype, seed=31)
+    logits = logits.at[0, 1, 7].set(60.0)  # (a row whose logsumexp is far from 0)
+    segmentation = jnp.asarray(np.random.default_rng(17).integers(0, 3, labels.shape), jnp.int32).at[:, 0].set(1)
+    args = (logits, labels, segmentation)
+    report = xkern.explain(maxtext_train_loss)(*args)
+    assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [
+        "cross_entropy/sum(one_hot*(x-logsumexp)+z*logsumexp^2 * weights) / d + its logsumexp and its sum"], report
+    step = lambda f: jax.jit(jax.value_and_grad(f, has_aux=True))(*args)
+    ((got, got_aux), got_grad), ((want, want_aux), want_grad) = step(xkern.optimize(maxtext_train_loss)), step(
+        maxtext_train_loss)
+    tol = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    close(got, want, tol)
+    for name in want_aux:
+        close(got_aux[name], want_aux[name], tol)
+    close(got_grad, want_grad, tol)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(xkern.optimize(maxtext_train_loss), has_aux=True))(*args)
+    assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"]  # (the aux's values: no backward pass)
+    assert not dx_scales(grad_jaxpr, logits.size)  # (1 / the count is in the forward's dx)
+
+    def t5x_metrics(x, y):  # the mean loss and z-loss; then the z-loss added to the loss
+        loss, z_loss = cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-2)
+        return jnp.mean(loss), jnp.mean(z_loss)
+    with_z = lambda x, y: (lambda loss, z: loss + 3 * z)(*t5x_metrics(x, y))
+    for f in (t5x_metrics, with_z):
+        assert any(m.pattern.endswith("+ its logsumexp") for m in xkern.explain(f)(logits, labels).matches)
+        for got, want in zip(jax.tree.leaves(xkern.jit(f)(logits, labels)), jax.tree.leaves(jax.jit(f)(logits, labels))):
+            close(got, want, tol)
+    close(jax.jit(jax.grad(xkern.optimize(with_z)))(logits, labels), jax.jit(jax.grad(with_z))(logits, labels), tol)
+
+    def weighted_by_z(x, y):  # the weights read the z-loss: the kernel cannot give it first
+        xent, z_loss = cross_entropy_with_logits("MaxText.max_utils")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-4)
+        return jnp.sum(xent * jax.lax.stop_gradient(z_loss))
+    report = xkern.explain(weighted_by_z)(logits, labels)
+    assert not any(m.pattern.startswith("cross_entropy/sum") for m in report.matches), report
+    assert any("computed from its rows' logsumexp" in d.reason for d in report.declined), report
+    close(xkern.jit(weighted_by_z)(logits, labels), jax.jit(weighted_by_z)(logits, labels), tol)
 
 
 def test_losses_shifted_by_a_scalar_are_reduced():
@@ -984,7 +1073,8 @@ def test_near_misses_are_not_rewritten():
         assert not [m for m in report.matches if m.pattern.startswith("cross_entropy")], name
         close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
     # A z-loss of another array's logsumexp: the loss alone is fused, the z term left to XLA; of a
-    # negative weight: declined, saying why
+    # negative weight: declined, saying why, and the loss without it fused, giving its logsumexp to
+    # the z term (Pattern.provides)
     lse = lambda x: jax.nn.logsumexp(x, -1)
     picked = lambda x, y: jnp.take_along_axis(x, y[:, None], -1)[:, 0]
     z_misses = {"other array's z": lambda x, y: lse(x) - picked(x, y) + 0.1 * lse(2 * x) ** 2,
@@ -995,7 +1085,8 @@ def test_near_misses_are_not_rewritten():
         if name == "other array's z":
             assert fused == ["cross_entropy/logsumexp-take_along_axis"], report
         else:
-            assert fused == [] and "z-loss weight -0.1" in str(report), report
+            assert fused == ["cross_entropy/logsumexp-take_along_axis + its logsumexp"], report
+            assert "z-loss weight -0.1" in str(report), report
         close(xkern.jit(f)(logits, labels), jax.jit(f)(logits, labels), jnp.float32)
 
 

@@ -174,8 +174,11 @@ def test_an_intermediate_used_elsewhere_blocks_the_rewrite_and_says_so():
     assert kernels_of(f, x) == []
     report = xkern.explain(f)(x)
     assert [m for m in report.matches if m.op != "fused"] == [] and len(report.declined) == 1
-    assert "also used outside the pattern" in report.declined[0].reason
+    assert "(exp) is also an output of the program" in report.declined[0].reason
     assert "test_passes.py" in report.declined[0].location
+    # read by another computation instead: said so
+    report = xkern.explain(lambda x: (lambda s, e: s + jnp.log(e))(*f(x)))(x)
+    assert "(exp) is also used outside the pattern" in report.declined[0].reason
 
 
 def test_programs_with_nothing_to_match_come_out_identical():

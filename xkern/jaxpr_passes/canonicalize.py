@@ -4,10 +4,12 @@ and dead equations found.
 - Calls inlined: `jax.jit` inside a program (jax.nn.log_softmax is one) leaves a `jit` equation
   around its body; patterns would never see a body's equations next to their neighbours. So are the
   custom_vjp calls of libraries whose backward rule is their body's gradient (see below), written
-  by hand to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits), where the program
-  uses only their first output (MaxText's loss; t5x's z-loss output, kept for metrics, would keep
-  intermediates the kernels do not write; one read only by dead equations is not used): the loss then meets the patterns, whose kernels have
-  that gradient too; where none takes it, jax differentiates the body, the same gradient. (Their
+  by hand to save memory (ANALYTIC_VJPS: t5x's and MaxText's cross_entropy_with_logits): the loss
+  then meets the patterns, whose kernels have that gradient too, and its z-loss output (MaxText's
+  and t5x's metrics) is computed from the rows' logsumexp the kernels give (Pattern.provides);
+  where none takes it, jax differentiates the body, the same gradient, saving no more than the
+  rule (which saves the exps and the log-probabilities). Their rules ignore the z-loss output's
+  cotangent ("only used for logging"), so it is inlined behind a stop_gradient. (Their
   rule takes each row of targets to sum to 1, as a one-hot of a label in range does: for a label
   out of range, one_hot's row of zeros, it adds the row's softmax, which the body's gradient, and
   so xkern's, does not.)
@@ -70,12 +72,11 @@ ANALYTIC_VJPS = frozenset({("losses", "_cross_entropy_with_logits_bwd"),  # t5x.
                            ("max_utils", "_cross_entropy_with_logits_bwd")})  # MaxText.max_utils
 
 
-def _inlined_body(eqn, read_vars):
-    """The body to inline in place of `eqn` (a call, or a custom_vjp of ANALYTIC_VJPS whose other
-    outputs are not among read_vars, the program's), else None."""
+def _inlined_body(eqn):
+    """The body to inline in place of `eqn` (a call, or a custom_vjp of ANALYTIC_VJPS), else None."""
     if eqn.primitive.name in INLINED:
         return eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    if eqn.primitive.name == "custom_vjp_call" and not read_vars.intersection(eqn.outvars[1:]):
+    if eqn.primitive.name == "custom_vjp_call":
         bwd = getattr(eqn.params.get("bwd"), "f", None)
         name = (getattr(bwd, "__module__", None) or "").rsplit(".", 1)[-1], getattr(bwd, "__name__", None)
         return eqn.params["call_jaxpr"] if name in ANALYTIC_VJPS else None
@@ -130,13 +131,9 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
                          source_info=source_info)
 
 
-def _read_vars(jaxpr, outputs: bool = True) -> set:
-    """The values some equation of `jaxpr` reads, or its outputs (unless not `outputs`); with its
-    outputs, only the live equations' reads count (a z-loss output summed but never returned is
-    not read)."""
-    eqns = [jaxpr.eqns[i] for i in sorted(live_equations(jaxpr))] if outputs else jaxpr.eqns
-    return {v for v in (*(jaxpr.outvars if outputs else ()), *(u for e in eqns for u in e.invars))
-            if not isinstance(v, Literal)}
+def _read_vars(jaxpr) -> set:
+    """The values some equation of `jaxpr` reads."""
+    return {v for e in jaxpr.eqns for v in e.invars if not isinstance(v, Literal)}
 
 
 def _iota_broadcast(eqn, producers: dict):
@@ -353,8 +350,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    filled, iotas, transposes, read_vars = {}, {}, {}, _read_vars(jaxpr)
-    eqn_reads = _read_vars(jaxpr, outputs=False)
+    filled, iotas, transposes, eqn_reads = {}, {}, {}, _read_vars(jaxpr)
     softmax_maxima = _hand_softmaxes(jaxpr)
     kept_maxima = set(softmax_maxima.values())
     widened, scalars, expansions = _late_expansions(jaxpr)
@@ -386,10 +382,12 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             env.update(zip(eqn.outvars, _broadcast_scalar(eqn, chain, read, source_info)))
             continue
         invals = [read(v) for v in eqn.invars]
-        sub = _inlined_body(eqn, read_vars)
+        sub = _inlined_body(eqn)
         if sub is not None:
             body, body_consts = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, [])
             outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen)
+            if eqn.primitive.name == "custom_vjp_call":  # (their rules ignore the other outputs' cotangents)
+                outs = outs[:1] + [jax.lax.stop_gradient(v) for v in outs[1:]]
             env.update(zip(eqn.outvars, outs))
             continue
         shape = widened.get(eqn.outvars[0]) if eqn.outvars else None
@@ -416,10 +414,9 @@ def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
     if _hand_softmaxes(jaxpr) or _late_expansions(jaxpr)[0]:
         return True
-    keys, filled, iotas, transposes, read_vars = set(), {}, {}, {}, _read_vars(jaxpr)
-    eqn_reads = _read_vars(jaxpr, outputs=False)
+    keys, filled, iotas, transposes, eqn_reads = set(), {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
-        if (_inlined_body(eqn, read_vars) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
+        if (_inlined_body(eqn) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
                 or _weak_cast(eqn, eqn_reads)
                 or _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes)):
             return True

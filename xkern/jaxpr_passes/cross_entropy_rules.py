@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from xkern.jaxpr_passes.patterns import Pattern, literal_at, soft_cap_at
+from xkern.jaxpr_passes.patterns import Pattern, literal_at, logsumexps_in, soft_cap_at
 from xkern.kernels import cross_entropy as kernels
 from xkern.kernels import linear_cross_entropy as linear_kernels
 
@@ -238,7 +238,7 @@ def upcast(fn):
     return pattern
 
 
-def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0):
+def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0, provide=False):
     """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
     "indexing" count negative labels from the end; one still out of range is NaN, as take_along_axis's
     gather fills, and clamped into range by indexing, as its forward does (HF's -100 labels, masked
@@ -247,9 +247,9 @@ def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0):
     range a row of zeros."""
     if how == "one_hot":
         return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, z_loss=z_loss,
-                                             backend=backend)
+                                             return_lse=provide, backend=backend)
     return kernels.cross_entropy(logits, _labels_as_read(labels, how, logits.shape[-1]), z_loss=z_loss,
-                                 reduction="none", backend=backend)
+                                 reduction="none", return_lse=provide, backend=backend)
 
 
 def _labels_as_read(labels, how: str, classes: int):
@@ -285,18 +285,22 @@ def _check(match, params) -> str | None:
 
 def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis",
              param=None):
-    def replace(logits, labels, *, backend, **params):
-        loss = _per_row_loss(logits, labels, labels_as, backend, **params)
+    def replace(logits, labels, *, backend, provide=False, **params):
+        loss = _per_row_loss(logits, labels, labels_as, backend, provide=provide, **params)
+        loss, given = (loss[0], {"logsumexp": loss[1]}) if provide else (loss, None)
         if log_probability:
             loss = -loss
         shape = jax.eval_shape(functools.partial(fn, **params), logits, labels).shape
         loss = loss.reshape(shape)  # [..., 1] where the program keeps it
-        return loss.astype(logits.dtype) if cast_to_input else loss
+        loss = loss.astype(logits.dtype) if cast_to_input else loss
+        return (loss, given) if provide else loss
     return Pattern(
         name=name, op="cross_entropy", fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
         params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8), check=_check,
-        replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as))
+        replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
+        provides=logsumexps_in)
+
 
 
 TAKE, ONE_HOT, INDEXING = "take_along_axis", "one_hot", "indexing"
@@ -701,6 +705,15 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
     return pattern
 
 
+def _provided(match, post) -> dict:
+    """What a reduced loss's replacement can give beside it (Pattern.provides): its rows'
+    logsumexp; where the sum is divided (DIVIDED), the sum, the division's numerator."""
+    given = logsumexps_in(match)
+    if post == DIVIDED:
+        given[match.graph.eqns[match.anchor].invars[0]] = "sum"
+    return given
+
+
 def _check_reduced(match, params, masked, post, shifted) -> str | None:
     if reason := _empty_reason(match.input_avals[1]):
         return reason
@@ -733,8 +746,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
 
     overall = OVERALL.get(reduce, reduce)
 
-    def replace(logits, labels, *rest, backend, **params):
-        options = dict(z_loss=params.get("z_loss", 0.0), backend=backend)
+    def replace(logits, labels, *rest, backend, provide=False, **params):
+        options = dict(z_loss=params.get("z_loss", 0.0), return_lse=provide, return_rows=provide and post == DIVIDED,
+                       backend=backend)
         folded = masked or post or shifted or labels_as == ONE_HOT
         scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
@@ -752,9 +766,16 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         else:
             loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
                                          reduction=overall.__name__, **options)
+        loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        if not provide:
+            return loss
+        given = dict(zip(("logsumexp", "sum"), given))
+        if "sum" in given:  # the losses' sum before it is divided: weighted as the program (not folded)
+            given["sum"] = _reduce_rows(given["sum"], rest[:-1], None, sum, False, masked, None, shifted)
+        return loss, given
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
@@ -778,7 +799,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
         params_of=params_of,
         check=lambda match, params: _check_reduced(match, params, masked, post, shifted),
-        replace=replace, example_params=example_params,
+        replace=replace, example_params=example_params, provides=lambda match: _provided(match, post),
         # (a scaled reduction: traced only for programs where the reduction is found)
         requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}")
 

@@ -89,6 +89,13 @@ class Pattern:
     # (a position bias plus a padding bias: the kernels take a bias and a mask). A call that runs
     # as written (xla_when) reads the matched input itself.
     substitutes: Callable[["Match", dict], dict] | None = None
+    # provides(match): {program value inside the match: the name of a value the replacement can also
+    # give, equal to it} (replace(..., provide=True) returns (out, {name: value}): a loss's rows'
+    # logsumexp, its sum before a division). An intermediate read outside the match is then no
+    # escape where it is one of them, or is computed from them (and the inputs) by elementwise and
+    # shape equations: those stay in the program and run after the replacement, reading its values
+    # (MaxText's z-loss and summed loss, returned for its metrics).
+    provides: Callable[["Match"], dict] | None = None
 
 
 @dataclasses.dataclass
@@ -101,6 +108,7 @@ class Match:
     template: Jaxpr
     marks: frozenset = frozenset()  # pvary equations between matched ones (inside shard_map)
     shared: frozenset = frozenset()  # matched equations left in the program for other users (rewrite.py)
+    provided: dict = dataclasses.field(default_factory=dict)  # program value -> name (Pattern.provides)
 
     def eqn(self, primitive: str, nth: int = 0):
         """The program equation matched to the template's nth `primitive` equation."""
@@ -335,6 +343,22 @@ def soft_cap_at(match: Match, example_value: float) -> float:
     check declines it)."""
     caps = literals_at(match, example_value)
     return caps[0] if len(set(caps)) == 1 else float("nan")
+
+
+def logsumexps_in(match: Match) -> dict:
+    """The program values matched to the template's jax.nn.logsumexp results, log(sum(exp(x - m))) + m
+    with m the rows' stopped max (broadcast or not): each row's logsumexp of what it reads, named
+    "logsumexp"."""
+    made_by = {v: e for e in match.template.eqns for v in e.outvars}
+    producer = lambda v: None if isinstance(v, Literal) or v not in made_by else made_by[v].primitive.name
+    found = []
+    for ti, eqn in enumerate(match.template.eqns):
+        shift = next((v for v in eqn.invars if producer(v) != "log"), None)
+        if producer(shift) == "broadcast_in_dim":
+            shift = made_by[shift].invars[0]
+        if eqn.primitive.name == "add" and "log" in map(producer, eqn.invars) and producer(shift) == "stop_gradient":
+            found.append(match.graph.eqns[match.eqns[ti]].outvars[0])
+    return dict.fromkeys(found, "logsumexp")
 
 
 def literals_at(match: Match, example_value: float) -> list[float]:

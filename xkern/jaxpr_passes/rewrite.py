@@ -40,7 +40,9 @@ class Rewrite:
 
     @property
     def pattern(self) -> str:
-        return self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
+        given = " and ".join(f"its {name}" for name in dict.fromkeys(self.match.provided.values()))
+        return (self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
+                + (f" + {given}" if given else ""))
 
     def inputs(self) -> tuple[list, Any]:
         """The program values the replacement takes, one entry an input (None for those it ignores at
@@ -102,6 +104,9 @@ class Plan:
     subplans: dict[int, dict[str, list["Plan"]]]  # equation -> param -> plans of its sub-jaxprs
     declined: list[Declined]
     fusions: dict[int, Fusion] = dataclasses.field(default_factory=dict)  # last equation -> fusion
+    # equations reading a value a rewrite provides (Pattern.provides), directly or not -> the position
+    # they run at: after that rewrite's anchor (see _deferred)
+    deferred: dict[int, int] = dataclasses.field(default_factory=dict)
     role: str = ""  # what a plan that is not the user's program plans ("epilogue derivative")
 
     def walk(self):
@@ -161,25 +166,75 @@ def _shared_prefix(match: Match) -> set[int]:
     return prefix
 
 
-def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int]]:
+def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int], tuple]:
     """(The primitive of an intermediate used outside the match, or None; the match's equations
-    that stay in the program because something outside reads them, all from its shared prefix)."""
+    that stay in the program because something outside reads them, from its shared prefix or
+    computed from what the replacement provides; the values it must provide)."""
     graph, inside = match.graph, match.program_eqns
     prefix = _shared_prefix(match)
     read_outside = lambda i: any(v in graph.outvars or any(c in live and c not in inside
                                                             for c in graph.consumers.get(v, ()))
                                  for v in graph.eqns[i].outvars)
     escaping = [i for i in sorted(inside - {match.anchor}) if read_outside(i)]
-    if any(i not in prefix for i in escaping):
-        return graph.eqns[next(i for i in escaping if i not in prefix)].primitive.name, set()
-    kept, todo = set(), escaping
-    while todo:  # each kept equation, and what it reads inside the prefix
+    given = match.pattern.provides(match) if match.pattern.provides and any(i not in prefix for i in escaping) else {}
+    derived = _derived(match, prefix, given)
+    made_given = {graph.producer[v][0] for v in given}
+    stays = prefix | derived
+    if any(i not in stays | made_given for i in escaping):
+        i = next(i for i in escaping if i not in stays | made_given)
+        out = any(v in graph.outvars for v in graph.eqns[i].outvars) and not any(
+            c in live and c not in inside for v in graph.eqns[i].outvars for c in graph.consumers.get(v, ()))
+        return f"{'output ' if out else ''}{graph.eqns[i].primitive.name}", set(), {}
+    kept, todo = set(), [i for i in escaping if i not in made_given]
+    while todo:  # each kept equation, and what it reads inside the prefix or computes from the given
         i = todo.pop()
         if i not in kept:
             kept.add(i)
             todo += [graph.producer[v][0] for v in graph.eqns[i].invars
-                     if not isinstance(v, Literal) and v in graph.producer and graph.producer[v][0] in prefix]
-    return None, kept
+                     if not isinstance(v, Literal) and v in graph.producer and graph.producer[v][0] in stays]
+    needed = {v for i in kept for v in graph.eqns[i].invars if isinstance(v, Var)} | {
+        v for i in escaping if i in made_given for v in graph.eqns[i].outvars}
+    return None, kept, {v: name for v, name in given.items() if v in needed}
+
+
+DERIVABLE = frozenset(ELEMENTWISE) | {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "convert_element_type"}
+
+
+def _derived(match: Match, prefix: set[int], given: dict) -> set[int]:
+    """The match's equations (not its anchor) computed by elementwise and shape equations from the
+    values `given` (Pattern.provides) and from its inputs, literals and shared prefix."""
+    if not given:
+        return set()
+    graph, derived = match.graph, set()
+    known = set(given) | set(match.inputs) | set(graph.consts)
+    for i in sorted(match.program_eqns - {match.anchor}):
+        eqn = graph.eqns[i]
+        if i in prefix:
+            known.update(eqn.outvars)
+        elif (not eqn.effects and eqn.primitive.name in DERIVABLE and not set(eqn.outvars) & set(given)
+              and all(isinstance(v, Literal) or v in known for v in eqn.invars)):
+            derived.add(i)
+            known.update(eqn.outvars)
+    return derived
+
+
+def _reads_own_output(match: Match, live: set[int]) -> bool:
+    """Whether the match's inputs are computed from what reads the values it provides: the
+    replacement could not run before them."""
+    graph = match.graph
+    after, todo = set(), [c for v in match.provided for c in graph.consumers.get(v, ())]
+    while todo:
+        i = todo.pop()
+        if i in live and i not in after and (i not in match.program_eqns or i in match.shared):
+            after.add(i)
+            todo += [c for v in graph.eqns[i].outvars for c in graph.consumers.get(v, ())]
+    before, todo = set(), [graph.producer[v][0] for v in match.inputs if isinstance(v, Var) and v in graph.producer]
+    while todo:
+        i = todo.pop()
+        if i not in before:
+            before.add(i)
+            todo += [graph.producer[v][0] for v in graph.eqns[i].invars if isinstance(v, Var) and v in graph.producer]
+    return bool(after & before)
 
 
 NEAR_MISS = ("the pattern does not apply at these inputs", "differs from ")  # _decide's look-alike reasons
@@ -188,7 +243,13 @@ NEAR_MISS = ("the pattern does not apply at these inputs", "differs from ")  # _
 def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | None, str | None, bool]:
     """The params of an accepted match, or the reason it is declined and whether the cost model
     gave it."""
-    escaped, match.shared = _escaping(match, live)
+    escaped, match.shared, match.provided = _escaping(match, live)
+    if match.provided and _reads_own_output(match, live):
+        return None, ("the pattern's inputs are computed from its rows' logsumexp, which the program reads "
+                      "outside it: the kernel that gives it needs them first"), False
+    if escaped and escaped.startswith("output "):
+        return None, (f"an intermediate ({escaped[7:]}) is also an output of the program (returned beside the "
+                      "result: a loss's sum for metrics): the kernels do not write it"), False
     if escaped:
         return None, (f"an intermediate ({escaped}) is also used outside the pattern: by another computation "
                       "of the same value (two norms of one input share their statistics once jax's "
@@ -347,6 +408,7 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     _fold_residual_adds(plan, graph, claimed)
     if any(r.match.pattern.ignores(r.params) or r.substituted for r in plan.rewrites.values()):
         _drop_unread(plan)
+    plan.deferred = _deferred(plan, graph)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
     # several spellings declined at one place, the largest (tried first) that the program does
     # write speaks for it (a spelling whose exact trace differs is only a look-alike).
@@ -390,6 +452,25 @@ def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
         plan.skip.add(add)
 
 
+def _deferred(plan: Plan, graph: Graph) -> dict[int, int]:
+    """The equations reading a value a rewrite provides (Pattern.provides), or reading such an
+    equation's results, -> where they run: at the latest of their own position and the anchors they
+    wait for (the kept z-loss term sits before the loss's anchor in the program; so does its mask
+    and sum). Nothing else reads them, so moving them later keeps every value before its readers."""
+    provider = {v: anchor for anchor, r in plan.rewrites.items() for v in r.match.provided}
+    if not provider:
+        return {}
+    release, made = {}, {}
+    for i in sorted(plan.live - plan.skip):
+        reads = plan.rewrites[i].reads() if i in plan.rewrites else graph.eqns[i].invars
+        waits = [provider[v] if v in provider else release[made[v]] for v in reads
+                 if isinstance(v, Var) and (v in provider or v in made)]
+        if waits:
+            release[i] = max(i, *waits)
+            made.update(dict.fromkeys(graph.eqns[i].outvars, i))
+    return release
+
+
 def _drop_unread(plan: Plan) -> None:
     """What only inputs the replacements ignore needed (a constant mask read as causal), or read
     through a substitute (the repeat of k/v heads), is dead."""
@@ -423,7 +504,10 @@ def evaluate(plan: Plan, args, backend: str) -> list:
     env = dict(zip(jaxpr.constvars, plan.closed.consts))
     env.update(zip(jaxpr.invars, args))
     read = lambda v: None if v is None else v.val if isinstance(v, Literal) else env[v]
-    for i, eqn in enumerate(jaxpr.eqns):
+    # (deferred equations wait for the rewrites whose values they read: see _deferred)
+    order = sorted(range(len(jaxpr.eqns)), key=lambda i: (plan.deferred[i], 1, i) if i in plan.deferred else (i, 0, i))
+    for i in order:
+        eqn = jaxpr.eqns[i]
         if i not in plan.live or i in plan.skip:
             continue
         if i in plan.fusions:
@@ -446,7 +530,12 @@ def evaluate(plan: Plan, args, backend: str) -> list:
             replace = functools.partial(rewrite.match.pattern.replace, *rewrite.arguments(read),
                                         backend=backend, **rewrite.params)
             with _compat.user_context(eqn.source_info):
-                if residual is None:
+                if rewrite.match.provided:
+                    out, given = replace(provide=True)
+                    outs = [out]
+                    env.update({v: given[name].reshape(v.aval.shape).astype(v.aval.dtype)
+                                for v, name in rewrite.match.provided.items()})
+                elif residual is None:
                     outs = [replace()]
                 else:
                     out, env[rewrite.match.inputs[0]] = replace(residual=read(residual))
@@ -476,7 +565,7 @@ def _check_replaced(rewrite: Rewrite, aval, value) -> None:
 def _may_run_as_written(rewrite: Rewrite) -> bool:
     """Whether the rewrite's pattern may run its matched equations instead (Pattern.xla_when)."""
     pattern = rewrite.match.pattern
-    return (pattern.xla_when is not None and rewrite.residual_add is None
+    return (pattern.xla_when is not None and rewrite.residual_add is None and not rewrite.match.provided
             and not pattern.ignores(rewrite.params))
 
 
@@ -643,7 +732,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
         for v in rewrite.reads():
             if isinstance(v, Var) and anchor not in graph.consumers.get(v, ()):
                 graph.consumers.setdefault(v, []).append(anchor)
-    claimed = plan.skip | set(plan.rewrites)
+    claimed = plan.skip | set(plan.rewrites) | set(plan.deferred)  # (deferred: they run out of order)
     role = f" ({plan.role})" if plan.role else ""
     for dot, g in grouping.matmul_epilogues(graph, plan.live, claimed):
         last = graph.eqns[g.eqns[-1]]

@@ -374,10 +374,12 @@ def _reduce(loss, labels, ignore_index, reduction):
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
+    """(The loss reduced, each row's (shift, log_sum): its logsumexp's two parts, each row's loss; the
+    last two's cotangents are not read: logsumexp_rows and loss_rows give them their gradients.)"""
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
     scale = jnp.zeros((x2.shape[0],), jnp.float32)
-    loss, _, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
-    return _reduce(loss, labels, ignore_index, reduction)
+    loss, lse, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
+    return _reduce(loss, labels, ignore_index, reduction), lse, loss
 
 
 def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
@@ -388,11 +390,12 @@ def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, con
     loss, lse, dx = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     out = _reduce(loss, labels, ignore_index, reduction)
     if write_dx:
-        return out, (dx, labels)
-    return out, (x2, labels, lse)
+        return (out, lse, loss), (dx, labels)
+    return (out, lse, loss), (x2, labels, lse)
 
 
 def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot, soft_cap, residuals, g):
+    g = g[0]
     if reduction != "none":
         dx, labels = residuals
         # dx already holds the reduction's scale: g is the cotangent of the scalar loss (usually
@@ -434,28 +437,97 @@ def _sum(loss, weights, zero_where_unweighted):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8, 9, 10))
 def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted=False,
                   one_hot=False, soft_cap=None):
-    """sum(loss * weights) over the rows (see _sum); differentiated, the forward also writes dx
-    (scaled by each row's weight: NaN * 0 where a row of weight 0 is not finite, as jax.jit's
-    gradient of either form), and the weights' gradient is the rows' losses."""
+    """(sum(loss * weights) over the rows (see _sum), each row's lse pair and loss as _ce's); differentiated,
+    the forward also writes dx (scaled by each row's weight: NaN * 0 where a row of weight 0 is not
+    finite, as jax.jit's gradient of either form), and the weights' gradient is the rows' losses."""
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
-    loss, _, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
-    return _sum(loss, weights, zero_where_unweighted)
+    loss, lse, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+    return _sum(loss, weights, zero_where_unweighted), lse, loss
 
 
 def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config,
                       zero_where_unweighted=False, one_hot=False, soft_cap=None):
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot, soft_cap=soft_cap)
-    loss, _, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
-    return _sum(loss, weights, zero_where_unweighted), (dx, loss)
+    loss, lse, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
+    return (_sum(loss, weights, zero_where_unweighted), lse, loss), (dx, loss)
 
 
 def _weighted_sum_bwd(ignore_index, smoothing, z_loss, backend, config, zero_where_unweighted, one_hot, soft_cap,
                       residuals, g):
     dx, loss = residuals
+    g = g[0]
     return (dx * g.astype(dx.dtype)).astype(dx.dtype), None, loss * g
 
 
 _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
+
+
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def logsumexp_rows(x2, lse, soft_cap, backend, config):
+    """Each row's logsumexp of the (capped) logits x2, from a forward kernel's (shift, log_sum) pair
+    `lse` (the rows' loss and this from one pass over the logits). Its gradient, where it has one, is
+    the rows' softmax (times the cap's derivative) by the backward kernel, one more pass; the pair
+    itself gets none (the loss's custom_vjp does not read it)."""
+    return lse[:, 0] + lse[:, 1]
+
+
+def _logsumexp_rows_fwd(x2, lse, soft_cap, backend, config):
+    return lse[:, 0] + lse[:, 1], (x2, lse)
+
+
+def _logsumexp_rows_bwd(soft_cap, backend, config, residuals, g):
+    x2, lse = residuals
+    # a label out of range (-1, none ignored): the target is 0, dx = softmax * g
+    consts = _consts(x2.shape[1], None, 0.0, 0.0, soft_cap=soft_cap)
+    (dx,) = _launch_bwd(x2, jnp.full(x2.shape[:1], -1, jnp.int32), lse, g.astype(jnp.float32), backend=backend,
+                        config=config, constexprs=consts)
+    return dx, jnp.zeros_like(lse)
+
+
+logsumexp_rows.defvjp(_logsumexp_rows_fwd, _logsumexp_rows_bwd)
+
+
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def loss_rows(x2, labels, lse, rows, ignore_index, smoothing, z_loss, one_hot, soft_cap, backend, config):
+    """Each row's loss `rows`, from a forward kernel (with its lse pair): its gradient, where it has
+    one, by the backward kernel, as reduction="none"'s."""
+    return rows
+
+
+def _loss_rows_fwd(x2, labels, lse, rows, ignore_index, smoothing, z_loss, one_hot, soft_cap, backend, config):
+    return rows, (x2, labels, lse)
+
+
+def _loss_rows_bwd(ignore_index, smoothing, z_loss, one_hot, soft_cap, backend, config, residuals, g):
+    x2, labels, lse = residuals
+    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
+    (dx,) = _launch_bwd(x2, labels, lse, g.astype(jnp.float32), backend=backend, config=config, constexprs=consts)
+    return dx, None, jnp.zeros_like(lse), jnp.zeros_like(g)
+
+
+loss_rows.defvjp(_loss_rows_fwd, _loss_rows_bwd)
+
+
+def _outputs(out, lse, rows, x2, labels1, shape, options: tuple, backend, config, return_lse: bool,
+             return_rows: bool):
+    """out, or (out, what was asked for beside it): each row's logsumexp, each row's loss, float32 of
+    the labels' `shape`, each with its gradient. options: (ignore_index, smoothing, z_loss, one_hot,
+    soft_cap), the kernels'."""
+    extra = []
+    if return_lse:
+        extra.append(logsumexp_rows(x2, jax.lax.stop_gradient(lse), options[-1], backend, config).reshape(shape))
+    if return_rows:
+        extra.append(loss_rows(x2, labels1, jax.lax.stop_gradient(lse), jax.lax.stop_gradient(rows), *options,
+                               backend, config).reshape(shape))
+    return (out, *extra) if extra else out
+
+
+def _reference_outputs(out, rows, logits, soft_cap, return_lse: bool, return_rows: bool):
+    """_outputs' for the reference path (backend "xla", or no rows): rows, the reference's own."""
+    extra = [jax.nn.logsumexp(soft_capped(logits.astype(jnp.float32), soft_cap), -1)] if return_lse else []
+    return (out, *extra, *([rows] if return_rows else [])) if extra or return_rows else out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -519,6 +591,11 @@ def check_soft_cap(op, soft_cap) -> float | None:
     return cap
 
 
+def check_bool(op, name, value) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{op}: {name} must be a bool; got {value!r}")
+
+
 def check_weights(op, labels, weights):
     """Raises unless weights is None or a float array of labels' shape."""
     if weights is not None and not (hasattr(weights, "dtype") and jnp.issubdtype(weights.dtype, jnp.floating)
@@ -530,7 +607,7 @@ def check_weights(op, labels, weights):
 
 def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, reduction: str = "mean", weights=None, soft_cap: float | None = None,
-                  backend: str | None = None):
+                  return_lse: bool = False, return_rows: bool = False, backend: str | None = None):
     """Softmax cross-entropy of `logits` [..., V] against integer `labels` [...], float32 math.
 
     ignore_index: rows with this label add 0 to the loss and get zero gradients; "mean" divides by
@@ -545,53 +622,71 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
         still made in the forward pass.
     soft_cap: the loss of the logits capped first, soft_cap * tanh(logits / soft_cap) (Gemma 2's
         final logits), in the kernels' float32: the capped logits are never written.
+    return_lse, return_rows: also return each row's logsumexp of the (capped) logits, and each row's
+        loss before weights and reduction (0 where ignored), float32 shaped like labels, from the
+        same pass: (loss, lse, rows), as asked (a z-loss or a loss's sum kept for metrics). Where they
+        are differentiated, their gradients take one more pass over the logits each.
     """
     label_smoothing, z_loss = _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction,
                                      weights=weights)
     soft_cap = check_soft_cap("cross_entropy", soft_cap)
+    check_bool("cross_entropy", "return_lse", return_lse)
+    check_bool("cross_entropy", "return_rows", return_rows)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels, ignore_index)
-    if weights is not None and reduction != "none":
-        if backend == "xla" or logits.size == 0:
-            rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none", soft_cap)
-            return jnp.sum(rows * row_weights(labels, ignore_index, reduction, weights))
-        n_cols = logits.shape[-1]
-        return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1),
-                             row_weights(labels, ignore_index, reduction, weights).reshape(-1), ignore_index,
-                             label_smoothing, z_loss, backend, default_config(n_cols, backend), False, False, soft_cap)
+    n_cols = logits.shape[-1]
+    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    asked = dict(return_lse=return_lse, return_rows=return_rows)
     if backend == "xla" or logits.size == 0:
-        out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction, soft_cap)
+        rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none", soft_cap)
+        if weights is not None and reduction != "none":
+            out = jnp.sum(rows * row_weights(labels, ignore_index, reduction, weights))
+        else:
+            out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction, soft_cap)
+            out = out if weights is None else out * weights  # (reduction "none")
+        return _reference_outputs(out, rows, logits, soft_cap, **asked)
+    if weights is not None and reduction != "none":
+        out, lse, rows = _weighted_sum(x2, labels1, row_weights(labels, ignore_index, reduction, weights).reshape(-1),
+                                       ignore_index, label_smoothing, z_loss, backend, config, False, False, soft_cap)
     else:
-        n_cols = logits.shape[-1]
-        out = _ce(logits.reshape(-1, n_cols), labels.reshape(-1), ignore_index, label_smoothing,
-                  z_loss, reduction, backend, default_config(n_cols, backend), False, soft_cap)
+        out, lse, rows = _ce(x2, labels1, ignore_index, label_smoothing, z_loss, reduction, backend, config, False,
+                             soft_cap)
         out = out.reshape(labels.shape) if reduction == "none" else out
-    return out if weights is None else out * weights  # (reduction "none")
+        out = out if weights is None else out * weights  # (reduction "none")
+    options = (ignore_index, label_smoothing, z_loss, False, soft_cap)
+    return _outputs(out, lse, rows, x2, labels1, labels.shape, options, backend, config, **asked)
 
 
 def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, soft_cap: float | None = None,
-                     backend: str | None = None):
+                     return_lse: bool = False, return_rows: bool = False, backend: str | None = None):
     """sum(where(mask, loss, 0)) * scale over the rows (mask: a bool per row; scale: a scalar, such
     as 1 / the count of true rows, or one per row, such as 1 / its sequence's count), as programs mask padding after the loss (where(labels != -100,
     loss, 0)), the gradient made in the forward pass: jax.jit's value and gradient, a masked row's
     gradient NaN where its logits make the softmax NaN (0 * NaN in jax.jit's backward). The scale
     is each kept row's weight, so the forward's dx is final. What the patterns replace such programs
-    with."""
+    with. return_lse, return_rows: as cross_entropy's (every row's, masked ones too)."""
     backend = L.resolve_backend(backend)
     soft_cap = check_soft_cap("where_masked_sum", soft_cap)
+    check_bool("where_masked_sum", "return_lse", return_lse)
+    check_bool("where_masked_sum", "return_rows", return_rows)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     mask = jnp.asarray(mask).reshape(labels.shape)
     weights = jnp.where(mask, jnp.asarray(scale, jnp.float32), 0.0)
+    asked = dict(return_lse=return_lse, return_rows=return_rows)
     if backend == "xla" or logits.size == 0:
         rows = reference(logits, labels, z_loss=z_loss, reduction="none", soft_cap=soft_cap)
-        return jnp.sum(jnp.where(mask, rows * weights, 0.0))
+        return _reference_outputs(jnp.sum(jnp.where(mask, rows * weights, 0.0)), rows, logits, soft_cap, **asked)
     n_cols = logits.shape[-1]
-    return _weighted_sum(logits.reshape(-1, n_cols), labels.reshape(-1), weights.reshape(-1), None,
-                         0.0, float(z_loss), backend, default_config(n_cols, backend), True, False, soft_cap)
+    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1), None, 0.0, float(z_loss), backend, config,
+                                   True, False, soft_cap)
+    options = (None, 0.0, float(z_loss), False, soft_cap)
+    return _outputs(out, lse, rows, x2, labels1, labels.shape, options, backend, config, **asked)
 
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, weights=None,
-                          soft_cap: float | None = None, backend: str | None = None):
+                          soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
+                          backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
     its loss and gradient are 0; a logit that is not finite outside the label's class makes the
@@ -600,23 +695,32 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
     everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label.
     weights: a float per row (labels' shape): then sum(loss * weights) over the rows (a mean: 1 / n
-    each), the gradient made in the forward pass. soft_cap: as cross_entropy's."""
+    each), the gradient made in the forward pass. soft_cap, return_lse, return_rows: as
+    cross_entropy's."""
     label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy",
                                      weights=weights)
     soft_cap = check_soft_cap("one_hot_cross_entropy", soft_cap)
+    check_bool("one_hot_cross_entropy", "return_lse", return_lse)
+    check_bool("one_hot_cross_entropy", "return_rows", return_rows)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
     n_cols = logits.shape[-1]
+    asked = dict(return_lse=return_lse, return_rows=return_rows)
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
         x = soft_capped(logits.astype(jnp.float32), soft_cap)
         rows = -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
-        return rows if weights is None else jnp.sum(rows * weights.astype(jnp.float32))
+        out = rows if weights is None else jnp.sum(rows * weights.astype(jnp.float32))
+        return _reference_outputs(out, rows, logits, soft_cap, **asked)
     x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
     if weights is not None:
-        return _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing, z_loss,
-                             backend, config, False, True, soft_cap)
-    return _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True, soft_cap).reshape(labels.shape)
+        out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing,
+                                       z_loss, backend, config, False, True, soft_cap)
+    else:
+        out, lse, rows = _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True, soft_cap)
+        out = out.reshape(labels.shape)
+    options = (None, label_smoothing, z_loss, True, soft_cap)
+    return _outputs(out, lse, rows, x2, labels1, labels.shape, options, backend, config, **asked)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from xkern.jaxpr_passes.graph import Graph, aval_bytes
 
 def execution_positions(plan) -> dict[int, int]:
     """Equation index -> the index at which it actually runs in the rewritten program."""
-    at = {i: i for i in plan.live}
+    at = {i: plan.deferred.get(i, i) for i in plan.live}
     for anchor, rewrite in plan.rewrites.items():
         for i in rewrite.match.program_eqns | ({rewrite.residual_add} - {None}):
             at[i] = anchor
