@@ -983,7 +983,7 @@ def test_maxtext_and_t5x_z_loss_metrics_come_from_the_kernels_logsumexp(dtype):
         return jnp.sum(xent * jax.lax.stop_gradient(z_loss))
     report = xkern.explain(weighted_by_z)(logits, labels)
     assert not any(m.pattern.startswith("cross_entropy/sum") for m in report.matches), report
-    assert any("computed from its rows' logsumexp" in d.reason for d in report.declined), report
+    assert any("computed from its logsumexp, which" in d.reason for d in report.declined), report
     close(xkern.jit(weighted_by_z)(logits, labels), jax.jit(weighted_by_z)(logits, labels), tol)
 
 

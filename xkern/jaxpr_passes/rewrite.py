@@ -166,7 +166,7 @@ def _shared_prefix(match: Match) -> set[int]:
     return prefix
 
 
-def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int], tuple]:
+def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int], dict]:
     """(The primitive of an intermediate used outside the match, or None; the match's equations
     that stay in the program because something outside reads them, from its shared prefix or
     computed from what the replacement provides; the values it must provide)."""
@@ -245,8 +245,9 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     gave it."""
     escaped, match.shared, match.provided = _escaping(match, live)
     if match.provided and _reads_own_output(match, live):
-        return None, ("the pattern's inputs are computed from its rows' logsumexp, which the program reads "
-                      "outside it: the kernel that gives it needs them first"), False
+        given = " and ".join(f"its {name}" for name in dict.fromkeys(match.provided.values()))
+        return None, (f"the pattern's inputs are computed from {given}, which the program reads outside it: "
+                      "the kernel that would give it needs them first"), False
     if escaped and escaped.startswith("output "):
         return None, (f"an intermediate ({escaped[7:]}) is also an output of the program (returned beside the "
                       "result: a loss's sum for metrics): the kernels do not write it"), False
