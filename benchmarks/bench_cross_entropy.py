@@ -229,6 +229,12 @@ def linear_cases(on_gpu: bool) -> list[Case]:
             logits = jnp.tanh(logits) * 30.0
             return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
         return jax.value_and_grad(loss, (0, 1))(h, table)
+    def maxtext_head(h, w, y, c):  # MaxText's train step: its logits einsum, the z-loss and the sum in aux
+        train = lambda h, w: maxtext_train_loss(jnp.einsum("td,dv->tv", h, w), y, (c > 0.1).astype(jnp.int32))
+        return jax.value_and_grad(train, (0, 1), has_aux=True)(h, w)
+    out.append(Case("MaxText's train step LM head: loss over the count + EPS, z-loss 1e-4 and the sum in aux, xkern.jit",
+                    (rows, dim, vocab), "bfloat16", "fwd+bwd", xkern.jit(maxtext_head), maxtext_head, make, 0, 3e-2,
+                    flops, memory=True))
     head = (8192, 2304, 256000) if on_gpu else (rows, dim, vocab)  # Gemma 2 2B's on a GPU
     out.append(Case("Gemma 2 2B LM head: soft-capped logits (tanh(z / 30) * 30) + optax loss, tied table, xkern.jit",
                     head, "bfloat16", "fwd+bwd", xkern.jit(gemma2_head), gemma2_head, as_table(_head_inputs(*head)),

@@ -968,6 +968,22 @@ def test_maxtext_and_t5x_z_loss_metrics_come_from_the_kernels_logsumexp(dtype):
     assert kernel_names(grad_jaxpr) == ["cross_entropy_fwd"]  # (the aux's values: no backward pass)
     assert not dx_scales(grad_jaxpr, logits.size)  # (1 / the count is in the forward's dx)
 
+    # with the LM head (MaxText's logits einsum): linear_cross_entropy gives them, as jax.jit's
+    h = jnp.asarray(np.random.default_rng(18).standard_normal((2, 5, 16)), dtype)
+    w = jnp.asarray(np.random.default_rng(19).standard_normal((16, 300)) / 2, dtype)
+    head = lambda h, w, y, segmentation: maxtext_train_loss(jnp.einsum("btd,dv->btv", h, w), y, segmentation)
+    report = xkern.explain(head)(h, w, labels, segmentation)
+    assert [m.pattern for m in report.matches if "cross" in m.pattern] == [
+        "linear_cross_entropy/sum(one_hot_log_probabilities_z_loss(jnp_matmul) * weights) / d + its logsumexp "
+        "and its sum"], report
+    step = lambda f: jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(h, w, labels, segmentation)
+    ((got, got_aux), got_grads), ((want, want_aux), want_grads) = step(xkern.optimize(head)), step(head)
+    close(got, want, tol)
+    for name in want_aux:
+        close(got_aux[name], want_aux[name], tol)
+    for g, r in zip(got_grads, want_grads):
+        close(g, r, tol)
+
     def t5x_metrics(x, y):  # the mean loss and z-loss; then the z-loss added to the loss
         loss, z_loss = cross_entropy_with_logits("t5x.losses")(x, jax.nn.one_hot(y, x.shape[-1]), 1e-2)
         return jnp.mean(loss), jnp.mean(z_loss)

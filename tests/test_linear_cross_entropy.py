@@ -212,6 +212,33 @@ def test_soft_capped_logits_tied_table_and_one_hot(reduction):
         assert "cross_entropy_fwd" in kernel_names(jaxpr) and "tanh" not in str(jaxpr)  # capped in the kernel
 
 
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rows_logsumexp_and_losses_beside_the_loss_with_their_gradients(reduction, one_hot):
+    """return_lse / return_rows: each row's logsumexp of the (capped) logits and each row's loss
+    (over chunks, the last padded), as the reference's; differentiated, their gradients (the logits
+    recomputed) added to the loss's; in aux, the same kernels as without them."""
+    h, w, labels = make((2, 5), 24, 37, jnp.float32, seed=3)
+    labels = labels.at[1, 2].set(40) if one_hot else labels.at[0, 1].set(2)
+    op = one_hot_linear_cross_entropy if one_hot else functools.partial(linear_cross_entropy, ignore_index=2)
+    ours = lambda h, w, **kw: op(h, w, labels, reduction=reduction, z_loss=1e-3, chunk_rows=4, **kw)
+    mix = lambda outs: jnp.sum(outs[0]) + jnp.sum(outs[1] * jnp.arange(10.0).reshape(2, 5)) + jnp.sum(
+        outs[2] * jnp.arange(10.0, 0.0, -1.0).reshape(2, 5))
+    for cap in (None, 2.5):
+        logits = lambda h, w: ce.soft_capped(h @ w, cap)
+        got = jax.value_and_grad(lambda h, w: mix(ours(h, w, soft_cap=cap, return_lse=True, return_rows=True)),
+                                 (0, 1))(h, w)
+        want_of = lambda h, w: (ours(h, w, soft_cap=cap, backend="xla"), jax.nn.logsumexp(logits(h, w), -1),
+                                op(h, w, labels, z_loss=1e-3, reduction="none", soft_cap=cap, backend="xla"))
+        want = jax.value_and_grad(lambda h, w: mix(want_of(h, w)), (0, 1))(h, w)
+        close(got[0], want[0], jnp.float32)
+        for g, r in zip(got[1], want[1]):
+            close(g, r, jnp.float32)
+    aux = lambda h, w: (lambda out: (jnp.sum(out[0]), out[1:]))(ours(h, w, return_lse=True, return_rows=True))
+    assert kernel_names(jax.make_jaxpr(jax.grad(aux, (0, 1), has_aux=True))(h, w)) == kernel_names(
+        jax.make_jaxpr(jax.grad(lambda h, w: jnp.sum(ours(h, w)), (0, 1)))(h, w))
+
+
 def test_bad_input_names_the_argument():
     h, w, labels = make((4,), 8, 11, jnp.float32)
     cases = [((h.astype(jnp.int32), w, labels), {}, TypeError, "h must have dtype"),
@@ -228,7 +255,8 @@ def test_bad_input_names_the_argument():
              ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "^linear_cross_entropy: label_smoothing must be"),
              ((h, w, labels), {"z_loss": "0"}, ValueError, "^linear_cross_entropy: z_loss must be"),
              ((h, w, labels), {"ignore_index": -2**40}, ValueError, "^linear_cross_entropy: ignore_index must be in"),
-             ((h, w, labels), {"soft_cap": -30.0}, ValueError, "^linear_cross_entropy: soft_cap must be None or a posi")]
+             ((h, w, labels), {"soft_cap": -30.0}, ValueError, "^linear_cross_entropy: soft_cap must be None or a posi"),
+             ((h, w, labels), {"return_rows": None}, TypeError, "^linear_cross_entropy: return_rows must be a bool")]
     for args, kw, error, message in cases:
         with pytest.raises(error, match=message):
             linear_cross_entropy(*args, **kw)

@@ -602,7 +602,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     fn = _linear(loss_fn, project, reduce, log_probability, masked, post, shifted, capped)
     overall = OVERALL.get(reduce, reduce)
 
-    def replace(h, w, labels, *rest, backend, **params):
+    def replace(h, w, labels, *rest, backend, provide=False, **params):
         out_dtype = jax.eval_shape(functools.partial(fn, **params), h, w, labels, *rest).dtype
         # (mean(loss * weights) divides by the rows, not by the weights' sum: a weighted sum over n)
         folded = masked or post or shifted
@@ -613,16 +613,19 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
         options = dict(reduction="sum" if folded else overall.__name__, transpose_w=transposed, backend=backend,
-                       weights=factors if folded else None, soft_cap=params.get("cap"))
+                       weights=factors if folded else None, soft_cap=params.get("cap"), return_lse=provide,
+                       return_rows=provide and post == DIVIDED)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
         else:  # take_along_axis and indexing count negative labels from the end; indexing clamps
             labels = _labels_as_read(labels, labels_as, w.shape[0 if transposed else 1])
             loss = linear_kernels.linear_cross_entropy(h, w, labels, z_loss=params.get("z_loss", 0.0), **options)
+        loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        return loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
+        return (loss, _given(given, rest, masked, shifted)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
@@ -646,7 +649,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of,
         check=lambda match, params: _check_linear(match, params, transposed, post, masked, shifted),
-        replace=replace, example_params=example_params,
+        replace=replace, example_params=example_params, provides=lambda match: _provided(match, post, masked),
         requires=_requires(labels_as) | {"dot_general"} | ({"tanh"} if capped else set()), extends=extends)
 
 
@@ -705,12 +708,23 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
     return pattern
 
 
-def _provided(match, post) -> dict:
+def _provided(match, post, masked) -> dict:
     """What a reduced loss's replacement can give beside it (Pattern.provides): its rows'
-    logsumexp; where the sum is divided (DIVIDED), the sum, the division's numerator."""
-    given = logsumexps_in(match)
+    logsumexp (not where an LM head's `where` drops rows: it gives them h = 0); where the sum is
+    divided (DIVIDED), the sum, the division's numerator."""
+    given = {} if masked in KEEPS and match.pattern.op == "linear_cross_entropy" else logsumexps_in(match)
     if post == DIVIDED:
         given[match.graph.eqns[match.anchor].invars[0]] = "sum"
+    return given
+
+
+def _given(values: list, rest, masked, shifted) -> dict:
+    """The kernel's extra outputs (return_lse, then return_rows where asked) as Pattern.provides
+    names them: the rows' logsumexp; the losses' sum before it is divided, weighted as the program
+    weighs them (rest: the pattern's inputs after the labels, the divisor last)."""
+    given = dict(zip(("logsumexp", "sum"), values))
+    if "sum" in given:
+        given["sum"] = _reduce_rows(given["sum"], rest[:-1], None, sum, False, masked, None, shifted)
     return given
 
 
@@ -772,10 +786,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
         if not provide:
             return loss
-        given = dict(zip(("logsumexp", "sum"), given))
-        if "sum" in given:  # the losses' sum before it is divided: weighted as the program (not folded)
-            given["sum"] = _reduce_rows(given["sum"], rest[:-1], None, sum, False, masked, None, shifted)
-        return loss, given
+        return loss, _given(given, rest, masked, shifted)
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
@@ -799,7 +810,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         op="cross_entropy", fn=fn, dtypes=dtypes, example=example,
         params_of=params_of,
         check=lambda match, params: _check_reduced(match, params, masked, post, shifted),
-        replace=replace, example_params=example_params, provides=lambda match: _provided(match, post),
+        replace=replace, example_params=example_params, provides=lambda match: _provided(match, post, masked),
         # (a scaled reduction: traced only for programs where the reduction is found)
         requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}")
 

@@ -111,8 +111,9 @@ def _losses(h2, w, labels, options, chunk, backend, config):
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
-    loss, _ = _losses(h2, w, labels, options, chunk, backend, config)
-    return jnp.sum(loss * weights)
+    """(sum(weights * loss), each row's lse pair and loss: their cotangents are not read, see _given.)"""
+    loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
+    return jnp.sum(loss * weights), lse, loss
 
 
 def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
@@ -120,19 +121,20 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
 
     def step(dw, xs):
         h_c, y_c, wt_c = xs
-        loss, _, dlogits = ce._launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend=backend, config=config,
-                                          constexprs=consts, in_place=True)
+        loss, lse, dlogits = ce._launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend=backend, config=config,
+                                            constexprs=consts, in_place=True)
         dh_c, dw = _grads(h_c, w, dlogits, dw, options)
-        return dw, (loss, dh_c)
+        return dw, (loss, lse, dh_c)
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
-    dw, (loss, dh) = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
-    loss, dh = _unchunk(loss, h2.shape[0]), _unchunk(dh, h2.shape[0])
-    return jnp.sum(loss * weights), (dh, dw, loss)
+    dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
+    loss, lse, dh = (_unchunk(a, h2.shape[0]) for a in (loss, lse, dh))
+    return (jnp.sum(loss * weights), lse, loss), (dh, dw, loss)
 
 
 def _weighted_sum_bwd(options, chunk, backend, config, residuals, g):
     dh, dw, loss = residuals
+    g = g[0]
     # g is the scalar loss's cotangent: usually jax.grad's constant 1, which XLA folds away.
     return (dh * g.astype(dh.dtype), dw * g.astype(dw.dtype), None, loss * g)
 
@@ -147,16 +149,26 @@ _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _rows(h2, w, labels, options, chunk, backend, config):
-    return _losses(h2, w, labels, options, chunk, backend, config)[0]
+    """(Each row's loss, its lse pair: the pair's cotangent is not read, see _given.)"""
+    return _losses(h2, w, labels, options, chunk, backend, config)
 
 
 def _rows_fwd(h2, w, labels, options, chunk, backend, config):
     loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
-    return loss, (h2, w, labels, lse)
+    return (loss, lse), (h2, w, labels, lse)
 
 
 def _rows_bwd(options, chunk, backend, config, residuals, g):
     h2, w, labels, lse = residuals
+    return (*_recomputed_grads(h2, w, labels, lse, g[0], options, chunk, backend, config), None)
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
+    """(dh, dw) of the rows' losses times their cotangents g: the logits recomputed chunk by chunk,
+    the backward kernel over them."""
     consts = _consts(options)
 
     def step(dw, xs):
@@ -168,17 +180,50 @@ def _rows_bwd(options, chunk, backend, config, residuals, g):
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, g.astype(jnp.float32), lse))
     dw, dh = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
-    return _unchunk(dh, h2.shape[0]), dw, None
+    return _unchunk(dh, h2.shape[0]), dw
 
 
-_rows.defvjp(_rows_fwd, _rows_bwd)
+@L.varying_alike
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _given(h2, w, labels, lse, value, options, chunk, backend, config):
+    """`value`, each row's loss (as `options` say) or, for the options of none (labels -1: no
+    target), each row's logsumexp, from the forward's pass: its gradient, where it has one,
+    recomputed as reduction "none"'s."""
+    return value
+
+
+def _given_fwd(h2, w, labels, lse, value, options, chunk, backend, config):
+    return value, (h2, w, labels, lse)
+
+
+def _given_bwd(options, chunk, backend, config, residuals, g):
+    h2, w, labels, lse = residuals
+    dh, dw = _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config)
+    return dh, dw, None, jnp.zeros_like(lse), jnp.zeros_like(g)
+
+
+_given.defvjp(_given_fwd, _given_bwd)
+
+
+def _outputs(out, lse, rows, h2, w, labels1, shape, options: Options, statics, return_lse: bool, return_rows: bool):
+    """out, or (out, what was asked for beside it): each row's logsumexp of the (capped) logits and
+    each row's loss, float32 of the labels' `shape`, each with its gradient (see _given)."""
+    lse = jax.lax.stop_gradient(lse)
+    extra = []
+    if return_lse:
+        plain = Options(None, 0.0, 0.0, options.n_cols, False, options.transpose_w, options.soft_cap)
+        no_target = jnp.full(labels1.shape, -1, jnp.int32)
+        extra.append(_given(h2, w, no_target, lse, lse[:, 0] + lse[:, 1], plain, *statics[1:]).reshape(shape))
+    if return_rows:
+        extra.append(_given(h2, w, labels1, lse, jax.lax.stop_gradient(rows), options, *statics[1:]).reshape(shape))
+    return (out, *extra) if extra else out
 
 
 # --------------------------------------------------------------------------------------------------
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", weights=None):
+def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", weights=None, flags=(False, False)):
     for name, a in (("h", h), ("w", w)):
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{op}: {name} must be a jax or numpy array; got {type(a).__name__}")
@@ -204,12 +249,15 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", wei
     if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
         raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
     ce.check_weights(op, labels, weights)
+    for name, flag in zip(("return_lse", "return_rows"), flags):
+        ce.check_bool(op, name, flag)
 
 
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
                          weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
-                         soft_cap: float | None = None, backend: str | None = None):
+                         soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
+                         backend: str | None = None):
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
     w [D, V] (or [V, D] with transpose_w: `h @ w.T`, as a tied embedding table is used), labels
     [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose logits exist at
@@ -221,33 +269,37 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     (reduction "none" must recompute the logits in the backward: one matmul more).
 
     soft_cap: the logits capped first, soft_cap * tanh(h @ w / soft_cap) (Gemma 2's final logits),
-    inside the loss kernels: the capped logits never exist either."""
-    _check(h, w, labels, chunk_rows, transpose_w, weights=weights)
+    inside the loss kernels: the capped logits never exist either.
+
+    return_lse, return_rows: as cross_entropy's, (loss, lse, rows) as asked; where they are
+    differentiated, the logits are recomputed for their gradients (two matmuls more each)."""
+    _check(h, w, labels, chunk_rows, transpose_w, weights=weights, flags=(return_lse, return_rows))
     n_cols = w.shape[0 if transpose_w else 1]
     logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
     smoothing, z_loss = ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction,
                                   "linear_cross_entropy")
     options = Options(ignore_index, smoothing, z_loss, n_cols, False, transpose_w,
                       ce.check_soft_cap("linear_cross_entropy", soft_cap))
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights, return_lse, return_rows)
 
 
 def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                                  reduction: str = "mean",
                                  weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
-                                 soft_cap: float | None = None, backend: str | None = None):
+                                 soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
+                                 backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
     outside [0, V) is a row of zeros, label_smoothing smooths the target as optax.smooth_labels and
     z_loss adds z * logsumexp^2 to every row (see xkern.kernels.cross_entropy.one_hot_cross_entropy);
-    soft_cap caps the logits first, as linear_cross_entropy's.
+    soft_cap, return_lse and return_rows as linear_cross_entropy's.
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
-    _check(h, w, labels, chunk_rows, transpose_w, op, weights)
+    _check(h, w, labels, chunk_rows, transpose_w, op, weights, (return_lse, return_rows))
     n_cols = w.shape[0 if transpose_w else 1]
     smoothing, z_loss = ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None,
                                   label_smoothing, z_loss, reduction, op)
     options = Options(None, smoothing, z_loss, n_cols, True, transpose_w, ce.check_soft_cap(op, soft_cap))
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights, return_lse, return_rows)
 
 
 def _row_weights(labels, options: Options, reduction, weights):
@@ -265,19 +317,25 @@ def _reference_rows(h, w, labels, options: Options):
                      soft_cap=options.soft_cap)
 
 
-def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None):
+def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weights=None, return_lse=False,
+           return_rows=False):
     backend = L.resolve_backend(backend)
     h, w, labels = jnp.asarray(h), jnp.asarray(w), ce.int32_labels(labels, options.ignore_index)
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
         rows = _reference_rows(h, w, labels, options)
         if reduction == "none":
-            return rows if weights is None else rows * weights
-        return jnp.sum(rows * _row_weights(labels, options, reduction, weights))
+            out = rows if weights is None else rows * weights
+        else:
+            out = jnp.sum(rows * _row_weights(labels, options, reduction, weights))
+        logits = jnp.matmul(h, w.T if options.transpose_w else w)
+        return ce._reference_outputs(out, rows, logits, options.soft_cap, return_lse, return_rows)
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
     chunk = chunk_rows or default_chunk_rows(h2.shape[0], options.n_cols, h.dtype.itemsize)
     statics = (options, int(chunk), backend, ce.default_config(options.n_cols, backend))
     if reduction == "none":
-        rows = _rows(h2, w, y, *statics).reshape(labels.shape)
-        return rows if weights is None else rows * weights
-    # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
-    return _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
+        rows, lse = _rows(h2, w, y, *statics)
+        out = rows.reshape(labels.shape)
+        out = out if weights is None else out * weights
+    else:  # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
+        out, lse, rows = _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
+    return _outputs(out, lse, rows, h2, w, y, labels.shape, options, statics, return_lse, return_rows)
