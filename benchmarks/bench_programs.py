@@ -208,6 +208,9 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
             out.append(Case(f"LM training step, {layers} layers {layout}AdamW {name[len('decoder block '):]}",
                             (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(step),
                             step, args, 0, 3e-2, memory=True))
+        if "Llama" in name:  # MaxText's loss_fn: the z-loss and the sum returned in aux, for its metrics
+            out.append(_maxtext_loss_training_case(LM(type(block), nn.RMSNorm, dim, False), x.shape, heads, vocab,
+                                                   layers, name, key))
         if "GPT" in name:  # GPT-2's tied embeddings, and optax's label smoothing (a smoothed one-hot)
             model = LM(type(block), nn.LayerNorm, dim, False, tied=True)
             step, args = _adamw_step(model, tx, jnp.zeros((batch, seq + 1), jnp.int32), vocab, key, smoothing=0.1)
@@ -215,6 +218,34 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
                             "embeddings, smooth_labels(0.1)", (batch, seq, dim, heads, vocab), "bfloat16",
                             "train step", xkern.jit(step), step, args, 0, 3e-2, memory=True))
     return out + _nnx_training_cases(on_gpu, layers, vocab) + [_gemma2_training_case(on_gpu, layers)]
+
+
+def _maxtext_loss_training_case(model, shape, heads, vocab, layers, name, key) -> Case:
+    """An LM's AdamW step on MaxText's train-step loss_fn (one-hot targets through its custom_vjp
+    cross_entropy_with_logits, z-loss 1e-4, the loss over the count + EPS; the summed loss and the
+    z-loss in aux), the model's float32 logits."""
+    import optax
+
+    from benchmarks.bench_cross_entropy import maxtext_train_loss
+    batch, seq, dim = shape
+    tx, tokens0 = optax.adamw(1e-4), jnp.zeros((batch, seq + 1), jnp.int32)
+    params = model.init(jax.random.key(key), tokens0[:, :-1])
+    opt_state = tx.init(params)
+
+    def loss_fn(params, tokens):
+        logits = model.apply(params, tokens[:, :-1]).astype(jnp.float32)
+        return maxtext_train_loss(logits, tokens[:, 1:], (tokens[:, 1:] != 0).astype(jnp.int32))
+
+    def train_step(params, opt_state, tokens):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, aux
+
+    def args(key):
+        return params, opt_state, jax.random.randint(key, tokens0.shape, 0, vocab)
+    return Case(f"LM training step, {layers} layers AdamW {name[len('decoder block '):]}, MaxText's loss_fn (z-loss "
+                "and the summed loss in aux)", (batch, seq, dim, heads, vocab), "bfloat16", "train step",
+                xkern.jit(train_step), train_step, args, 0, 3e-2, memory=True)
 
 
 def _gemma2(on_gpu: bool, layers: int):

@@ -440,6 +440,24 @@ def test_decoder_blocks_at_gpu_sizes_are_planned_as_measured(block):
         assert "swiglu/" in declined and "rope/" in declined
 
 
+def test_a_training_step_on_maxtexts_loss_fn_takes_the_lm_head_with_its_metrics():
+    """The benchmark suite's Llama-style LM trained one AdamW step on MaxText's loss_fn, whose aux
+    returns the z-loss and the summed loss: the LM head takes linear_cross_entropy, which gives the
+    rows' logsumexp and the sum; loss, aux and parameters as jax.jit's."""
+    from benchmarks.bench_programs import training_step_cases
+    case = next(c for c in training_step_cases(on_gpu=False) if "MaxText" in c.op)
+    args = case.make_args(jax.random.key(4))
+    matched = {m.pattern for m in xkern.explain(case.xla_fn)(*args).matches}
+    assert "linear_cross_entropy/sum(one_hot_log_probabilities_z_loss_upcast(lax_dot_general) * weights) / d + its " \
+           "logsumexp and its sum" in matched, matched
+    got, want = case.xkern_fn(*args), case.xla_fn(*args)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-3)  # the loss
+    for name in want[3]:
+        np.testing.assert_allclose(got[3][name], want[3][name], rtol=2e-3, err_msg=name)
+    for g, w in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):  # (2 lr: see the Gemma 2 test below)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=0, atol=2.5e-4)
+
+
 def test_gemma2_training_step_as_the_gemma_library_writes_it():
     """The benchmark suite's Gemma 2 (soft-capped scores and final logits, sliding-window masks from
     positions, RoPE on split halves, RMSNorm's 1 + scale around both sublayers, GeGLU, a tied table),

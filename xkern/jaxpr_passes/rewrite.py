@@ -250,7 +250,7 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
                       "the kernel that would give it needs them first"), False
     if escaped and escaped.startswith("output "):
         return None, (f"an intermediate ({escaped[7:]}) is also an output of the program (returned beside the "
-                      "result: a loss's sum for metrics): the kernels do not write it"), False
+                      "result, as a loss's sum or its logits for metrics): the kernels do not write it"), False
     if escaped:
         return None, (f"an intermediate ({escaped}) is also used outside the pattern: by another computation "
                       "of the same value (two norms of one input share their statistics once jax's "
@@ -412,13 +412,16 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
     plan.deferred = _deferred(plan, graph)
     # A candidate declined in one spelling but rewritten in another was not declined after all; of
     # several spellings declined at one place, the largest (tried first) that the program does
-    # write speaks for it (a spelling whose exact trace differs is only a look-alike).
+    # write speaks for it (a spelling whose exact trace differs is only a look-alike). But where
+    # another op took the place (the cross-entropy without the LM head's matmul), a larger op's
+    # reason is kept: it says why the fusion is smaller than it could be.
     speaker: dict[int, Declined] = {}
     for d in sorted(plan.declined, key=lambda d: d.reason.startswith(NEAR_MISS)):
         speaker.setdefault(d.anchor, d)
     notes, after_notes = _attention_left_as_softmax(plan, graph)
-    plan.declined = [d for d in plan.declined if d.anchor not in claimed and speaker[d.anchor] is d and not (
-        d.anchor in after_notes and d.pattern.startswith("attention/") and d.reason.startswith(NEAR_MISS))] + notes
+    plan.declined = [d for d in plan.declined if (d.anchor not in claimed or _other_op_took(plan, d))
+                     and speaker[d.anchor] is d and not (d.anchor in after_notes and d.pattern.startswith("attention/")
+                                                         and d.reason.startswith(NEAR_MISS))] + notes
     for i in sorted(plan.live - claimed):
         eqn = graph.eqns[i]
         if eqn.primitive.name in OPAQUE:
@@ -431,6 +434,14 @@ def match_patterns(closed: ClosedJaxpr, backend: str, cost, plan_sub) -> Plan:
                 if any(p.changes or any(q.declined for q in p.walk()) for p in plans):
                     plan.subplans.setdefault(i, {})[name] = plans
     return plan
+
+
+def _other_op_took(plan: Plan, declined: Declined) -> bool:
+    """Whether a rewrite of another op took the declined candidate's anchor, and the candidate is
+    a spelling the program writes (not a look-alike)."""
+    rewrite = plan.rewrites.get(declined.anchor)
+    return (rewrite is not None and not declined.reason.startswith(NEAR_MISS)
+            and declined.pattern.split("/")[0] != rewrite.match.pattern.op)
 
 
 def _fold_residual_adds(plan: Plan, graph: Graph, claimed: set[int]) -> None:
