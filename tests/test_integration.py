@@ -441,11 +441,20 @@ def test_decoder_blocks_at_gpu_sizes_are_planned_as_measured(block):
 
 
 def test_a_training_step_on_maxtexts_loss_fn_takes_the_lm_head_with_its_metrics():
-    """The benchmark suite's Llama-style LM trained one AdamW step on MaxText's loss_fn, whose aux
-    returns the z-loss and the summed loss: the LM head takes linear_cross_entropy, which gives the
-    rows' logsumexp and the sum; loss, aux and parameters as jax.jit's."""
-    from benchmarks.bench_programs import training_step_cases
-    case = next(c for c in training_step_cases(on_gpu=False) if "MaxText" in c.op)
+    """An LM (flax: embedding, RMSNorm, Dense head; the benchmark suite's row has Llama blocks too)
+    trained one AdamW step on MaxText's loss_fn, whose aux returns the z-loss and the summed loss:
+    the LM head takes linear_cross_entropy, which gives the rows' logsumexp and the sum; loss, aux
+    and parameters as jax.jit's."""
+    import flax.linen as nn
+
+    from benchmarks.bench_programs import _maxtext_loss_training_case
+
+    class LM(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            h = nn.RMSNorm(dtype=jnp.bfloat16)(nn.Embed(50, 32, dtype=jnp.bfloat16)(tokens))
+            return nn.Dense(50, use_bias=False, dtype=jnp.bfloat16)(h)
+    case = _maxtext_loss_training_case(LM(), (2, 16, 32), 1, 50, 0, "decoder block tiny", 0)
     args = case.make_args(jax.random.key(4))
     matched = {m.pattern for m in xkern.explain(case.xla_fn)(*args).matches}
     assert "linear_cross_entropy/sum(one_hot_log_probabilities_z_loss_upcast(lax_dot_general) * weights) / d + its " \
