@@ -40,9 +40,8 @@ class Rewrite:
 
     @property
     def pattern(self) -> str:
-        given = " and ".join(f"its {name}" for name in dict.fromkeys(self.match.provided.values()))
         return (self.match.pattern.name + (" + residual add" if self.residual_add is not None else "")
-                + (f" + {given}" if given else ""))
+                + (f" + {given_names(self.match.provided)}" if self.match.provided else ""))
 
     def inputs(self) -> tuple[list, Any]:
         """The program values the replacement takes, one entry an input (None for those it ignores at
@@ -68,6 +67,11 @@ class Rewrite:
         value = lambda v: None if v is None else tuple(map(read, v)) if isinstance(v, tuple) else read(v)
         return [self.substituted[n][1](value(v)) if n in self.substituted and v is not None else value(v)
                 for n, v in enumerate(inputs)]
+
+
+def given_names(provided: dict) -> str:
+    """What a match's replacement gives beside its output (Match.provided), as explain says it."""
+    return " and ".join(f"its {name}" for name in dict.fromkeys(provided.values()))
 
 
 @dataclasses.dataclass
@@ -181,7 +185,7 @@ def _escaping(match: Match, live: set[int]) -> tuple[str | None, set[int], dict]
     made_given = {graph.producer[v][0] for v in given}
     stays = prefix | derived
     if any(i not in stays | made_given for i in escaping):
-        i = next(i for i in escaping if i not in stays | made_given)
+        i = next(i for i in escaping if i not in stays and i not in made_given)
         out = any(v in graph.outvars for v in graph.eqns[i].outvars) and not any(
             c in live and c not in inside for v in graph.eqns[i].outvars for c in graph.consumers.get(v, ()))
         return f"{'output ' if out else ''}{graph.eqns[i].primitive.name}", set(), {}
@@ -245,9 +249,8 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     gave it."""
     escaped, match.shared, match.provided = _escaping(match, live)
     if match.provided and _reads_own_output(match, live):
-        given = " and ".join(f"its {name}" for name in dict.fromkeys(match.provided.values()))
-        return None, (f"the pattern's inputs are computed from {given}, which the program reads outside it: "
-                      "the kernel that would give it needs them first"), False
+        return None, (f"the pattern's inputs are computed from {given_names(match.provided)}, which the program "
+                      "reads outside it: the kernel that would give it needs them first"), False
     if escaped and escaped.startswith("output "):
         return None, (f"an intermediate ({escaped[7:]}) is also an output of the program (returned beside the "
                       "result, as a loss's sum or its logits for metrics): the kernels do not write it"), False
