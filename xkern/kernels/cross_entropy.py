@@ -375,7 +375,7 @@ def _reduce(loss, labels, ignore_index, reduction):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7, 8, 9))
 def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
     """(The loss reduced, each row's (shift, log_sum): its logsumexp's two parts, each row's loss; the
-    last two's cotangents are not read: logsumexp_rows and loss_rows give them their gradients.)"""
+    last two's cotangents are not read: loss_rows gives them their gradients.)"""
     consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
     scale = jnp.zeros((x2.shape[0],), jnp.float32)
     loss, lse, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
@@ -463,36 +463,11 @@ _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 
 @L.varying_alike
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def logsumexp_rows(x2, lse, soft_cap, backend, config):
-    """Each row's logsumexp of the (capped) logits x2, from a forward kernel's (shift, log_sum) pair
-    `lse` (the rows' loss and this from one pass over the logits). Its gradient, where it has one, is
-    the rows' softmax (times the cap's derivative) by the backward kernel, one more pass; the pair
-    itself gets none (the loss's custom_vjp does not read it)."""
-    return lse[:, 0] + lse[:, 1]
-
-
-def _logsumexp_rows_fwd(x2, lse, soft_cap, backend, config):
-    return lse[:, 0] + lse[:, 1], (x2, lse)
-
-
-def _logsumexp_rows_bwd(soft_cap, backend, config, residuals, g):
-    x2, lse = residuals
-    # a label out of range (-1, none ignored): the target is 0, dx = softmax * g
-    consts = _consts(x2.shape[1], None, 0.0, 0.0, soft_cap=soft_cap)
-    (dx,) = _launch_bwd(x2, jnp.full(x2.shape[:1], -1, jnp.int32), lse, g.astype(jnp.float32), backend=backend,
-                        config=config, constexprs=consts)
-    return dx, jnp.zeros_like(lse)
-
-
-logsumexp_rows.defvjp(_logsumexp_rows_fwd, _logsumexp_rows_bwd)
-
-
-@L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
 def loss_rows(x2, labels, lse, rows, ignore_index, smoothing, z_loss, one_hot, soft_cap, backend, config):
     """Each row's loss `rows`, from a forward kernel (with its lse pair): its gradient, where it has
-    one, by the backward kernel, as reduction="none"'s."""
+    one, by the backward kernel, as reduction="none"'s (one more pass). With labels of -1 and no
+    options (no target), `rows` is the rows' logsumexp, and its gradient their softmax."""
     return rows
 
 
@@ -515,12 +490,13 @@ def _outputs(out, lse, rows, x2, labels1, shape, options: tuple, backend, config
     """out, or (out, what was asked for beside it): each row's logsumexp, each row's loss, float32 of
     the labels' `shape`, each with its gradient. options: (ignore_index, smoothing, z_loss, one_hot,
     soft_cap), the kernels'."""
-    extra = []
+    lse, extra = jax.lax.stop_gradient(lse), []
     if return_lse:
-        extra.append(logsumexp_rows(x2, jax.lax.stop_gradient(lse), options[-1], backend, config).reshape(shape))
-    if return_rows:
-        extra.append(loss_rows(x2, labels1, jax.lax.stop_gradient(lse), jax.lax.stop_gradient(rows), *options,
+        no_target = jnp.full(labels1.shape, -1, jnp.int32)
+        extra.append(loss_rows(x2, no_target, lse, lse[:, 0] + lse[:, 1], None, 0.0, 0.0, False, options[-1],
                                backend, config).reshape(shape))
+    if return_rows:
+        extra.append(loss_rows(x2, labels1, lse, jax.lax.stop_gradient(rows), *options, backend, config).reshape(shape))
     return (out, *extra) if extra else out
 
 
