@@ -784,9 +784,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
         loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        if not provide:
-            return loss
-        return loss, _given(given, rest, masked, shifted)
+        return (loss, _given(given, rest, masked, shifted)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
