@@ -144,6 +144,26 @@ def maxtext_train_loss(x, y, segmentation, z=1e-4):
     return loss, {"xent_sum": xent_sum, "z_loss": total_z_loss / (total_weights + 1e-8), "total_weights": total_weights}
 
 
+def maxtext_logits_in_aux_loss(x, y, segmentation):
+    """MaxText's loss_fn as its train step runs it since 2025 (train.py): no z-loss, the summed loss over
+    the count + EPS; its aux keeps the logits (intermediate_outputs, for its eval step's metrics) beside
+    the summed loss and the count. Its train step reads the count, not the logits (maxtext_step)."""
+    xent, _ = cross_entropy_with_logits("MaxText.max_utils")(x, jax.nn.one_hot(y, x.shape[-1]), 0.0)
+    xent = xent * (segmentation != 0)
+    total_loss, total_weights = jnp.sum(xent), jnp.sum(segmentation != 0)
+    return total_loss / (total_weights + 1e-8), {"intermediate_outputs": {"logits": x}, "total_loss": total_loss,
+                                                 "total_weights": total_weights}
+
+
+def maxtext_step(loss_fn, argnums=0):
+    """What MaxText's train step keeps of value_and_grad(loss_fn, has_aux=True): the loss, the gradients
+    and the count (its metrics)."""
+    def step(*args):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, argnums, has_aux=True)(*args)
+        return loss, grads, aux["total_weights"]
+    return step
+
+
 def loss_cases(on_gpu: bool) -> list[Case]:
     """Value and gradient of the logits of each loss as written, xkern.jit against jax.jit."""
     if importlib.util.find_spec("optax") is None:  # (a test dependency only)
@@ -235,6 +255,11 @@ def linear_cases(on_gpu: bool) -> list[Case]:
     out.append(Case("MaxText's train step LM head: loss over the count + EPS, z-loss 1e-4 and the sum in aux, xkern.jit",
                     (rows, dim, vocab), "bfloat16", "fwd+bwd", xkern.jit(maxtext_head), maxtext_head, make, 0, 3e-2,
                     flops, memory=True))
+    newest = lambda h, w, y, c: maxtext_step(lambda h, w: maxtext_logits_in_aux_loss(
+        jnp.einsum("td,dv->tv", h, w), y, (c > 0.1).astype(jnp.int32)), (0, 1))(h, w)
+    out.append(Case("MaxText's train step LM head, the logits in aux (the step drops them), xkern.jit",
+                    (rows, dim, vocab), "bfloat16", "fwd+bwd", xkern.jit(newest), newest, make, 0, 3e-2, flops,
+                    memory=True))
     head = (8192, 2304, 256000) if on_gpu else (rows, dim, vocab)  # Gemma 2 2B's on a GPU
     out.append(Case("Gemma 2 2B LM head: soft-capped logits (tanh(z / 30) * 30) + optax loss, tied table, xkern.jit",
                     head, "bfloat16", "fwd+bwd", xkern.jit(gemma2_head), gemma2_head, as_table(_head_inputs(*head)),

@@ -209,8 +209,9 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
                             (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(step),
                             step, args, 0, 3e-2, memory=True))
         if "Llama" in name:  # MaxText's loss_fn: the z-loss and the sum returned in aux, for its metrics
-            out.append(_maxtext_loss_training_case(LM(type(block), nn.RMSNorm, dim, False), x.shape, heads, vocab,
-                                                   layers, name, key))
+            for logits_in_aux in (False, True):
+                out.append(_maxtext_loss_training_case(LM(type(block), nn.RMSNorm, dim, False), x.shape, heads, vocab,
+                                                       layers, name, key, logits_in_aux))
         if "GPT" in name:  # GPT-2's tied embeddings, and optax's label smoothing (a smoothed one-hot)
             model = LM(type(block), nn.LayerNorm, dim, False, tied=True)
             step, args = _adamw_step(model, tx, jnp.zeros((batch, seq + 1), jnp.int32), vocab, key, smoothing=0.1)
@@ -220,13 +221,14 @@ def training_step_cases(on_gpu: bool) -> list[Case]:
     return out + _nnx_training_cases(on_gpu, layers, vocab) + [_gemma2_training_case(on_gpu, layers)]
 
 
-def _maxtext_loss_training_case(model, shape, heads, vocab, layers, name, key) -> Case:
+def _maxtext_loss_training_case(model, shape, heads, vocab, layers, name, key, logits_in_aux: bool) -> Case:
     """An LM's AdamW step on MaxText's train-step loss_fn (one-hot targets through its custom_vjp
-    cross_entropy_with_logits, z-loss 1e-4, the loss over the count + EPS; the summed loss and the
-    z-loss in aux), the model's float32 logits."""
+    cross_entropy_with_logits, the loss over the count + EPS), the model's float32 logits. Its
+    loss_fn of 2024: z-loss 1e-4, the summed loss and the z-loss in aux, all returned; or since 2025
+    (logits_in_aux): no z-loss, the logits in aux, which the step drops as MaxText's does."""
     import optax
 
-    from benchmarks.bench_cross_entropy import maxtext_train_loss
+    from benchmarks.bench_cross_entropy import maxtext_logits_in_aux_loss, maxtext_train_loss
     batch, seq, dim = shape
     tx, tokens0 = optax.adamw(1e-4), jnp.zeros((batch, seq + 1), jnp.int32)
     params = model.init(jax.random.key(key), tokens0[:, :-1])
@@ -234,18 +236,21 @@ def _maxtext_loss_training_case(model, shape, heads, vocab, layers, name, key) -
 
     def loss_fn(params, tokens):
         logits = model.apply(params, tokens[:, :-1]).astype(jnp.float32)
-        return maxtext_train_loss(logits, tokens[:, 1:], (tokens[:, 1:] != 0).astype(jnp.int32))
+        loss = maxtext_logits_in_aux_loss if logits_in_aux else maxtext_train_loss
+        return loss(logits, tokens[:, 1:], (tokens[:, 1:] != 0).astype(jnp.int32))
 
     def train_step(params, opt_state, tokens):
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tokens)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss, aux
+        metrics = {"total_weights": aux["total_weights"]} if logits_in_aux else aux
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
 
     def args(key):
         return params, opt_state, jax.random.randint(key, tokens0.shape, 0, vocab)
-    return Case(f"LM training step, {layers} layers AdamW {name[len('decoder block '):]}, MaxText's loss_fn (z-loss "
-                "and the summed loss in aux)", (batch, seq, dim, heads, vocab), "bfloat16", "train step",
-                xkern.jit(train_step), train_step, args, 0, 3e-2, memory=True)
+    kind = "the logits in aux, dropped by the step" if logits_in_aux else "z-loss and the summed loss in aux"
+    return Case(f"LM training step, {layers} layers AdamW {name[len('decoder block '):]}, MaxText's loss_fn ({kind})",
+                (batch, seq, dim, heads, vocab), "bfloat16", "train step", xkern.jit(train_step), train_step, args, 0,
+                3e-2, memory=True)
 
 
 def _gemma2(on_gpu: bool, layers: int):

@@ -418,6 +418,60 @@ def test_linear_near_misses_keep_the_logits():
         jax.tree.map(lambda a, b: close(a, b, jnp.float32), xkern.jit(f)(*args), jax.jit(f)(*args))
 
 
+def test_logits_a_train_step_drops_from_its_loss_fns_aux_are_never_made(monkeypatch):
+    """MaxText's loss_fn returns its logits in aux (for its eval step); its train step reads the loss,
+    the gradients and the count. xkern plans the loss_fn before jax differentiates it, where the
+    logits are an output; the step's trace shows them unread, so the loss_fn is planned again without
+    them and the LM head takes them (linear_cross_entropy), with jax.jit's values and gradients. A
+    step that reads them keeps them (the cross-entropy alone is fused, and explain says why); so does
+    a vjp without aux whose second output is unread but given a cotangent. In a scan of micro-batches
+    (gradient accumulation) they are dropped as in the step. Where the second trace would read a value
+    it dropped (calls numbered otherwise), the first trace stands."""
+    from benchmarks.bench_cross_entropy import maxtext_logits_in_aux_loss, maxtext_step
+    from xkern.jaxpr_passes import unread
+    from xkern.jaxpr_passes.rewrite import AN_OUTPUT
+
+    h, w, labels = make((2, 5), 16, 300, jnp.float32, seed=21)
+    segmentation = jnp.asarray(np.random.default_rng(22).integers(0, 3, labels.shape), jnp.int32).at[:, 0].set(1)
+    loss_fn = lambda h, w: maxtext_logits_in_aux_loss(jnp.einsum("btd,dv->btv", h, w), labels, segmentation)
+
+    def reads(h, w):
+        (loss, aux), grads = jax.value_and_grad(loss_fn, (0, 1), has_aux=True)(h, w)
+        return loss, grads, aux["intermediate_outputs"]["logits"]
+
+    def vjp_step(h, w):
+        def loss_and_logits(h, w):
+            logits = jnp.einsum("btd,dv->btv", h, w)
+            return maxtext_logits_in_aux_loss(logits, labels, segmentation)[0], logits
+        (loss, logits), pullback = jax.vjp(loss_and_logits, h, w)
+        return loss, pullback((jnp.float32(1.0), jnp.ones_like(logits)))
+
+    def accumulated(h, w):
+        def micro(carry, batch):
+            hb, yb, sb = batch
+            (loss, aux), gw = jax.value_and_grad(lambda w: maxtext_logits_in_aux_loss(hb @ w, yb, sb), has_aux=True)(w)
+            return (carry[0] + loss, carry[1] + gw), aux["total_weights"]
+        return jax.lax.scan(micro, (jnp.float32(0.0), jnp.zeros_like(w)), (h, labels, segmentation))
+
+    head = lambda report: [m.pattern for m in report.matches if m.pattern.startswith("linear_cross_entropy")]
+    for name, f, fused in (("drops", maxtext_step(loss_fn, (0, 1)), True), ("reads", reads, False),
+                           ("vjp", vjp_step, False), ("accumulated", accumulated, True)):
+        report = xkern.explain(f)(h, w)
+        assert bool(head(report)) == fused, (name, report)
+        assert ("aux['intermediate_outputs']['logits']" in report.unread) == fused, (name, report)
+        assert ("left out aux['intermediate_outputs']['logits']" in str(report)) == fused, (name, report)
+        assert [m for m in report.matches if m.pattern.startswith("cross_entropy")] or fused, (name, report)
+        if name == "reads":
+            assert any(d.pattern.startswith("linear_cross_entropy/") and AN_OUTPUT in d.reason
+                       for d in report.declined), report
+        jax.tree.map(lambda a, b: close(a, b, jnp.float32), xkern.jit(f)(h, w), jax.jit(f)(h, w))
+
+    # dropping every aux leaf, the logits too, where the step reads them: the check keeps the first trace
+    monkeypatch.setattr(unread, "unread", lambda closed, calls, worth: {0: {0, 1, 2}} if calls else {})
+    assert not head(xkern.explain(reads)(h, w))
+    jax.tree.map(lambda a, b: close(a, b, jnp.float32), xkern.jit(reads)(h, w), jax.jit(reads)(h, w))
+
+
 def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
     """HF's convention: -100 labels, the loss taken on them as they are, then masked by `where`. The
     rows' NaN losses are masked away and their gradients are 0 under jax.jit (the gather's gradient

@@ -229,7 +229,8 @@ def _install_linearize_hook() -> None:
                 and not any(isinstance(p, ad.JVPTracer) for p in primals)):
             _differentiated.inside = True
             try:
-                return original(wrap(traceable), primals, *args, **kwargs)
+                has_aux = kwargs.get("has_aux", args[0] if args else False)
+                return original(wrap(traceable, has_aux), primals, *args, **kwargs)
             finally:
                 _differentiated.inside = False
         return original(traceable, primals, *args, **kwargs)
@@ -253,7 +254,8 @@ def _asked_by_xkern() -> bool:
 @contextlib.contextmanager
 def wrapping_differentiated(wrap):
     """A context in which every function the user's code differentiates in reverse mode is replaced
-    by `wrap(fun)` before jax differentiates it (None: nothing is replaced)."""
+    by `wrap(fun, has_aux)` before jax differentiates it (None: nothing is replaced); has_aux: fun
+    returns (out, aux), aux not differentiated."""
     _install_linearize_hook()
     previous = getattr(_differentiated, "wrap", None)
     _differentiated.wrap = wrap

@@ -14,8 +14,10 @@ import jax
 import numpy as np
 
 from xkern import _compat, pipeline
+from xkern.jaxpr_passes import unread
 from xkern.jaxpr_passes.patterns import registry
-from xkern.jaxpr_passes.rewrite import Declined, evaluate, hearing_as_written, ran_as_written, specs, traffic
+from xkern.jaxpr_passes.rewrite import (Declined, declined_for_output, evaluate, hearing_as_written, ran_as_written,
+                                        specs, traffic)
 from xkern.kernels.launch import BACKENDS, kernel_names, resolve_backend
 from xkern.memory.liveness import peak_live_bytes
 
@@ -32,6 +34,7 @@ class _Traced:
     key: Any  # the signature, or None when the trace must not be reused
     mutated: list  # argument leaves fun set in place (index among the leaves), computed after its outputs
     static_out: dict  # output leaves that are not arrays (a string in jax.grad's aux): position -> value
+    unread: list = dataclasses.field(default_factory=list)  # aux leaves left out of the plan (unread.names)
 
 
 def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_place: bool = True) -> _Traced:
@@ -63,8 +66,27 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
         mutated.extend(after)
         return [v for n, v in enumerate(out) if n not in static_out] + list(after.values())
 
-    with _compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)):
-        closed = jax.make_jaxpr(flat_fun)(*dynamic)
+    def trace(drop: dict):
+        del out_tree[:], mutated[:]
+        static_out.clear()
+        with (_compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)),
+              unread.tracing(drop) as calls):
+            # (a new function each time: jax caches a trace per function)
+            return jax.make_jaxpr(lambda *dyn: flat_fun(*dyn))(*dynamic), calls
+
+    closed, calls = trace({})
+    drop = unread.unread(closed, calls, declined_for_output) if backend != "xla" else {}
+    dropped = []
+    if drop:  # (aux leaves the program drops, which a differentiated function's plan kept: unread.py)
+        explained = getattr(_inner_plans, "plans", None)
+        first = list(explained or ())
+        if explained is not None:
+            explained.clear()
+        again, calls = trace(drop)  # (the same program: its out_tree and the rest are the first trace's)
+        if unread.all_unread(again):
+            closed, dropped = again, unread.names(calls)
+        elif explained is not None:
+            explained[:] = first
     # (the type too: 1, 1.0, True and np.int32(1) are equal keys, but trace to different dtypes)
     static = tuple((i, type(leaf), leaf) for i, leaf in enumerate(leaves) if i not in set(dyn_idx))
     key = (treedef, static, tuple((tuple(np.shape(d)), jax.numpy.result_type(d),
@@ -75,7 +97,7 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
         key = None
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
-    return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out)
+    return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out, dropped)
 
 
 def _canonical(leaf):
@@ -132,11 +154,14 @@ def _child(node, key):
 _inner_plans = threading.local()
 
 
-def _before_differentiation(fun: Callable, backend: str | None) -> Callable:
+def _before_differentiation(fun: Callable, has_aux: bool, backend: str | None) -> Callable:
     """A function the traced program hands to jax.grad / value_and_grad / vjp, optimized first:
     after differentiation the forward's intermediates feed the backward pass, so no pattern could be
-    taken there; before it, each op's backward kernel is what gets differentiated."""
-    return optimize(fun, backend=backend)
+    taken there; before it, each op's backward kernel is what gets differentiated. has_aux: fun
+    returns (out, aux); aux leaves the program drops are dropped from the plan too (unread.py)."""
+    _check_args("optimize", fun, backend)
+    optimized = lambda f, on_plan: _optimized(f, backend, carry_in_place=True, on_plan=on_plan)
+    return unread.marking(fun, optimized) if has_aux else optimized(fun, None)
 
 
 def _check_args(api: str, fun, backend) -> None:
@@ -161,7 +186,8 @@ def optimize(fun: Callable | None = None, *, backend: str | None = None):
     return _optimized(fun, backend, carry_in_place=True)
 
 
-def _optimized(fun: Callable, backend: str | None, carry_in_place: bool) -> Callable:
+def _optimized(fun: Callable, backend: str | None, carry_in_place: bool, on_plan=None) -> Callable:
+    """on_plan(plan): told of the plan each call runs."""
     plans: dict = {}  # signature -> [(the program as traced, its plan)], the latest last
 
     @functools.wraps(fun)
@@ -171,6 +197,8 @@ def _optimized(fun: Callable, backend: str | None, carry_in_place: bool) -> Call
         plan = _cached_plan(plans, traced, chosen)
         if getattr(_inner_plans, "plans", None) is not None:
             _inner_plans.plans.append(plan)
+        if on_plan is not None:
+            on_plan(plan)
         outs = evaluate(plan, traced.dynamic, chosen)
         n_out = len(outs) - len(traced.mutated)
         if traced.mutated:
@@ -300,6 +328,7 @@ class Report:
     peak_before: int = 0  # estimated peak live bytes, equation by equation (xkern/memory)
     peak_after: int = 0  # the same for the rewritten program (in-place kernels reuse their inputs)
     in_place: int = 0  # kernels writing an output over an input that dies there
+    unread: list = dataclasses.field(default_factory=list)  # aux outputs left out, never read ("aux['logits']")
 
     def __str__(self) -> str:
         lines = [f"xkern on backend {self.backend!r}: {len(self.matches)} rewrite(s), "
@@ -317,6 +346,9 @@ class Report:
                 reasons[key] = reasons.get(key, 0) + 1
             for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  declined {n} generated group(s): {reason} (report.declined has each)")
+        if self.unread:
+            lines.append(f"  left out {', '.join(self.unread)}: the aux of a differentiated function, which the "
+                         "program never reads (not computed: what computes it may be fused)")
         if self.matches:
             lines.append(f"  estimated bytes moved by the rewritten regions: "
                          f"{_mib(self.bytes_before)} unfused -> {_mib(self.bytes_after)} as kernels")
@@ -410,7 +442,7 @@ def explain(fun: Callable, *, backend: str | None = None, static_argnums: int | 
         before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))
         in_place = sum(bool(f.aliases) for top in (*inner, plan) for p in top.walk() for f in p.fusions.values())
         return Report(chosen, launched, matches, declined, before, after, peak_live_bytes(traced.closed),
-                      peak_live_bytes(rewritten), in_place)
+                      peak_live_bytes(rewritten), in_place, traced.unread)
     return report
 
 

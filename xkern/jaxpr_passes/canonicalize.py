@@ -51,7 +51,9 @@ and dead equations found.
   as keepdims=True computes it: both spellings become one. (The same values and gradients: an
   elementwise equation commutes with adding unit dims.) jnp.var's sum is inside its jit: where
   inlining exposes one, the program is re-traced once more.
-The program is re-traced through an interpreter that does all nine (source info kept).
+- Marks removed: the identity equations that tell which aux outputs of a differentiated function
+  the program reads (unread.py).
+The program is re-traced through an interpreter that does all ten (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -65,6 +67,7 @@ from jax.extend.core import ClosedJaxpr, Literal
 
 from xkern import _compat
 from xkern.fusion.lowering import ELEMENTWISE
+from xkern.jaxpr_passes.unread import aux_p
 
 INLINED = frozenset({"jit", "pjit", "closed_call", "core_call"})
 # (the backward rule's module, last part; its name) of custom_vjp functions inlined (see above)
@@ -367,7 +370,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             with jax.named_scope(_compat.HAND_SOFTMAX_SCOPE):
                 env[eqn.outvars[0]] = jax.lax.stop_gradient(kept)
             continue
-        if _weak_cast(eqn, eqn_reads):
+        if _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p:
             env[eqn.outvars[0]] = read(eqn.invars[0])
             continue
         squared = _squared(eqn)
@@ -417,7 +420,7 @@ def _needs_rewriting(jaxpr) -> bool:
     keys, filled, iotas, transposes, eqn_reads = set(), {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         if (_inlined_body(eqn) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
-                or _weak_cast(eqn, eqn_reads)
+                or _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p
                 or _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes)):
             return True
         _note_filled(eqn, filled, None)

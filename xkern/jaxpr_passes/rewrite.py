@@ -241,6 +241,14 @@ def _reads_own_output(match: Match, live: set[int]) -> bool:
     return bool(after & before)
 
 
+AN_OUTPUT = "is also an output of the program"  # (_decide's reason for an intermediate returned)
+
+
+def declined_for_output(plan: Plan) -> bool:
+    """Whether the plan declined a pattern because an intermediate of it is an output of the program."""
+    return any(AN_OUTPUT in d.reason for p in plan.walk() for d in p.declined)
+
+
 NEAR_MISS = ("the pattern does not apply at these inputs", "differs from ")  # _decide's look-alike reasons
 
 
@@ -252,7 +260,7 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
         return None, (f"the pattern's inputs are computed from {given_names(match.provided)}, which the program "
                       "reads outside it: the kernel that would give it needs them first"), False
     if escaped and escaped.startswith("output "):
-        return None, (f"an intermediate ({escaped[7:]}) is also an output of the program (returned beside the "
+        return None, (f"an intermediate ({escaped[7:]}) {AN_OUTPUT} (returned beside the "
                       "result, as a loss's sum or its logits for metrics): the kernels do not write it"), False
     if escaped:
         return None, (f"an intermediate ({escaped}) is also used outside the pattern: by another computation "
