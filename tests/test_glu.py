@@ -179,6 +179,8 @@ SPELLINGS = {  # name: (function, number of inputs, pattern expected to match)
     "split:silu": (_halves(SILU), 1, "swiglu/split:silu(a)*b"),
     "split:gelu_tanh": (_halves(GELU_TANH), 1, "geglu/split:gelu_tanh(a)*b"),
     "split:gelu_erf+upcast": (_halves(_upcast(GELU_ERF)), 1, "geglu/split:gelu_erf(a)*b+upcast"),
+    # the halves as slices: one split once canonicalized, the kernel reading the projection itself
+    "slices:silu": (lambda x: SILU(x[..., :8], x[..., 8:]), 1, "swiglu/split:silu(a)*b"),
 }
 
 

@@ -480,7 +480,7 @@ def test_gemma2_training_step_as_the_gemma_library_writes_it():
     args = case.make_args(jax.random.key(3))
     matched = {m.pattern for m in xkern.explain(case.xla_fn)(*args).matches}
     assert {"linear_cross_entropy/mean(optax_integer_labels_upcast(soft_cap(matmul_transposed)))",
-            "attention/einsum[bqhk,gqa]+scaled q+soft cap+mask[b,q,k]", "rope/concatenate(split)+cast back",
+            "attention/einsum[bqhk,gqa]+scaled q+soft cap+mask[b,q,k]", "rope/concatenate(halves)+cast back",
             "rms_norm/rms_square*(1+scale)/plain + residual add"} <= matched
     got, want = case.xkern_fn(*args), case.xla_fn(*args)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-3)  # the loss

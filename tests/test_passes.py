@@ -322,6 +322,39 @@ def test_canonical_form_broadcasts_a_constant_once():
     assert canonicalize(canonical) is canonical
 
 
+def test_canonical_form_takes_slices_that_cut_a_value_into_pieces_as_one_split():
+    """x[..., :h] and x[..., h:] are jnp.split(x, 2, -1) spelled as slices (a GLU's gate and up, a
+    rope's halves): both become one split, with the same values and gradients. Slices that overlap,
+    leave a gap, stride, or cut along two axes stay slices."""
+    x = rand((3, 10))
+    splits = lambda closed: [(e.params["sizes"], e.params["axis"]) for e in closed.jaxpr.eqns
+                             if e.primitive.name == "split"]
+    slices = lambda closed: sum(e.primitive.name == "slice" for e in closed.jaxpr.eqns)
+    kept = {  # slices that are no partition of x
+        "overlap": lambda x: x[:, :6] * x[:, 4:],
+        "gap": lambda x: x[:, :4].sum() + x[:, 5:].sum(),
+        "strided": lambda x: x[:, ::2] - x[:, 1::2],
+        "two axes": lambda x: x[:1, :5].sum() + x[1:, 5:].sum(),
+        "one slice": lambda x: x[:, 3:] * 2,
+    }
+    cut = {  # (function, the split's sizes and axis)
+        "halves": (lambda x: jax.nn.silu(x[:, :5]) * x[:, 5:], [((5, 5), 1)]),
+        "three pieces, repeated, out of order": (lambda x: x[:, 7:] @ x[:, :3].T + x[:, 7:].sum() * x[:, 3:7].sum(),
+                                                 [((3, 4, 3), 1)]),
+        "rows": (lambda x: x[:1] + x[1:2] - x[2:], [((1, 1, 1), 0)]),
+    }
+    for name, f in kept.items():
+        canonical = canonicalize(jax.make_jaxpr(f)(x))
+        assert not splits(canonical) and slices(canonical) == slices(jax.make_jaxpr(f)(x)), name
+    for name, (f, want) in cut.items():
+        canonical = dce(canonicalize(jax.make_jaxpr(f)(x)))
+        assert splits(canonical) == want and not slices(canonical), name
+        assert canonicalize(canonical) is canonical
+        np.testing.assert_allclose(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x)[0], f(x), rtol=1e-6)
+        loss = lambda x: jnp.sum(jnp.sin(f(x)))
+        np.testing.assert_allclose(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.grad(loss)(x), rtol=1e-5)
+
+
 def test_canonical_form_makes_iotas_at_their_shape():
     """jax.nn.one_hot mapped by jax.vmap broadcasts an iota of the example's rank; unmapped, it makes
     the iota at full rank: the canonical form has that iota. An iota of length 1 broadcast along its

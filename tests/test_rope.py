@@ -215,7 +215,7 @@ def test_each_spelling_is_found_and_equals_jax_jit(name):
     close(got, want, args[0].dtype.type)
 
 
-@pytest.mark.parametrize("name", ["rope/x*cos+rotate_half(x)*sin+cast back", "rope/concatenate(split)",
+@pytest.mark.parametrize("name", ["rope/x*cos+rotate_half(x)*sin+cast back", "rope/concatenate(halves)",
                                   "rope/interleaved/stack(pairs)+upcast", "rope/interleaved/complex multiply+upcast"])
 def test_spellings_differentiate_through_the_kernels(name):
     pattern = next(p for p in rope_rules.PATTERNS if p.name == name)
@@ -224,6 +224,23 @@ def test_spellings_differentiate_through_the_kernels(name):
     loss = lambda x: jnp.sum(pattern.fn(x, *tables).astype(jnp.float32) * dy)
     assert "rope_bwd" in kernel_names(jax.make_jaxpr(jax.grad(xkern.optimize(loss)))(x))
     close(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.jit(jax.grad(loss))(x), x.dtype.type)
+
+
+def test_halves_as_slices_are_jnp_splits_halves():
+    """x[..., :h] and x[..., h:], rotated and concatenated (a rope written by hand with slices): the
+    split form's kernels, as jnp.split's halves, values and dx equal to jax.jit's."""
+    x, cos, sin, dy = make((2, 5, 3, 8), jnp.bfloat16, False, seed=13)
+    cos, sin = cos[:, None], sin[:, None]  # [seq, 1, d / 2]
+
+    def by_slices(x):
+        x1, x2 = x[..., :4], x[..., 4:]
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    y_and_dx = lambda x: (lambda y, pullback: (y, pullback(dy)[0]))(*jax.vjp(by_slices, x))
+    report = xkern.explain(y_and_dx)(x)
+    assert [m.pattern for m in report.matches if m.op == "rope"] == ["rope/concatenate(halves)"], report
+    assert {"rope_fwd", "rope_bwd"} <= set(report.kernels)
+    for got, want in zip(xkern.jit(y_and_dx)(x), jax.jit(y_and_dx)(x)):
+        close(got, want, jnp.bfloat16)
 
 
 def maxtext_rotary_embedding(x, position, fprop_dtype):
@@ -266,7 +283,7 @@ def test_maxtexts_rotary_embeddings_train_through_the_kernels(llama, dtype, fpro
         return y, pullback(dy.astype(y.dtype))[0]
     report = xkern.explain(y_and_dx)(x)
     name = ("rope/interleaved/x*cos+select(shifted)*sin*sign" + ("+cast back" if dtype == jnp.bfloat16 else "")
-            if llama else "rope/x*cos+rotate_half(split)*sin")
+            if llama else "rope/x*cos+rotate_half(x)*sin")
     assert [m.pattern for m in report.matches if m.op == "rope"] == [name]
     assert {"rope_fwd", "rope_bwd"} <= set(report.kernels)
     for got, want in zip(xkern.jit(y_and_dx)(x), jax.jit(y_and_dx)(x)):
@@ -285,7 +302,7 @@ def test_table_layouts_read_off_the_program():
     arr = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
     hf = rope_rules.rotate_half_form
     cases = {
-        "per-example tables [b, s, 1, d]": (rope_rules.split_form, arr(2, 5, 3, 8), arr(2, 5, 1, 4), arr(2, 5, 1, 4)),
+        "per-example tables [b, s, 1, d]": (rope_rules.halves_form, arr(2, 5, 3, 8), arr(2, 5, 1, 4), arr(2, 5, 1, 4)),
         "heads before seq [b, h, s, d]": (hf, arr(2, 3, 5, 8), arr(5, 8), arr(5, 8)),
         "no batch axis [s, h, d]": (hf, arr(5, 3, 8), arr(5, 1, 8), arr(5, 1, 8)),
         "one row for every position": (rope_rules.pairs_form, arr(2, 5, 3, 8), arr(4), arr(4)),
@@ -350,7 +367,7 @@ def test_near_misses_are_not_rewritten():
             [x[..., 1::2] * c + x[..., ::2] * s, x[..., ::2] * c - x[..., 1::2] * s], -1).reshape(x.shape),
             *half_tables),
         # tables constant along the head dim (one value per position): declined by the check
-        "table without a head dim": (rope_rules.split_form, cos[..., :1], sin[..., :1]),
+        "table without a head dim": (rope_rules.halves_form, cos[..., :1], sin[..., :1]),
     }
     for name, (f, c, s) in near_misses.items():
         report = xkern.explain(f)(x, c, s)

@@ -51,9 +51,13 @@ and dead equations found.
   as keepdims=True computes it: both spellings become one. (The same values and gradients: an
   elementwise equation commutes with adding unit dims.) jnp.var's sum is inside its jit: where
   inlining exposes one, the program is re-traced once more.
+- Slices that cut a value into consecutive pieces along one axis, all of it, become one split
+  (`jnp.split`'s equation): `x[..., :h]` and `x[..., h:]` are the halves MaxText's rope and a GLU's
+  one projection take with jnp.split. (Split's gradient is one concatenate, the slices' pads and
+  adds: the same values.)
 - Marks removed: the identity equations that tell which aux outputs of a differentiated function
   the program reads (unread.py).
-The program is re-traced through an interpreter that does all ten (source info kept).
+The program is re-traced through an interpreter that does all eleven (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -132,6 +136,34 @@ def _broadcast_scalar(eqn, chain, read, source_info) -> list:
                               source_info=source_info)[0]
     return bind_equation(eqn.replace(invars=[scalar], params={**eqn.params, "broadcast_dimensions": ()}), [value],
                          source_info=source_info)
+
+
+def _slice_partitions(jaxpr) -> dict:
+    """Slices that cut a value into consecutive pieces along one axis, the whole of it, nothing else
+    of it sliced (repeats aside): each slice's result -> (the value, the axis, the pieces' sizes,
+    its piece). jnp.split writes them as one `split` equation (MaxText's rope halves, a GLU's
+    gate and up); slices are one spelling of the same."""
+    by_value: dict = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "slice" and not isinstance(eqn.invars[0], Literal):
+            by_value.setdefault(eqn.invars[0], []).append(eqn)
+    parts = {}
+    for x, eqns in by_value.items():
+        shape = x.aval.shape
+        cut = {d for e in eqns for d, (a, b) in enumerate(zip(e.params["start_indices"], e.params["limit_indices"]))
+               if (a, b) != (0, shape[d])}
+        if len(eqns) < 2 or len(cut) != 1 or any(any(s != 1 for s in e.params["strides"] or ()) for e in eqns):
+            continue
+        axis = cut.pop()
+        pieces = sorted({(e.params["start_indices"][axis], e.params["limit_indices"][axis]) for e in eqns})
+        if len(pieces) < 2 or pieces[0][0] != 0 or pieces[-1][1] != shape[axis] or any(
+                a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
+            continue
+        sizes = tuple(b - a for a, b in pieces)
+        for e in eqns:
+            k = pieces.index((e.params["start_indices"][axis], e.params["limit_indices"][axis]))
+            parts[e.outvars[0]] = (x, axis, sizes, k)
+    return parts
 
 
 def _read_vars(jaxpr) -> set:
@@ -357,6 +389,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
     softmax_maxima = _hand_softmaxes(jaxpr)
     kept_maxima = set(softmax_maxima.values())
     widened, scalars, expansions = _late_expansions(jaxpr)
+    partitions, splits = _slice_partitions(jaxpr), {}  # (the value, axis) -> its split's pieces
     for eqn in jaxpr.eqns:
         if eqn.outvars and eqn.outvars[0] in expansions:  # (computed wide already)
             env[eqn.outvars[0]] = read(expansions[eqn.outvars[0]])
@@ -369,6 +402,13 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
             kept = bind_equation(eqn, [read(v) for v in eqn.invars], source_info=source_info)[0]
             with jax.named_scope(_compat.HAND_SOFTMAX_SCOPE):
                 env[eqn.outvars[0]] = jax.lax.stop_gradient(kept)
+            continue
+        if eqn.outvars and eqn.outvars[0] in partitions:  # (one split, where the first piece was)
+            x, axis, sizes, k = partitions[eqn.outvars[0]]
+            if (x, axis) not in splits:
+                splits[x, axis] = bind_equation(eqn.replace(primitive=jax.lax.split_p), [read(x)],
+                                                params={"sizes": sizes, "axis": axis}, source_info=source_info)
+            env[eqn.outvars[0]] = splits[x, axis][k]
             continue
         if _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p:
             env[eqn.outvars[0]] = read(eqn.invars[0])
@@ -415,7 +455,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
 
 def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
-    if _hand_softmaxes(jaxpr) or _late_expansions(jaxpr)[0]:
+    if _hand_softmaxes(jaxpr) or _late_expansions(jaxpr)[0] or _slice_partitions(jaxpr):
         return True
     keys, filled, iotas, transposes, eqn_reads = set(), {}, {}, {}, _read_vars(jaxpr)
     for eqn in jaxpr.eqns:

@@ -3,10 +3,9 @@
 
 Forms (x [..., seq, heads, d]; cos and sin broadcast against x, or against its halves):
   x*cos+rotate_half(x)*sin     HF (Flax Llama / GPT-NeoX): rotate_half = concatenate([-x2, x1]),
-                               x1, x2 the halves of d (slices); full-width tables
-  x*cos+rotate_half(split)*sin MaxText's RotaryEmbedding: the same, x1, x2 = jnp.split(x, 2, -1)
-                               (one split equation in the jaxpr, not two slices)
-  concatenate(split)           MaxText: x1, x2 = jnp.split(x, 2, -1);
+                               x1, x2 the halves of d (slices); full-width tables. MaxText's
+                               RotaryEmbedding takes them by jnp.split (the same, canonicalized)
+  concatenate(halves)          MaxText: x1, x2 = jnp.split(x, 2, -1) (or slices);
                                concatenate([x1*cos - x2*sin, x2*cos + x1*sin]); half-width tables
   interleaved/stack(pairs)     x as [..., d/2, 2] pairs, x1, x2 = pairs[..., 0], pairs[..., 1];
                                stack([x1*cos - x2*sin, x2*cos + x1*sin], -1) back to [..., d]
@@ -54,13 +53,6 @@ def rotate_half(x):
     return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
-def rotate_half_by_split(x):
-    """rotate_half as MaxText's RotaryEmbedding writes it: jnp.split traces to one `split`
-    equation, which the slices' template does not match."""
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([-x2, x1], axis=-1)
-
-
 def rotate_every_two(x):
     return jnp.stack([-x[..., 1::2], x[..., ::2]], axis=-1).reshape(x.shape)
 
@@ -69,12 +61,8 @@ def rotate_half_form(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def rotate_half_split_form(x, cos, sin):
-    return x * cos + rotate_half_by_split(x) * sin
-
-
-def split_form(x, cos, sin):
-    x1, x2 = jnp.split(x, 2, axis=-1)
+def halves_form(x, cos, sin):
+    x1, x2 = jnp.split(x, 2, axis=-1)  # (or x[..., :h], x[..., h:]: canonicalize makes them this split)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
@@ -105,8 +93,7 @@ shifted_form.constants = 1  # the sign's [-1, 1], an array constant (Pattern.con
 
 FORMS = {  # name: (function, interleaved, tables cover the whole head dim)
     "x*cos+rotate_half(x)*sin": (rotate_half_form, False, True),
-    "x*cos+rotate_half(split)*sin": (rotate_half_split_form, False, True),
-    "concatenate(split)": (split_form, False, False),
+    "concatenate(halves)": (halves_form, False, False),
     "interleaved/stack(pairs)": (pairs_form, True, False),
     "interleaved/x*cos+rotate_every_two(x)*sin": (every_two_form, True, True),
     "interleaved/x*cos+select(shifted)*sin*sign": (shifted_form, True, True),
@@ -130,7 +117,7 @@ def precision(fn, kind: str):
 
 # Example (x dtype, table dtype, table rank below x's): the structure is the same for every float
 # dtype (the exact re-trace checks the real ones), but promotion adds converts, and tables of lower
-# rank than x are broadcast once per use (the split and pairs forms use each twice).
+# rank than x are broadcast once per use (the halves and pairs forms use each twice).
 EXAMPLES = {
     "plain": [(BF16, BF16, 0), (BF16, F32, 0), (BF16, BF16, 1), (BF16, F32, 1)],
     "cast back": [(BF16, F32, 0), (BF16, F32, 1)],
