@@ -446,12 +446,13 @@ def test_logits_a_train_step_drops_from_its_loss_fns_aux_are_never_made(monkeypa
         (loss, logits), pullback = jax.vjp(loss_and_logits, h, w)
         return loss, pullback((jnp.float32(1.0), jnp.ones_like(logits)))
 
-    def accumulated(h, w):
+    def accumulated(h, w):  # as MaxText's gradient accumulation: each micro-batch's aux stacked, then summed
         def micro(carry, batch):
             hb, yb, sb = batch
             (loss, aux), gw = jax.value_and_grad(lambda w: maxtext_logits_in_aux_loss(hb @ w, yb, sb), has_aux=True)(w)
-            return (carry[0] + loss, carry[1] + gw), aux["total_weights"]
-        return jax.lax.scan(micro, (jnp.float32(0.0), jnp.zeros_like(w)), (h, labels, segmentation))
+            return (carry[0] + loss, carry[1] + gw), aux
+        (loss, gw), aux = jax.lax.scan(micro, (jnp.float32(0.0), jnp.zeros_like(w)), (h, labels, segmentation))
+        return loss, gw, jax.tree.map(lambda x: jnp.sum(x, axis=0), aux)["total_weights"]
 
     head = lambda report: [m.pattern for m in report.matches if m.pattern.startswith("linear_cross_entropy")]
     for name, f, fused in (("drops", maxtext_step(loss_fn, (0, 1)), True), ("reads", reads, False),

@@ -114,7 +114,7 @@ def _read_inputs(eqn) -> list:
     if body is None or len(body.invars) != len(eqn.invars):
         return [v for v in eqn.invars if isinstance(v, Var)]
     running = _running(body)
-    read = {v for i in running for v in _read_inputs(body.eqns[i])} | set(body.outvars)
+    read = {v for i in running for v in _read_inputs(body.eqns[i])} | {v for v in body.outvars if isinstance(v, Var)}
     return [v for v, inner in zip(eqn.invars, body.invars) if isinstance(v, Var) and inner in read]
 
 
