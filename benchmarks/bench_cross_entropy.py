@@ -9,6 +9,7 @@ TFLOP/s over the three matmuls XLA runs, and its temporary memory is recorded be
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -211,6 +212,13 @@ def linear_cases(on_gpu: bool) -> list[Case]:
                 memory=True)
            for name, wrap, maker in (("mean", mean, make), ("none, weighted", per_row, make),
                                      ("mean, tied table (transpose_w)", tied, make_tied))]
+    if on_gpu:  # the chunks' size: dw is read and written once a chunk (the default, 1024 rows here: 8 times)
+        out += [Case(f"linear_cross_entropy mean, chunk_rows {n}", (rows, dim, vocab), "bfloat16", "fwd+bwd",
+                     mean(functools.partial(linear.linear_cross_entropy, chunk_rows=n)), mean(linear.reference), make,
+                     0, 3e-2, flops, memory=True) for n in (2048, 4096)]
+        out.append(Case("XLA's logits matmul + cross_entropy (the logits kept)", (rows, dim, vocab), "bfloat16",
+                        "fwd+bwd", mean(lambda h, w, y: xkern.ops.cross_entropy(h @ w, y)), mean(linear.reference),
+                        make, 0, 3e-2, flops, memory=True))
     if on_gpu:  # Gemma 2 2B's head: a 256000 vocabulary over d 2304, its tied table
         gemma = (8192, 2304, 256000)
         out.append(Case("linear_cross_entropy mean, Gemma 2 2B's tied table (transpose_w)", gemma, "bfloat16",
