@@ -347,6 +347,45 @@ def test_only_the_users_derivatives_are_replaced():
     assert len(seen) == 1
 
 
+def test_flax_nnx_step_dropping_its_logits_from_aux_takes_the_lm_head():
+    """nnx.value_and_grad(has_aux=True) of a loss whose aux holds the logits, which the step does not
+    return: under nnx.jit(xkern.optimize(step)) the LM head takes them (explain lists them as left
+    out), and three AdamW steps give nnx.jit's losses and parameters."""
+    nnx = pytest.importorskip("flax.nnx")
+    import optax
+
+    class LM(nnx.Module):
+        def __init__(self, rngs):
+            self.embed, self.norm = nnx.Embed(50, 32, rngs=rngs), nnx.RMSNorm(32, rngs=rngs)
+            self.head = nnx.Linear(32, 300, use_bias=False, rngs=rngs)
+
+        def __call__(self, tokens):
+            return self.head(self.norm(self.embed(tokens)))
+
+    def loss_fn(model, tokens, labels):
+        logits = model(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean(), {"logits": logits}
+
+    def step(model, optimizer, tokens, labels):
+        (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, tokens, labels)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(5)
+    tokens, labels = jnp.asarray(rng.integers(0, 50, (4, 8))), jnp.asarray(rng.integers(0, 300, (4, 8)))
+    fresh = lambda: (lambda model: (model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)))(LM(nnx.Rngs(0)))
+    report = xkern.explain(step)(*fresh(), tokens, labels)
+    assert any(m.pattern.startswith("linear_cross_entropy/") for m in report.matches), report
+    assert any(u.endswith("['logits']") for u in report.unread), report
+    runs = {}
+    for name, wrap in (("nnx.jit", nnx.jit), ("xkern", lambda f: nnx.jit(xkern.optimize(f)))):
+        model, optimizer = fresh()
+        runs[name] = ([wrap(step)(model, optimizer, tokens, labels) for _ in range(3)], nnx.state(model, nnx.Param))
+    np.testing.assert_allclose(runs["xkern"][0], runs["nnx.jit"][0], rtol=1e-5)
+    for got, want in zip(jax.tree.leaves(runs["xkern"][1]), jax.tree.leaves(runs["nnx.jit"][1])):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_flax_nnx_training_step_under_nnx_jit_updates_the_model():
     """Flax NNX updates modules in place (optimizer.update). Under nnx.jit(xkern.optimize(step)) the
     values the step sets are carried out of xkern's trace onto nnx.jit's objects, as if the step had
