@@ -12,7 +12,8 @@ import xkern
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
 from xkern.kernels.launch import kernel_names
-from xkern.kernels.linear_cross_entropy import linear_cross_entropy, one_hot_linear_cross_entropy, reference
+from xkern.kernels.linear_cross_entropy import (CHUNK_BYTES, default_chunk_rows, linear_cross_entropy,
+                                                one_hot_linear_cross_entropy, reference)
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float16: 3e-3}
 OPTIONS = {"plain": {}, "all": {"ignore_index": 2, "label_smoothing": 0.1, "z_loss": 1e-3}}
@@ -67,6 +68,17 @@ def test_default_chunk_jit_and_public_name():
     close(value, want, jnp.float32)
     for g, r in zip(grads, wants):
         close(g, r, jnp.float32)
+
+
+@pytest.mark.parametrize("n_cols,itemsize", [(128256, 2), (256000, 2), (32000, 2), (128256, 4), (10**7, 2)])
+@pytest.mark.parametrize("n_rows", [1, 7, 128, 1000, 2048, 2049, 5000, 8192, 10000, 100003])
+def test_default_chunks_hold_at_most_chunk_bytes_and_pad_little(n_rows, n_cols, itemsize):
+    chunk = default_chunk_rows(n_rows, n_cols, itemsize)
+    n_chunks = -(-n_rows // chunk)
+    most = max(128, CHUNK_BYTES // (n_cols * itemsize) // 128 * 128)  # 128 rows even past the bytes
+    assert 1 <= chunk <= max(most, 1) and (chunk == n_rows or chunk % 128 == 0)
+    assert n_chunks == -(-n_rows // most)  # no more chunks than the byte bound needs
+    assert n_chunks * chunk - n_rows < 128 * n_chunks  # each chunk pads less than one tile of rows
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
