@@ -70,15 +70,24 @@ def test_default_chunk_jit_and_public_name():
         close(g, r, jnp.float32)
 
 
-@pytest.mark.parametrize("n_cols,itemsize", [(128256, 2), (256000, 2), (32000, 2), (128256, 4), (10**7, 2)])
+@pytest.mark.parametrize("n_cols,itemsize", [(128256, 2), (256000, 2), (151936, 2), (32000, 2), (128256, 4),
+                                              (500000, 2), (10**7, 2)])
 @pytest.mark.parametrize("n_rows", [1, 7, 128, 1000, 2048, 2049, 5000, 8192, 10000, 100003])
-def test_default_chunks_hold_at_most_chunk_bytes_and_pad_little(n_rows, n_cols, itemsize):
+def test_default_chunks_bound_their_logits_and_pad_little(n_rows, n_cols, itemsize):
     chunk = default_chunk_rows(n_rows, n_cols, itemsize)
     n_chunks = -(-n_rows // chunk)
-    most = max(128, CHUNK_BYTES // (n_cols * itemsize) // 128 * 128)  # 128 rows even past the bytes
-    assert 1 <= chunk <= max(most, 1) and (chunk == n_rows or chunk % 128 == 0)
-    assert n_chunks == -(-n_rows // most)  # no more chunks than the byte bound needs
+    assert 1 <= chunk <= n_rows and (chunk == n_rows or chunk % 128 == 0)
+    assert chunk <= 128 or chunk * n_cols * itemsize <= 2 * CHUNK_BYTES
     assert n_chunks * chunk - n_rows < 128 * n_chunks  # each chunk pads less than one tile of rows
+    power = 1 << (n_rows.bit_length() - 1)  # rows that are a power of two take chunks of one
+    assert default_chunk_rows(power, n_cols, itemsize) & (default_chunk_rows(power, n_cols, itemsize) - 1) == 0
+
+
+@pytest.mark.parametrize("n_cols,rows", [(128256, 2048), (256000, 2048), (151936, 2048), (32000, 8192),
+                                         (500000, 1024)])
+def test_default_chunks_are_the_measured_sizes(n_cols, rows):
+    """8192 bf16 rows: the sizes measured fastest within the memory bound (see CHUNK_BYTES)."""
+    assert default_chunk_rows(8192, n_cols, 2) == rows
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

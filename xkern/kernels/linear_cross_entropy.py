@@ -30,11 +30,15 @@ import numpy as np
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
 
-# The most logits one chunk holds: 512 MiB, 2048 rows of a 128256 vocabulary in bf16. Measured on an
-# H100 (8192x4096x128256 forward+backward): 1024-row chunks 39.8 ms, 2048 38.0, 4096 38.0 (jax.jit
-# 42.5). The time 1024 rows lose is in dh = dlogits @ w.T, whose [chunk, D] output is too few tiles
-# to fill the SMs over its long (V) contraction; dw's accumulation is fused into its gemm (beta 1).
-CHUNK_BYTES = 1 << 29
+# Rows per chunk, measured on an H100 (bf16 forward+backward, h100-lm-head-session53.json): the time
+# that small chunks lose is in dh = dlogits @ w.T, whose [chunk, D] output is too few tiles to fill
+# the SMs over its long (V) contraction (dw's accumulation is fused into its gemm, beta 1). At
+# 8192x4096x128256: 1024 rows 40.6 ms, 2048 37.5, 4096 37.7 (jax.jit 44.6); Gemma 2's 2304x256000:
+# 512 rows 54.8, 1024 46.8, 2048 44.7 (jax.jit 50.9); Qwen's 4096x151936: 1664 rows 48.5 (wave
+# quantization: 1.6 waves of dh's tiles), 2048 45.2. So a chunk is a power of two of rows: the most
+# whose logits fit CHUNK_BYTES; if that is under MIN_CHUNK_ROWS, up to it within twice those bytes.
+CHUNK_BYTES = 1 << 29  # 512 MiB: 2048 rows of a 128256 vocabulary in bf16
+MIN_CHUNK_ROWS = 2048
 
 
 def reference(h, w, labels, transpose_w=False, **options):
@@ -54,14 +58,24 @@ class Options(NamedTuple):
 
 
 def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
-    """Rows per chunk: logits of at most CHUNK_BYTES, a multiple of 128 rows (whole matmul tiles),
-    the rows shared evenly so the last chunk pads little (5000 rows of a 128256 vocabulary: 3 chunks
-    of 1792 rows, not 3 of 2048)."""
-    most = max(128, CHUNK_BYTES // max(1, n_cols * itemsize) // 128 * 128)
+    """Rows per chunk (see CHUNK_BYTES), shared evenly among as many chunks as that size needs,
+    rounded up to whole matmul tiles of 128 rows, so that the last chunk pads little (5000 rows of a
+    128256 vocabulary: 3 chunks of 1792 rows, not 3 of 2048)."""
+    most = _rows_within(CHUNK_BYTES, n_cols * itemsize)
+    if most < MIN_CHUNK_ROWS:
+        most = min(MIN_CHUNK_ROWS, _rows_within(2 * CHUNK_BYTES, n_cols * itemsize))
     if n_rows <= most:
         return max(1, n_rows)
     n_chunks = -(-n_rows // most)
     return _round_up(-(-n_rows // n_chunks), 128)
+
+
+def _rows_within(n_bytes: int, row_bytes: int) -> int:
+    """The most rows, a power of two and at least 128, whose logits fit n_bytes."""
+    rows = 128
+    while rows * 2 * max(1, row_bytes) <= n_bytes:
+        rows *= 2
+    return rows
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -274,7 +288,7 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
     w [D, V] (or [V, D] with transpose_w: `h @ w.T`, as a tied embedding table is used), labels
     [...]; options and result as xkern.ops.cross_entropy. chunk_rows: rows whose logits exist at
-    once (default: at most 512 MiB of logits, the rows shared evenly among the chunks).
+    once (default: a power of two, 2048 for a 128256 vocabulary in bf16; see CHUNK_BYTES).
 
     weights: a float per row (labels' shape), such as a padding mask: "none" returns weights * loss,
     "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0). Given here

@@ -88,7 +88,7 @@ def _norm(avals, params) -> str | None:
 
 
 def _linear_cross_entropy(avals, params) -> str | None:
-    """The logits never exist whole (chunks of at most 512 MiB); the matmuls are XLA's. Taken unless the
+    """The logits never exist whole (chunks of at most 1 GiB); the matmuls are XLA's. Taken unless the
     logits are small enough for the custom calls' fixed cost to matter."""
     h, w = avals[0], avals[1]
     vocab = w.shape[1] if w.shape[0] == h.shape[-1] else w.shape[0]  # w [D, V], or [V, D] transposed
