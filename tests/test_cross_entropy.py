@@ -1072,6 +1072,43 @@ def test_losses_masked_by_where_as_jax_jit_nan_rows_included():
         assert not dx_scales(grad_jaxpr, logits.size), name
 
 
+def test_masks_converted_from_bool_and_all_rows_masked_as_jax_jit():
+    """loss * mask.astype(float): XLA simplifies it to select(mask, loss, 0), so under jax.jit a row
+    of weight 0 adds 0 even where its loss is NaN (HF's -100 label, gathered out of range as NaN;
+    -inf logits in a one-hot row, 0 * inf). A float mask given as data keeps NaN * 0 = NaN, as
+    jax.jit does. Every row masked, over the mask's sum: 0 / 0 is NaN."""
+    import optax
+    logits, labels = make((2, 5, 37), jnp.float32, seed=17)
+    labels = labels.at[0, 1].set(-100).at[1, 3].set(-100)
+    logits = logits.at[1, 3, 4].set(-jnp.inf)  # a masked one-hot row's 0 * inf
+    ints = optax.softmax_cross_entropy_with_integer_labels
+    one_hot = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 37))
+    as_float = lambda y: (y != -100).astype(jnp.float32)
+    cases = {  # (program, labels, pattern, whether jax.jit's value is NaN)
+        "ints, bool mask over its sum": (lambda x, y: jnp.sum(ints(x, y) * as_float(y)) / jnp.sum(as_float(y)),
+                                         labels, "sum(optax_integer_labels * weights) / d", False),
+        "ints, bool mask, mean": (lambda x, y: jnp.mean(ints(x, y) * as_float(y)), labels,
+                                  "mean(optax_integer_labels * weights)", False),
+        "one-hot, bool mask over its sum": (lambda x, y: jnp.sum(one_hot(x, y) * as_float(y)) / jnp.sum(as_float(y)),
+                                            labels, "sum(one_hot*log_softmax * weights) / d", False),
+        "ints, a float mask as data": (lambda x, y, m=as_float(labels): jnp.sum(ints(x, y) * m) / jnp.sum(m), labels,
+                                       "sum(optax_integer_labels * weights) / d", True),
+        "every row masked, mean(where=)": (lambda x, y: jnp.mean(ints(x, y), where=y < 0), labels % 37,
+                                           "sum(where(mask, optax_integer_labels, 0)) / d", True),
+        "every row masked, bool mask": (lambda x, y: jnp.sum(ints(x, y) * (y < 0).astype(jnp.float32)) / jnp.sum(y < 0),
+                                        labels % 37, "sum(optax_integer_labels * weights) / d", True),
+    }
+    for name, (f, y, pattern, nan) in cases.items():
+        report = xkern.explain(f)(logits, y)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")] == [f"cross_entropy/{pattern}"], \
+            (name, report)
+        got, want = xkern.jit(f)(logits, y), jax.jit(f)(logits, y)
+        assert np.isnan(np.float32(want)) == nan, name  # (the case is what it says)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)  # (NaN only where jax.jit's is)
+        dgot, dwant = jax.jit(jax.grad(xkern.optimize(f)))(logits, y), jax.jit(jax.grad(f))(logits, y)
+        np.testing.assert_allclose(dgot, dwant, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 def test_near_misses_are_not_rewritten():
     logits, labels = make((4, 9), jnp.float32, seed=6)
     near_misses = {

@@ -260,6 +260,33 @@ def test_rows_logsumexp_and_losses_beside_the_loss_with_their_gradients(reductio
         jax.make_jaxpr(jax.grad(lambda h, w: jnp.sum(ours(h, w)), (0, 1)))(h, w))
 
 
+@pytest.mark.parametrize("reduction", ce.REDUCTIONS)
+@pytest.mark.parametrize("one_hot", [False, True], ids=["labels", "one-hot"])
+def test_a_mask_drops_rows_whatever_their_loss(reduction, one_hot):
+    """mask (with weights): rows where it is false add 0, also where their loss is NaN (a label out
+    of range; a NaN in h): the value and gradients of the reference over the kept rows alone. (A
+    dropped row's NaN h still reaches dw, through 0 * NaN in the matmuls, as in jax.jit's.)"""
+    h, w, labels = make((2, 5), 16, 37, jnp.float32, seed=21)
+    labels = labels.at[0, 1].set(-100)
+    mask = jnp.ones(labels.shape, bool).at[0, 1].set(False).at[1, 2].set(False)
+    weights = jnp.asarray(np.random.default_rng(4).uniform(0.5, 2.0, labels.shape), jnp.float32)
+    op = one_hot_linear_cross_entropy if one_hot else linear_cross_entropy
+    ours = lambda h, w: op(h, w, labels, weights=weights, mask=mask, reduction=reduction, chunk_rows=4)
+    # the reference: dropped rows given label 0 (a finite loss) and weight 0
+    want_of = lambda h, w: op(h, w, jnp.where(mask, labels, 0), weights=jnp.where(mask, weights, 0.0),
+                              reduction=reduction, backend="xla")
+    scalar = lambda out: jnp.sum(out * jnp.arange(1.0, 11.0).reshape(2, 5)) if reduction == "none" else out
+    got = jax.value_and_grad(lambda h, w: scalar(ours(h, w)), (0, 1))(h, w)
+    want = jax.value_and_grad(lambda h, w: scalar(want_of(h, w)), (0, 1))(h, w)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert np.isfinite(np.asarray(g)).all()
+        close(g, r, jnp.float32)
+    assert np.asarray(got[1][0])[0, 1].tolist() == [0.0] * 16
+    close(op(h, w, labels, weights=weights, mask=mask, reduction=reduction, backend="xla"), want_of(h, w), jnp.float32)
+    h_nan = h.at[1, 2, 3].set(jnp.nan)  # in a dropped row
+    close(scalar(ours(h_nan, w)), want[0], jnp.float32)
+
+
 def test_bad_input_names_the_argument():
     h, w, labels = make((4,), 8, 11, jnp.float32)
     cases = [((h.astype(jnp.int32), w, labels), {}, TypeError, "h must have dtype"),
@@ -272,6 +299,9 @@ def test_bad_input_names_the_argument():
              ((h, w, labels), {"chunk_rows": 0}, ValueError, "chunk_rows must be a positive int"),
              ((h, w, labels), {"weights": labels}, ValueError, r"weights must be None or a float array of labels' shape \(4,\)"),
              ((h, w, labels), {"weights": h[:, 0][:3]}, ValueError, "weights must be None or a float array"),
+             ((h, w, labels), {"mask": labels > 2}, ValueError, "mask is given with weights"),
+             ((h, w, labels), {"weights": h[:, 0], "mask": labels}, ValueError,
+              r"mask must be None or a bool array of labels' shape \(4,\)"),
              ((h, w, labels), {"reduction": "avg"}, ValueError, "reduction must be one of"),
              ((h, w, labels), {"label_smoothing": 2.0}, ValueError, "^linear_cross_entropy: label_smoothing must be"),
              ((h, w, labels), {"z_loss": "0"}, ValueError, "^linear_cross_entropy: z_loss must be"),
@@ -538,6 +568,41 @@ def test_hf_ignore_labels_masked_after_the_loss_train_as_under_jax_jit():
             report = xkern.explain(f)(*args)
             assert [m.pattern.split("/")[0] for m in report.matches if "cross_entropy" in m.pattern] == [
                 "linear_cross_entropy"], name
+
+
+def test_lm_head_masks_converted_from_bool_and_all_rows_masked_as_jax_jit():
+    """The LM head of a loss times `(labels != -100).astype(float)` (XLA's select: the -100 rows add 0
+    under jax.jit, where NaN * 0 would be NaN) is linear_cross_entropy with those rows dropped, value
+    and gradients as jax.jit's; every row masked, over the mask's sum, is NaN (0 / 0) as jax.jit's, its
+    gradients 0 (a masked row's factor is 0, not 0 * inf)."""
+    import optax
+    rng = np.random.default_rng(12)
+    h = jnp.asarray(rng.standard_normal((2, 8, 32)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((32, 50)) * 0.2, jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 50, (2, 8)), jnp.int32).at[1, 5:].set(-100)
+    ints = optax.softmax_cross_entropy_with_integer_labels
+    one_hot = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 50))
+
+    def masked(loss_fn, keep):
+        def f(h, w, y):
+            mask = keep(y).astype(jnp.float32)
+            return jnp.sum(loss_fn(h @ w, y) * mask) / jnp.sum(mask)
+        return f
+    programs = {"-100 rows": (masked(ints, lambda y: y != -100), labels, False),
+                "-100 rows, one-hot": (masked(one_hot, lambda y: y != -100), labels, False),
+                "every row masked": (masked(ints, lambda y: y < -100), labels, True),
+                "every row masked by where": (lambda h, w, y: jnp.sum(jnp.where(y < -100, ints(h @ w, y), 0.0))
+                                              / jnp.sum(y < -100), labels, True)}
+    for name, (f, y, nan) in programs.items():
+        report = xkern.explain(f)(h, w, y)
+        assert [m.pattern.split("/")[0] for m in report.matches if "cross_entropy" in m.pattern] == [
+            "linear_cross_entropy"], (name, report)
+        got = xkern.jit(jax.value_and_grad(f, (0, 1)))(h, w, y)
+        want = jax.jit(jax.value_and_grad(f, (0, 1)))(h, w, y)
+        assert np.isnan(np.float32(want[0])) == nan, name
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, err_msg=name)
+        for g, x in zip(got[1], want[1]):
+            close(g, x, jnp.float32)
 
 
 @pytest.mark.skipif(not L.hopper(), reason="needs a Hopper GPU (TMA); the interpreter cannot run Gluon")

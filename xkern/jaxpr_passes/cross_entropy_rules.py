@@ -402,11 +402,14 @@ def _rows_name(loss: str, masked, shifted: bool) -> str:
             NORMALIZED_WHERE: f"sum(where(mask, {loss}, 0), -1) / n"}[masked]
 
 
-def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted):
+def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shifted, bool_mask=False):
     """The row losses shifted, masked, reduced and scaled as a reduced pattern says (see _reduced;
-    rest: the pattern's inputs after the labels)."""
+    rest: the pattern's inputs after the labels); bool_mask: the weights are a converted bool, and
+    rows of weight 0 add 0 whatever their loss (see _bool_mask)."""
     if shifted:
         rows = rows - rest[1 if masked else 0]
+    if bool_mask:
+        rows = jnp.where(rest[0] != 0, rows, 0.0)
     if masked in PER_EXAMPLE:
         kept = rows * rest[0] if masked == NORMALIZED else jnp.where(rest[0], rows, 0.0)
         rows = jnp.sum(kept, -1) / rest[1]
@@ -414,6 +417,35 @@ def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shift
         rows = rows * rest[0] if masked == WEIGHTS else jnp.where(rest[0], rows, 0.0)
     out = reduce(rows)
     return _post(-out if log_probability else out, post, rest, scale)
+
+
+def _bool_mask(match, index: int) -> bool:
+    """Whether the pattern's input `index` (a mask of weights) is a bool converted to a float in the
+    program. XLA simplifies x * convert(mask) to select(mask, x, 0), so under jax.jit a row of
+    weight 0 adds 0 even where its loss is NaN (a label of -100, out of range, gathered as NaN);
+    the replacement must keep that, not compute NaN * 0."""
+    var = match.inputs[index]
+    if var not in match.graph.producer:
+        return False
+    eqn = match.graph.eqns[match.graph.producer[var][0]]
+    return eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bool_
+
+
+def _with_bool_mask(masked, index: int, params_of):
+    """params_of, with bool_mask=True where a multiplied mask (WEIGHTS, NORMALIZED) is a converted bool."""
+    if masked not in (WEIGHTS, NORMALIZED):
+        return params_of
+    return lambda match: {**params_of(match), **({"bool_mask": True} if _bool_mask(match, index) else {})}
+
+
+def _divided_by_zero(loss, post, rest):
+    """A sum over a scalar d (DIVIDED), d folded into the rows' weights: where d is 0 and the rows
+    add nothing (every row masked), the program's 0 / 0 is NaN, where the folded weights
+    (where(mask, 1 / 0, 0)) give 0."""
+    if post != DIVIDED:
+        return loss
+    # (added, not selected: the loss's cotangent stays jax.grad's constant 1, which XLA folds away)
+    return loss + jax.lax.stop_gradient(jnp.where((rest[-1] == 0) & (loss == 0), jnp.nan, 0.0))
 
 
 def _post(out, post, rest, scale=None):
@@ -545,7 +577,7 @@ def _linear(loss_fn, project, reduce, log_probability, masked, post=None, shifte
     padding mask: WEIGHTS) or kept where a boolean mask is true (WHERE), the mask the pattern's
     fourth input; post: then scaled as _reduced's; capped: the logits soft-capped first,
     tanh(logits / cap) * cap, as Gemma 2 caps its final logits (param cap)."""
-    def pattern(h, w, labels, *rest, scale=None, cap=CAP_EXAMPLE, **params):
+    def pattern(h, w, labels, *rest, scale=None, cap=CAP_EXAMPLE, bool_mask=False, **params):
         logits = project(h, w)
         if capped:
             logits = jnp.tanh(logits / cap) * cap
@@ -608,13 +640,16 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         folded = masked or post or shifted
         scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         weights = _row_weights(masked, rest, labels)
-        if masked in KEEPS:
-            keep = rest[0].reshape(labels.shape)
+        bool_mask = params.get("bool_mask", False)
+        keep = (rest[0] != 0 if bool_mask else rest[0]).reshape(labels.shape) if masked in KEEPS or bool_mask else None
+        if masked in KEEPS:  # (a dropped row: h = 0 and label 0, a finite loss weighted 0)
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
+        if keep is not None:  # (0, not 0 * inf, where every row is dropped and the count is 0)
+            factors = jnp.where(keep, factors, 0.0)
         options = dict(reduction="sum" if folded else overall.__name__, transpose_w=transposed, backend=backend,
-                       weights=factors if folded else None, soft_cap=params.get("cap"), return_lse=provide,
-                       return_rows=provide and post == DIVIDED)
+                       weights=factors if folded else None, mask=keep if bool_mask else None,
+                       soft_cap=params.get("cap"), return_lse=provide, return_rows=provide and post == DIVIDED)
         if labels_as == "one_hot":
             loss = linear_kernels.one_hot_linear_cross_entropy(h, w, labels, label_smoothing=params.get("smoothing", 0.0),
                                                                z_loss=params.get("z_loss", 0.0), **options)
@@ -624,8 +659,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return (loss, _given(given, rest, masked, shifted)) if provide else loss
+        loss = _divided_by_zero(loss, post, rest).astype(out_dtype)  # (-reduce of log-probabilities: the loss)
+        return (loss, _given(given, rest, masked, shifted, bool_mask)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
@@ -645,6 +680,7 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
     vocab = lambda match: match.input_avals[1].shape[0 if transposed else 1]
     params_of, example_params = _with_cap(capped, *_with_literal_scale(post, _params_of(param, vocab, 16),
                                                                         EXAMPLE_PARAMS[param]))
+    params_of = _with_bool_mask(masked, 3, params_of)
     return Pattern(
         name=f"linear_cross_entropy/{fn.__name__}", op="linear_cross_entropy", fn=fn, dtypes=dtypes,
         example=example, params_of=params_of,
@@ -700,7 +736,7 @@ def _reduced(loss_fn, reduce, log_probability, masked, post=None, shifted=False)
     the pattern's third input; post: then over or times a scalar, the pattern's last input
     (DIVIDED: the mask's sum, a token count; TIMES_D: a dynamic loss scale), or times or over a
     constant `scale` (TIMES_C, OVER_C: a gradient accumulation's step count, a loss's weight)."""
-    def pattern(logits, labels, *rest, scale=None, **params):
+    def pattern(logits, labels, *rest, scale=None, bool_mask=False, **params):
         return _reduce_rows(loss_fn(logits, labels, **params), rest, scale, reduce, log_probability, masked, post,
                             shifted)
     rows = _rows_name(loss_fn.__name__, masked, shifted)
@@ -718,13 +754,13 @@ def _provided(match, post, masked) -> dict:
     return given
 
 
-def _given(values: list, rest, masked, shifted) -> dict:
+def _given(values: list, rest, masked, shifted, bool_mask=False) -> dict:
     """The kernel's extra outputs (return_lse, then return_rows where asked) as Pattern.provides
     names them: the rows' logsumexp; the losses' sum before it is divided, weighted as the program
     weighs them (rest: the pattern's inputs after the labels, the divisor last)."""
     given = dict(zip(("logsumexp", "sum"), values))
     if "sum" in given:
-        given["sum"] = _reduce_rows(given["sum"], rest[:-1], None, sum, False, masked, None, shifted)
+        given["sum"] = _reduce_rows(given["sum"], rest[:-1], None, sum, False, masked, None, shifted, bool_mask)
     return given
 
 
@@ -768,12 +804,13 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         out_dtype = jax.eval_shape(functools.partial(fn, **params), logits, labels, *rest).dtype
         weights = _row_weights(masked, rest, labels)
         factors = jnp.broadcast_to(weights * scale, labels.shape)  # each row's, in the reduced loss
+        bool_mask = params.get("bool_mask", False)
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
-                                                 weights=factors, **options)
-        elif masked in KEEPS:
-            loss = kernels.where_masked_sum(logits, _labels_as_read(labels, labels_as, logits.shape[-1]), rest[0],
-                                            scale=factors, **options)
+                                                 weights=factors, mask=rest[0] != 0 if bool_mask else None, **options)
+        elif masked in KEEPS or bool_mask:
+            loss = kernels.where_masked_sum(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
+                                            rest[0] != 0 if bool_mask else rest[0], scale=factors, **options)
         elif folded:
             loss = kernels.cross_entropy(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
                                          reduction="sum", weights=factors, **options)
@@ -783,8 +820,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
-        return (loss, _given(given, rest, masked, shifted)) if provide else loss
+        loss = _divided_by_zero(loss, post, rest).astype(out_dtype)  # (-reduce of log-probabilities: the loss)
+        return (loss, _given(given, rest, masked, shifted, bool_mask)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
 
@@ -802,6 +839,7 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         return (logits, labels) + mask + _scalar_example(post, unscaled, param, logits, labels, *mask)
     params_of, example_params = _with_literal_scale(
         post, _params_of(param, lambda match: match.input_avals[0].shape[-1], 8), EXAMPLE_PARAMS[param])
+    params_of = _with_bool_mask(masked, 2, params_of)
     reduced = _reduced_name(name, reduce, log_probability, masked, shifted)
     return Pattern(
         name=_reduced_name(name, reduce, log_probability, masked, shifted, post),

@@ -581,6 +581,17 @@ def check_weights(op, labels, weights):
                          f"{tuple(getattr(weights, 'shape', ()))}")
 
 
+def check_mask(op, labels, weights, mask):
+    """Raises unless mask is None, or a bool array of labels' shape given with weights."""
+    if mask is None:
+        return
+    if weights is None:
+        raise ValueError(f"{op}: mask is given with weights (the rows' factors); got weights=None")
+    if not (hasattr(mask, "dtype") and mask.dtype == jnp.bool_ and tuple(mask.shape) == tuple(labels.shape)):
+        raise ValueError(f"{op}: mask must be None or a bool array of labels' shape {tuple(labels.shape)}; "
+                         f"got {getattr(mask, 'dtype', type(mask).__name__)} {tuple(getattr(mask, 'shape', ()))}")
+
+
 def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoothing: float = 0.0,
                   z_loss: float = 0.0, reduction: str = "mean", weights=None, soft_cap: float | None = None,
                   return_lse: bool = False, return_rows: bool = False, backend: str | None = None):
@@ -661,8 +672,8 @@ def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, so
 
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, weights=None,
-                          soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
-                          backend: str | None = None):
+                          mask=None, soft_cap: float | None = None, return_lse: bool = False,
+                          return_rows: bool = False, backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
     its loss and gradient are 0; a logit that is not finite outside the label's class makes the
@@ -671,27 +682,32 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     smoothed as optax.smooth_labels does, (1 - e) * one_hot + e / V (a label out of range: e / V
     everywhere). z_loss: plus z * logsumexp(logits)^2 on every row, whatever its label.
     weights: a float per row (labels' shape): then sum(loss * weights) over the rows (a mean: 1 / n
-    each), the gradient made in the forward pass. soft_cap, return_lse, return_rows: as
-    cross_entropy's."""
+    each), the gradient made in the forward pass. mask: with weights, a bool per row; rows where it is
+    false add 0 even where their loss is NaN (as where(mask, loss * weights, 0); XLA computes
+    loss * mask.astype(float) so). soft_cap, return_lse, return_rows: as cross_entropy's."""
     label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy",
                                      weights=weights)
     soft_cap = check_soft_cap("one_hot_cross_entropy", soft_cap)
     check_bool("one_hot_cross_entropy", "return_lse", return_lse)
     check_bool("one_hot_cross_entropy", "return_rows", return_rows)
     backend = L.resolve_backend(backend)
+    check_mask("one_hot_cross_entropy", labels, weights, mask)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
+    if mask is not None:
+        weights = jnp.where(mask, weights.astype(jnp.float32), 0.0)
     n_cols = logits.shape[-1]
     asked = dict(return_lse=return_lse, return_rows=return_rows)
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
         x = soft_capped(logits.astype(jnp.float32), soft_cap)
         rows = -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
-        out = rows if weights is None else jnp.sum(rows * weights.astype(jnp.float32))
+        out = rows if weights is None else _sum(rows, weights.astype(jnp.float32).reshape(rows.shape),
+                                                 mask is not None)
         return _reference_outputs(out, rows, logits, soft_cap, **asked)
     x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
     if weights is not None:
         out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing,
-                                       z_loss, backend, config, False, True, soft_cap)
+                                       z_loss, backend, config, mask is not None, True, soft_cap)
     else:
         out, lse, rows = _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True, soft_cap)
         out = out.reshape(labels.shape)

@@ -55,6 +55,7 @@ class Options(NamedTuple):
     one_hot: bool = False  # labels out of range are rows of zeros (see ce.one_hot_cross_entropy)
     transpose_w: bool = False  # w is [V, D]
     soft_cap: float | None = None  # the logits capped first, in the kernels (ce.cross_entropy's soft_cap)
+    masked: bool = False  # rows of weight 0 add 0 to the sum even where their loss is NaN (a mask given)
 
 
 def default_chunk_rows(n_rows: int, n_cols: int, itemsize: int) -> int:
@@ -140,7 +141,7 @@ def _losses(h2, w, labels, options, chunk, backend, config):
 def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
     """(sum(weights * loss), each row's lse pair and loss: their cotangents are not read, see _given.)"""
     loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
-    return jnp.sum(loss * weights), lse, loss
+    return ce._sum(loss, weights, options.masked), lse, loss
 
 
 def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
@@ -156,7 +157,7 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
     dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
     loss, lse, dh = (_unchunk(a, h2.shape[0]) for a in (loss, lse, dh))
-    return (jnp.sum(loss * weights), lse, loss), (dh, dw, loss)
+    return (ce._sum(loss, weights, options.masked), lse, loss), (dh, dw, loss)
 
 
 def _weighted_sum_bwd(options, chunk, backend, config, residuals, g):
@@ -250,7 +251,8 @@ def _outputs(out, lse, rows, h2, w, labels1, shape, options: Options, statics, r
 # Public function
 # --------------------------------------------------------------------------------------------------
 
-def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", weights=None, flags=(False, False)):
+def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", weights=None, flags=(False, False),
+           mask=None):
     for name, a in (("h", h), ("w", w)):
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"{op}: {name} must be a jax or numpy array; got {type(a).__name__}")
@@ -276,13 +278,14 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", wei
     if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
         raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
     ce.check_weights(op, labels, weights)
+    ce.check_mask(op, labels, weights, mask)
     for name, flag in zip(("return_lse", "return_rows"), flags):
         ce.check_bool(op, name, flag)
 
 
 def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0, reduction: str = "mean",
-                         weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
+                         weights=None, mask=None, transpose_w: bool = False, chunk_rows: int | None = None,
                          soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
                          backend: str | None = None):
     """`cross_entropy(h @ w, labels, ...)` without ever holding all the logits: h [..., D],
@@ -293,45 +296,62 @@ def linear_cross_entropy(h, w, labels, *, ignore_index: int | None = None,
     weights: a float per row (labels' shape), such as a padding mask: "none" returns weights * loss,
     "sum" their sum, "mean" that sum over the sum of the weights (0 where they sum to 0). Given here
     rather than applied to reduction="none"'s rows, the gradients are still made in the forward pass
-    (reduction "none" must recompute the logits in the backward: one matmul more).
+    (reduction "none" must recompute the logits in the backward: one matmul more). mask: with
+    weights, a bool per row: rows where it is false add 0 even where their loss is NaN, as
+    where(mask, loss * weights, 0) (XLA computes loss * mask.astype(float) so).
 
     soft_cap: the logits capped first, soft_cap * tanh(h @ w / soft_cap) (Gemma 2's final logits),
     inside the loss kernels: the capped logits never exist either.
 
     return_lse, return_rows: as cross_entropy's, (loss, lse, rows) as asked; where they are
     differentiated, the logits are recomputed for their gradients (two matmuls more each)."""
-    _check(h, w, labels, chunk_rows, transpose_w, weights=weights, flags=(return_lse, return_rows))
+    _check(h, w, labels, chunk_rows, transpose_w, weights=weights, flags=(return_lse, return_rows), mask=mask)
     n_cols = w.shape[0 if transpose_w else 1]
     logits_aval = jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype)
     smoothing, z_loss = ce._check(logits_aval, labels, ignore_index, label_smoothing, z_loss, reduction,
                                   "linear_cross_entropy")
     options = Options(ignore_index, smoothing, z_loss, n_cols, False, transpose_w,
-                      ce.check_soft_cap("linear_cross_entropy", soft_cap))
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights, return_lse, return_rows)
+                      ce.check_soft_cap("linear_cross_entropy", soft_cap), mask is not None)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, _masked(weights, mask, labels), return_lse,
+                  return_rows)
 
 
 def one_hot_linear_cross_entropy(h, w, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0,
                                  reduction: str = "mean",
-                                 weights=None, transpose_w: bool = False, chunk_rows: int | None = None,
+                                 weights=None, mask=None, transpose_w: bool = False, chunk_rows: int | None = None,
                                  soft_cap: float | None = None, return_lse: bool = False, return_rows: bool = False,
                                  backend: str | None = None):
     """`-sum(one_hot(labels, V) * log_softmax(h @ w), -1)`, reduced, as programs write it: a label
     outside [0, V) is a row of zeros, label_smoothing smooths the target as optax.smooth_labels and
     z_loss adds z * logsumexp^2 to every row (see xkern.kernels.cross_entropy.one_hot_cross_entropy);
-    soft_cap, return_lse and return_rows as linear_cross_entropy's.
+    weights, mask, soft_cap, return_lse and return_rows as linear_cross_entropy's.
     What the patterns replace such programs with; for new code, `linear_cross_entropy`."""
     op = "one_hot_linear_cross_entropy"
-    _check(h, w, labels, chunk_rows, transpose_w, op, weights, (return_lse, return_rows))
+    _check(h, w, labels, chunk_rows, transpose_w, op, weights, (return_lse, return_rows), mask)
     n_cols = w.shape[0 if transpose_w else 1]
     smoothing, z_loss = ce._check(jax.ShapeDtypeStruct((*h.shape[:-1], n_cols), h.dtype), labels, None,
                                   label_smoothing, z_loss, reduction, op)
-    options = Options(None, smoothing, z_loss, n_cols, True, transpose_w, ce.check_soft_cap(op, soft_cap))
-    return _apply(h, w, labels, options, reduction, chunk_rows, backend, weights, return_lse, return_rows)
+    options = Options(None, smoothing, z_loss, n_cols, True, transpose_w, ce.check_soft_cap(op, soft_cap),
+                      mask is not None)
+    return _apply(h, w, labels, options, reduction, chunk_rows, backend, _masked(weights, mask, labels), return_lse,
+                  return_rows)
+
+
+def _masked(weights, mask, labels):
+    """The weights, 0 where the mask is false (then Options.masked: those rows add 0 whatever their loss)."""
+    if mask is None:
+        return weights
+    return jnp.where(jnp.asarray(mask).reshape(labels.shape), jnp.asarray(weights).reshape(labels.shape), 0)
 
 
 def _row_weights(labels, options: Options, reduction, weights):
     """Each row's factor in the reduced loss (see linear_cross_entropy's weights), float32."""
     return ce.row_weights(labels, options.ignore_index, reduction, weights)
+
+
+def _weighted(rows, weights, masked: bool):
+    """Each row's loss times its weight; masked: 0 where the weight is 0, whatever the loss."""
+    return jnp.where(weights != 0, rows * weights, 0.0) if masked else rows * weights
 
 
 def _reference_rows(h, w, labels, options: Options):
@@ -351,9 +371,9 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
         rows = _reference_rows(h, w, labels, options)
         if reduction == "none":
-            out = rows if weights is None else rows * weights
+            out = rows if weights is None else _weighted(rows, weights, options.masked)
         else:
-            out = jnp.sum(rows * _row_weights(labels, options, reduction, weights))
+            out = ce._sum(rows, _row_weights(labels, options, reduction, weights), options.masked)
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
         return ce._reference_outputs(out, rows, logits, options.soft_cap, return_lse, return_rows)
     h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
@@ -362,7 +382,7 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
     if reduction == "none":
         rows, lse = _rows(h2, w, y, *statics)
         out = rows.reshape(labels.shape)
-        out = out if weights is None else out * weights
+        out = out if weights is None else _weighted(out, weights, options.masked)
     else:  # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
         out, lse, rows = _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
     return _outputs(out, lse, rows, h2, w, y, labels.shape, options, statics, return_lse, return_rows)
