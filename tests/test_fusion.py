@@ -219,6 +219,25 @@ def test_nan_inside_a_row_reduction_propagates():
     assert_matches_xla(f, x)
 
 
+def test_a_product_with_a_converted_bool_is_a_select_as_xla_makes_it():
+    """x * mask.astype(float): XLA simplifies it to select(mask, x, 0), so a non-finite x where the
+    mask is false gives 0, not NaN (0 * inf); the generated kernel does the same, in the forward and
+    in the backward (the cotangent times the mask). Converted twice, or a 16-bit product (computed
+    as float32 between converts), the product stays a product in XLA (its NaN kept), and here."""
+    x = edge_input()
+    m = jnp.asarray(np.random.default_rng(5).integers(0, 2, x.shape), bool).at[:, 12:15].set(False)
+    cases = {"mask input": lambda x, m: (jnp.exp(x) * m.astype(jnp.float32) * 2.0 + 1.0).sum(-1),
+             "mask computed, first operand": lambda x, m: (x < 5).astype(jnp.float32) * jnp.tanh(x) * 3.0 + x,
+             "bfloat16 mask (XLA: a float32 product)": lambda x, m: jnp.exp(x).astype(jnp.bfloat16) * m.astype(
+                 jnp.bfloat16) + 1,
+             "converted twice": lambda x, m: (jnp.exp(x) * m.astype(jnp.bfloat16).astype(jnp.float32)).sum(-1)}
+    for name, f in cases.items():
+        assert fused_kernels(f, x, m), name
+        assert_matches_xla(f, x, m, rtol=1e-5)
+    grad = jax.grad(lambda x, m: jnp.sum(jnp.tanh(x) * m.astype(jnp.float32) * 3.0 + jnp.sin(x) * 0.1))
+    assert_matches_xla(grad, x, m, rtol=1e-5)
+
+
 def test_gradients_and_vmap_through_a_generated_kernel():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((6, 40)), jnp.float32)
     s, b = jnp.linspace(0.5, 1.5, 40), jnp.linspace(-1, 1, 40)

@@ -109,6 +109,7 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     outputs = {v for v, _ in group.outputs}
     near_one = _tanh_added_to_constants(in_order, outputs)
     as_sigmoid = _tanh_as_sigmoid(in_order, outputs)
+    bools: dict = {}  # a float converted from a bool in the group -> the bool's expression
 
     def arguments(eqn):
         kinds, _ = eqn_kinds(eqn, group)
@@ -129,6 +130,9 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
             name += ": (1 + tanh(z)) / 2 = 1 / (1 + exp(-2z))"
         elif id(eqn) in near_one:
             expr = f"tanh_absolute({args[0]})"
+        elif name == "mul" and (masked := _times_bool(eqn, args, bools)) is not None:
+            expr = masked
+            name += " by a converted bool: a select, as XLA simplifies it"
         elif name in lowering.ELEMENTWISE:
             expr = lowering.ELEMENTWISE[name](args, eqn)
         elif name in lowering.REDUCTIONS:
@@ -139,6 +143,8 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
             expr = f"{expr}.to(tl.float16).to(tl.float32)"  # as XLA's float16 ops: exp(12) is inf
         names[eqn.outvars[0]] = f"v{n}"
         body.append(f"    v{n} = {expr}  # {name}")
+        if name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_:
+            bools[eqn.outvars[0]] = args[0]  # (directly: XLA leaves float(float(mask)) a product)
     stores = []
     for k, (v, kind) in enumerate(group.outputs):
         params.append(f"out{k}_ptr")
@@ -180,6 +186,17 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
 # and are rounded where the program converts or stores them.
 ROUNDED_TO_FLOAT16 = frozenset(lowering.ELEMENTWISE) - {"convert_element_type", "select_n", "neg", "abs", "max",
                                                          "min", "clamp"} | frozenset(lowering.REDUCTIONS)
+
+
+def _times_bool(eqn, args, bools) -> str | None:
+    """x * float(mask), for a mask converted in the group, as tl.where(mask, x, 0): XLA simplifies it
+    to select(mask, x, 0), so a non-finite x where the mask is false gives 0, not NaN (0 * inf).
+    float32 only: a 16-bit product XLA computes as float32 between converts (on the CPU, where this
+    was seen), which hide the mask, and the product stays."""
+    for k, v in enumerate(eqn.invars):
+        if not isinstance(v, Literal) and v in bools and lowering.dtype_name(eqn.outvars[0].aval) == "float32":
+            return f"tl.where({bools[v]}, {args[1 - k]}, 0.0)"
+    return None
 
 
 def _uses(eqns) -> dict:

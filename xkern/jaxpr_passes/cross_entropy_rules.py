@@ -428,7 +428,10 @@ def _bool_mask(match, index: int) -> bool:
     if var not in match.graph.producer:
         return False
     eqn = match.graph.eqns[match.graph.producer[var][0]]
-    return eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bool_
+    # (float32: a 16-bit product is computed as float32 between converts, which hide the mask: see
+    # xkern.fusion.codegen._times_bool)
+    return eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bool_ and \
+        var.aval.dtype == jnp.float32
 
 
 def _with_bool_mask(masked, index: int, params_of):
