@@ -1084,6 +1084,7 @@ def test_masks_converted_from_bool_and_all_rows_masked_as_jax_jit():
     ints = optax.softmax_cross_entropy_with_integer_labels
     one_hot = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 37))
     as_float = lambda y: (y != -100).astype(jnp.float32)
+    per_sequence = lambda rows, m: jnp.sum(rows * m, -1) / jnp.sum(m, -1)
     cases = {  # (program, labels, pattern, whether jax.jit's value is NaN)
         "ints, bool mask over its sum": (lambda x, y: jnp.sum(ints(x, y) * as_float(y)) / jnp.sum(as_float(y)),
                                          labels, "sum(optax_integer_labels * weights) / d", False),
@@ -1097,6 +1098,11 @@ def test_masks_converted_from_bool_and_all_rows_masked_as_jax_jit():
                                            "sum(where(mask, optax_integer_labels, 0)) / d", True),
         "every row masked, bool mask": (lambda x, y: jnp.sum(ints(x, y) * (y < 0).astype(jnp.float32)) / jnp.sum(y < 0),
                                         labels % 37, "sum(optax_integer_labels * weights) / d", True),
+        "per sequence, bool mask": (lambda x, y: jnp.mean(per_sequence(ints(x, y), as_float(y))), labels,
+                                    "mean(sum(optax_integer_labels * weights, -1) / n)", False),
+        "per sequence, one all masked": (lambda x, y: jnp.mean(per_sequence(ints(x, y), as_float(y))),
+                                         labels.at[1].set(-100), "mean(sum(optax_integer_labels * weights, -1) / n)",
+                                         True),  # (0 / 0; its rows' gradients 0, the select's)
     }
     for name, (f, y, pattern, nan) in cases.items():
         report = xkern.explain(f)(logits, y)

@@ -425,6 +425,8 @@ def _bool_mask(match, index: int) -> bool:
     weight 0 adds 0 even where its loss is NaN (a label of -100, out of range, gathered as NaN);
     the replacement must keep that, not compute NaN * 0."""
     var = match.inputs[index]
+    if var.aval.dtype == jnp.bool_:  # (normalized per example: the template converts it to the rows' dtype)
+        return match.graph.eqns[match.anchor].outvars[0].aval.dtype == jnp.float32
     if var not in match.graph.producer:
         return False
     eqn = match.graph.eqns[match.graph.producer[var][0]]
@@ -439,6 +441,17 @@ def _with_bool_mask(masked, index: int, params_of):
     if masked not in (WEIGHTS, NORMALIZED):
         return params_of
     return lambda match: {**params_of(match), **({"bool_mask": True} if _bool_mask(match, index) else {})}
+
+
+def _empty_examples(loss, labels, masked, rest, bool_mask):
+    """Normalized per example by a converted bool mask (bool_mask: its rows dropped by a select, as
+    XLA's): an example with no kept row and a count of 0 is 0 / 0 = NaN in the program, where its
+    dropped rows' weights give 0."""
+    if not (bool_mask and masked == NORMALIZED):
+        return loss
+    kept = jnp.any(rest[0].reshape(labels.shape) != 0, -1)
+    empty = jnp.any((rest[1].reshape(labels.shape[:-1]) == 0) & ~kept)
+    return loss + jax.lax.stop_gradient(jnp.where(empty, jnp.nan, 0.0))
 
 
 def _divided_by_zero(loss, post, rest):
@@ -662,7 +675,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        loss = _divided_by_zero(loss, post, rest).astype(out_dtype)  # (-reduce of log-probabilities: the loss)
+        loss = _empty_examples(_divided_by_zero(loss, post, rest), labels, masked, rest, bool_mask)
+        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
         return (loss, _given(given, rest, masked, shifted, bool_mask)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
@@ -823,7 +837,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         loss, *given = loss if provide else (loss,)
         if shifted:
             loss = loss - rest[1 if masked else 0].astype(jnp.float32) * jnp.sum(factors)
-        loss = _divided_by_zero(loss, post, rest).astype(out_dtype)  # (-reduce of log-probabilities: the loss)
+        loss = _empty_examples(_divided_by_zero(loss, post, rest), labels, masked, rest, bool_mask)
+        loss = loss.astype(out_dtype)  # (-reduce of log-probabilities: the loss itself), in the program's dtype
         return (loss, _given(given, rest, masked, shifted, bool_mask)) if provide else loss
 
     dtypes = _with_mask_dtypes(dtypes, masked)
