@@ -30,9 +30,10 @@ import numpy as np
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
 
-# Rows per chunk, measured on an H100 (bf16 forward+backward, h100-lm-head-session53.json): the time
-# that small chunks lose is in dh = dlogits @ w.T, whose [chunk, D] output is too few tiles to fill
-# the SMs over its long (V) contraction (dw's accumulation is fused into its gemm, beta 1). At
+# Rows per chunk, measured on an H100 (bf16 forward+backward, h100-lm-head-session53.json; python -m
+# benchmarks.sweep_lm_head_chunks): the time that small chunks lose is in dh = dlogits @ w.T, whose
+# [chunk, D] output is too few tiles to fill the SMs over its long (V) contraction (dw's
+# accumulation is fused into its gemm, beta 1). At
 # 8192x4096x128256: 1024 rows 40.6 ms, 2048 37.5, 4096 37.7 (jax.jit 44.6); Gemma 2's 2304x256000:
 # 512 rows 54.8, 1024 46.8, 2048 44.7 (jax.jit 50.9); Qwen's 4096x151936: 1664 rows 48.5 (wave
 # quantization: 1.6 waves of dh's tiles), 2048 45.2. So a chunk is a power of two of rows: the most
