@@ -195,7 +195,7 @@ def _times_bool(eqn, args, bools) -> str | None:
     was seen), which hide the mask, and the product stays."""
     for k, v in enumerate(eqn.invars):
         if not isinstance(v, Literal) and v in bools and lowering.dtype_name(eqn.outvars[0].aval) == "float32":
-            return f"tl.where({bools[v]}, {args[1 - k]}, 0.0)"
+            return f"tl.where(({bools[v]}) != 0, {args[1 - k]}, 0.0)"  # (a literal True is lowered as 1)
     return None
 
 
