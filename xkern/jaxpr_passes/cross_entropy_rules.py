@@ -657,7 +657,9 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         scale = _reduction_scale(overall, _reduced_count(masked, labels), folded, post, rest, params)
         weights = _row_weights(masked, rest, labels)
         bool_mask = params.get("bool_mask", False)
-        keep = (rest[0] != 0 if bool_mask else rest[0]).reshape(labels.shape) if masked in KEEPS or bool_mask else None
+        keep = None  # the rows kept, where a mask drops some (where, or a converted bool's select)
+        if masked in KEEPS or bool_mask:
+            keep = (rest[0] != 0 if bool_mask else rest[0]).reshape(labels.shape)
         if masked in KEEPS:  # (a dropped row: h = 0 and label 0, a finite loss weighted 0)
             h, labels = jnp.where(keep[..., None], h, 0), jnp.where(keep, labels, 0)
         factors = jnp.broadcast_to(weights * scale, labels.shape)
