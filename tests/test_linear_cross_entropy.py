@@ -80,7 +80,8 @@ def test_default_chunks_bound_their_logits_and_pad_little(n_rows, n_cols, itemsi
     assert chunk <= 128 or chunk * n_cols * itemsize <= 2 * CHUNK_BYTES
     assert n_chunks * chunk - n_rows < 128 * n_chunks  # each chunk pads less than one tile of rows
     power = 1 << (n_rows.bit_length() - 1)  # rows that are a power of two take chunks of one
-    assert default_chunk_rows(power, n_cols, itemsize) & (default_chunk_rows(power, n_cols, itemsize) - 1) == 0
+    power_chunk = default_chunk_rows(power, n_cols, itemsize)
+    assert power_chunk & (power_chunk - 1) == 0
 
 
 @pytest.mark.parametrize("n_cols,rows", [(128256, 2048), (256000, 2048), (151936, 2048), (32000, 8192),

@@ -425,12 +425,17 @@ def row_weights(labels, ignore_index, reduction, weights):
     return weights / jnp.where(total == 0, 1.0, total)
 
 
-def _sum(loss, weights, zero_where_unweighted):
-    """sum(loss * weights); zero_where_unweighted: rows of weight 0 add 0 even where their loss is
-    not finite, as where(mask, loss, 0) does (loss * 0 would be NaN there)."""
+def weighted_rows(loss, weights, zero_where_unweighted):
+    """loss * weights per row; zero_where_unweighted: rows of weight 0 give 0 even where their loss
+    is not finite, as where(mask, loss, 0) does (loss * 0 would be NaN there)."""
     if zero_where_unweighted:
-        return jnp.sum(jnp.where(weights != 0, loss * weights, 0.0))
-    return jnp.sum(loss * weights)
+        return jnp.where(weights != 0, loss * weights, 0.0)
+    return loss * weights
+
+
+def _sum(loss, weights, zero_where_unweighted):
+    """sum(loss * weights) over the rows (see weighted_rows)."""
+    return jnp.sum(weighted_rows(loss, weights, zero_where_unweighted))
 
 
 @L.varying_alike

@@ -350,11 +350,6 @@ def _row_weights(labels, options: Options, reduction, weights):
     return ce.row_weights(labels, options.ignore_index, reduction, weights)
 
 
-def _weighted(rows, weights, masked: bool):
-    """Each row's loss times its weight; masked: 0 where the weight is 0, whatever the loss."""
-    return jnp.where(weights != 0, rows * weights, 0.0) if masked else rows * weights
-
-
 def _reference_rows(h, w, labels, options: Options):
     if options.one_hot:
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
@@ -372,7 +367,7 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
     if backend == "xla" or h.size == 0 or options.n_cols == 0:
         rows = _reference_rows(h, w, labels, options)
         if reduction == "none":
-            out = rows if weights is None else _weighted(rows, weights, options.masked)
+            out = rows if weights is None else ce.weighted_rows(rows, weights, options.masked)
         else:
             out = ce._sum(rows, _row_weights(labels, options, reduction, weights), options.masked)
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
@@ -383,7 +378,7 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
     if reduction == "none":
         rows, lse = _rows(h2, w, y, *statics)
         out = rows.reshape(labels.shape)
-        out = out if weights is None else _weighted(out, weights, options.masked)
+        out = out if weights is None else ce.weighted_rows(out, weights, options.masked)
     else:  # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
         out, lse, rows = _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
     return _outputs(out, lse, rows, h2, w, y, labels.shape, options, statics, return_lse, return_rows)
