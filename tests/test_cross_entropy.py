@@ -9,6 +9,7 @@ import pytest
 
 import xkern
 from benchmarks.bench_cross_entropy import cross_entropy_with_logits, maxtext_train_loss
+from xkern.fusion.lowering import xla_selects_bool_product
 from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
@@ -1113,6 +1114,16 @@ def test_masks_converted_from_bool_and_all_rows_masked_as_jax_jit():
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)  # (NaN only where jax.jit's is)
         dgot, dwant = jax.jit(jax.grad(xkern.optimize(f)))(logits, y), jax.jit(jax.grad(f))(logits, y)
         np.testing.assert_allclose(dgot, dwant, rtol=1e-5, atol=1e-6, err_msg=name)
+    for dtype in (jnp.float16, jnp.bfloat16):  # a 16-bit product: a select where XLA makes one
+        f = lambda x, y: jnp.sum(ints(x, y) * (y != -100).astype(dtype)) / jnp.sum(y != -100)
+        x16 = logits.astype(dtype)
+        report = xkern.explain(f)(x16, labels)
+        assert [m.pattern for m in report.matches if m.pattern.startswith("cross")], (dtype, report)
+        got, want = np.float32(xkern.jit(f)(x16, labels)), np.float32(jax.jit(f)(x16, labels))
+        assert np.isnan(want) != xla_selects_bool_product((np.dtype(dtype).name,)), dtype
+        np.testing.assert_allclose(got, want, rtol=1e-2, err_msg=str(dtype))
+        dgot = np.float32(jax.jit(jax.grad(xkern.optimize(f)))(x16, labels))
+        np.testing.assert_allclose(dgot, np.float32(jax.jit(jax.grad(f))(x16, labels)), rtol=2e-2, atol=1e-3)
 
 
 def test_near_misses_are_not_rewritten():

@@ -109,7 +109,7 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     outputs = {v for v, _ in group.outputs}
     near_one = _tanh_added_to_constants(in_order, outputs)
     as_sigmoid = _tanh_as_sigmoid(in_order, outputs)
-    bools: dict = {}  # a float converted from a bool in the group -> the bool's expression
+    bools: dict = {}  # a value converted from a bool in the group -> (the bool's expression, the dtypes)
 
     def arguments(eqn):
         kinds, _ = eqn_kinds(eqn, group)
@@ -143,8 +143,11 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
             expr = f"{expr}.to(tl.float16).to(tl.float32)"  # as XLA's float16 ops: exp(12) is inf
         names[eqn.outvars[0]] = f"v{n}"
         body.append(f"    v{n} = {expr}  # {name}")
-        if name == "convert_element_type" and eqn.invars[0].aval.dtype == np.bool_:
-            bools[eqn.outvars[0]] = args[0]  # (directly: XLA leaves float(float(mask)) a product)
+        source = eqn.invars[0]
+        converted = not isinstance(source, Literal) and source in bools  # (a convert of a converted bool)
+        if name == "convert_element_type" and (converted or source.aval.dtype == np.bool_):
+            mask, chain = bools[source] if converted else (args[0], ())
+            bools[eqn.outvars[0]] = mask, chain + (lowering.dtype_name(eqn.outvars[0].aval),)
     stores = []
     for k, (v, kind) in enumerate(group.outputs):
         params.append(f"out{k}_ptr")
@@ -189,13 +192,12 @@ ROUNDED_TO_FLOAT16 = frozenset(lowering.ELEMENTWISE) - {"convert_element_type", 
 
 
 def _times_bool(eqn, args, bools) -> str | None:
-    """x * float(mask), for a mask converted in the group, as tl.where(mask, x, 0): XLA simplifies it
-    to select(mask, x, 0), so a non-finite x where the mask is false gives 0, not NaN (0 * inf).
-    float32 only: a 16-bit product XLA computes as float32 between converts (on the CPU, where this
-    was seen), which hide the mask, and the product stays."""
+    """x * float(mask), for a mask converted in the group, as tl.where(mask, x, 0) where XLA makes it
+    select(mask, x, 0) (so a non-finite x where the mask is false gives 0, not 0 * inf = NaN): which
+    it does depends on the platform and the converts (lowering.xla_selects_bool_product)."""
     for k, v in enumerate(eqn.invars):
-        if not isinstance(v, Literal) and v in bools and lowering.dtype_name(eqn.outvars[0].aval) == "float32":
-            return f"tl.where(({bools[v]}) != 0, {args[1 - k]}, 0.0)"  # (a literal True is lowered as 1)
+        if not isinstance(v, Literal) and v in bools and lowering.xla_selects_bool_product(bools[v][1]):
+            return f"tl.where(({bools[v][0]}) != 0, {args[1 - k]}, 0.0)"  # (a literal True is lowered as 1)
     return None
 
 

@@ -6,6 +6,8 @@ int32 values stay int32 and booleans are int1. Each rule returns a source fragme
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -18,6 +20,28 @@ TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.f
 def dtype_name(aval) -> str:
     """numpy's name for an array dtype; a typed PRNG key's own (`key<fry>`, not a numpy dtype)."""
     return str(aval.dtype) if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) else np.dtype(aval.dtype).name
+
+
+def xla_selects_bool_product(chain: tuple) -> bool:
+    """Whether XLA, on this process's platform, computes x * m, m a bool converted through the dtype
+    names `chain` (the last is the product's), as select(m, x, 0): then a non-finite x where m is
+    false gives 0, not NaN (0 * inf), and a replacement must do the same. It depends on the platform
+    and the dtypes (seen: the GPU selects in float32, bfloat16 and float16; the CPU not in bfloat16,
+    which it computes as float32 between converts that hide the mask), so XLA is asked: a product
+    of NaN by a converted False, compiled and run once per platform and chain."""
+    return _selects(jax.default_backend(), tuple(chain))
+
+
+@functools.cache
+def _selects(platform: str, chain: tuple) -> bool:
+    def product(x, m):
+        for name in chain:
+            m = m.astype(name)
+        return x * m
+
+    x, m = np.full(1, np.nan, jax.numpy.dtype(chain[-1])), np.zeros(1, bool)
+    with jax.ensure_compile_time_eval():  # (inside a trace too: run here, not staged into it)
+        return bool(np.asarray(jax.jit(product)(x, m))[0] == 0)
 
 
 def _binary(op):

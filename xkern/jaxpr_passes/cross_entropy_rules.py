@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from xkern.fusion.lowering import xla_selects_bool_product
 from xkern.jaxpr_passes.patterns import Pattern, literal_at, logsumexps_in, soft_cap_at
 from xkern.kernels import cross_entropy as kernels
 from xkern.kernels import linear_cross_entropy as linear_kernels
@@ -421,19 +422,18 @@ def _reduce_rows(rows, rest, scale, reduce, log_probability, masked, post, shift
 
 def _bool_mask(match, index: int) -> bool:
     """Whether the pattern's input `index` (a mask of weights) is a bool converted to a float in the
-    program. XLA simplifies x * convert(mask) to select(mask, x, 0), so under jax.jit a row of
-    weight 0 adds 0 even where its loss is NaN (a label of -100, out of range, gathered as NaN);
-    the replacement must keep that, not compute NaN * 0."""
+    program, in a product that XLA simplifies to select(mask, x, 0) (on this platform, in this dtype:
+    see lowering.xla_selects_bool_product). Then under jax.jit a row of weight 0 adds 0 even where
+    its loss is NaN (a label of -100, out of range, gathered as NaN); the replacement must keep
+    that, not compute NaN * 0."""
     var = match.inputs[index]
     if var.aval.dtype == jnp.bool_:  # (normalized per example: the template converts it to the rows' dtype)
-        return match.graph.eqns[match.anchor].outvars[0].aval.dtype == jnp.float32
+        return xla_selects_bool_product((np.dtype(match.graph.eqns[match.anchor].outvars[0].aval.dtype).name,))
     if var not in match.graph.producer:
         return False
     eqn = match.graph.eqns[match.graph.producer[var][0]]
-    # (float32: a 16-bit product is computed as float32 between converts, which hide the mask: see
-    # xkern.fusion.codegen._times_bool)
     return eqn.primitive.name == "convert_element_type" and eqn.invars[0].aval.dtype == jnp.bool_ and \
-        var.aval.dtype == jnp.float32
+        xla_selects_bool_product((np.dtype(var.aval.dtype).name,))
 
 
 def _with_bool_mask(masked, index: int, params_of):
