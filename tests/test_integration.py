@@ -328,6 +328,36 @@ def test_arguments_and_calls_as_jax_jit_takes_them():
         xkern.explain(softmax_at, static_argnums=["axis"])
 
 
+def test_the_garbage_collector_is_paused_while_planning_and_restored_after():
+    """Planning allocates millions of objects, and each full collection walks them all: the
+    collector is paused while xkern traces and plans (the function below runs inside that), then
+    restored as it was, after an error too, and left off where the user turned it off."""
+    import gc
+    seen = []
+
+    def f(x):
+        seen.append(gc.isenabled())
+        return jnp.tanh(x) * 2
+
+    def fails(x):
+        raise ValueError("the user's error")
+
+    x = jnp.linspace(-1, 1, 5)
+    assert gc.isenabled()
+    np.testing.assert_allclose(xkern.jit(f)(x), jnp.tanh(x) * 2, rtol=1e-6)
+    xkern.explain(f)(x)
+    assert seen == [False, False] and gc.isenabled()
+    with pytest.raises(ValueError, match="the user's error"):
+        xkern.optimize(fails)(x)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        xkern.optimize(f)(x)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""
