@@ -1,10 +1,8 @@
 """The user's entry points: `jit`, `optimize` and `explain`."""
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import inspect
 import re
 import threading
@@ -15,7 +13,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from xkern import _compat, pipeline
+from xkern import _collector, _compat, pipeline
 from xkern.jaxpr_passes import unread
 from xkern.jaxpr_passes.patterns import registry
 from xkern.jaxpr_passes.rewrite import (Declined, declined_for_output, evaluate, hearing_as_written, ran_as_written,
@@ -195,7 +193,7 @@ def _optimized(fun: Callable, backend: str | None, carry_in_place: bool, on_plan
     @functools.wraps(fun)
     def optimized(*args, **kwargs):
         chosen = resolve_backend(backend)
-        with _collection_paused():
+        with _collector.paused():
             traced = _trace(fun, args, kwargs, chosen, carry_in_place)
             plan = _cached_plan(plans, traced, chosen)
             if getattr(_inner_plans, "plans", None) is not None:
@@ -212,32 +210,6 @@ def _optimized(fun: Callable, backend: str | None, carry_in_place: bool, on_plan
         return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
 
     return optimized
-
-
-_paused = {"depth": 0, "was_enabled": False}  # _collection_paused's state, across threads
-_paused_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _collection_paused():
-    """Python's cyclic garbage collector paused while xkern traces, plans and rewrites a program.
-    Those steps allocate millions of small objects (templates loaded, patterns built, equations
-    traced), and each full collection walks every object in the process: it was two thirds of a
-    training step's first plan (3.0 s, 1.1 s paused; 2-core CPU). Memory is still freed by
-    reference counting; cycles made meanwhile are collected once it resumes. Nested calls (a
-    differentiated function optimized inside the step) and threads share one pause."""
-    with _paused_lock:
-        if _paused["depth"] == 0:
-            _paused["was_enabled"] = gc.isenabled()
-            gc.disable()
-        _paused["depth"] += 1
-    try:
-        yield
-    finally:
-        with _paused_lock:
-            _paused["depth"] -= 1
-            if _paused["depth"] == 0 and _paused["was_enabled"]:
-                gc.enable()
 
 
 PLANS_PER_SIGNATURE = 8
@@ -458,7 +430,7 @@ def explain(fun: Callable, *, backend: str | None = None, static_argnums: int | 
         kwargs = {k: as_jit_traces(v, k in names) for k, v in kwargs.items()}
         _inner_plans.plans = inner = []
         # (as_written: the rewrites a call runs as written, Pattern.xla_when)
-        with _collection_paused(), hearing_as_written() as as_written:
+        with _collector.paused(), hearing_as_written() as as_written:
             try:
                 traced = _trace(fun, args, kwargs, chosen)
             finally:

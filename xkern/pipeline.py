@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from jax.extend.core import ClosedJaxpr
 
+from xkern import _collector
 from xkern.jaxpr_passes.canonicalize import canonicalize
 from xkern.jaxpr_passes.rewrite import Plan, empty_plan, fuse_groups, match_patterns
 from xkern.memory.liveness import plan_in_place
@@ -24,9 +25,10 @@ def plan(closed: ClosedJaxpr, backend: str) -> Plan:
     """What xkern will do to the program `closed` on `backend`."""
     if backend == "xla":
         return empty_plan(closed)
-    closed = canonicalize(closed)
-    planned = match_patterns(closed, backend, cost=decline_reason,
-                             plan_sub=lambda sub: plan(sub, backend))
-    planned = fuse_groups(planned, backend, cost=decline_reason)
-    plan_in_place(planned)
+    with _collector.paused():  # (xkern.jit pauses it over the trace too; this, for callers of plan)
+        closed = canonicalize(closed)
+        planned = match_patterns(closed, backend, cost=decline_reason,
+                                 plan_sub=lambda sub: plan(sub, backend))
+        planned = fuse_groups(planned, backend, cost=decline_reason)
+        plan_in_place(planned)
     return planned

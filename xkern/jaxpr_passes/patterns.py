@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from xkern import _collector
 from xkern.jaxpr_passes import template_cache
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
 from xkern.jaxpr_passes.graph import Graph, as_literal, same_literal, unmarked
@@ -562,10 +563,11 @@ def registry() -> Registry:
     import xkern.jaxpr_passes as package
 
     patterns = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        if info.name.endswith("_rules"):
-            patterns += importlib.import_module(f"{package.__name__}.{info.name}").PATTERNS
-    built = build_registry([p for p in patterns if not (p.requires or p.extends)])
+    with _collector.paused():  # (thousands of patterns built, templates loaded: see _collector)
+        for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+            if info.name.endswith("_rules"):
+                patterns += importlib.import_module(f"{package.__name__}.{info.name}").PATTERNS
+        built = build_registry([p for p in patterns if not (p.requires or p.extends)])
     built.patterns = patterns
     for p in patterns:
         if p.requires or p.extends:
