@@ -465,6 +465,40 @@ def test_masked_spellings_average_rows_that_see_no_key(spelling):
 
 
 
+@pytest.mark.parametrize("dtype, fill", [(jnp.float32, -np.inf), (jnp.float16, -1e9)], ids=["-inf", "float16 -1e9"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # (the program's own -1e9 in float16)
+def test_rows_a_minus_inf_fill_hides_are_nan_as_under_jax_jit(dtype, fill):
+    """where(mask, s, -inf) by hand (or -1e9 in float16 scores, which rounds to -inf): XLA's softmax
+    of a row whose keys are all hidden is NaN, and its NaN weights reach dv at every key of that
+    batch entry and k/v head, while dq and dk stay finite (the where passes them nothing). The
+    replacement gives the same NaNs (masked_rows="nan"), not the zeros of a flash kernel; GQA by
+    jnp.repeat, and the NaN rows' cotangents zeroed by the loss, as a masked loss would."""
+    q, k, v, do = make(2, 6, 7, 4, 2, 16, dtype, seed=21)
+    mask = jnp.asarray(np.random.default_rng(22).random((2, 1, 6, 7)) > 0.3).at[0, 0, 2].set(False)
+
+    def f(q, k, v):
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        s = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25, fill)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+    assert [m.pattern for m in xkern.explain(f)(q, k, v).matches if m.op == "attention"]
+    got, want = np.asarray(xkern.jit(f)(q, k, v), np.float32), np.asarray(jax.jit(f)(q, k, v), np.float32)
+    assert np.isnan(want[0, 2]).all() and np.isnan(want).sum() == want[0, 2].size  # (the case is what it says)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    close(np.nan_to_num(got), np.nan_to_num(want), dtype)
+    loss = lambda q, k, v: jnp.sum(jnp.nan_to_num(f(q, k, v).astype(jnp.float32)) * do.astype(jnp.float32))
+    grads = zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v))
+    for name, (g, w) in zip("qkv", grads):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isnan(w).any() == (name == "v"), name
+        np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+        close(np.nan_to_num(g), np.nan_to_num(w), dtype)
+    ops = attention(q, k, v, mask=mask, masked_rows="nan", scale=0.25)
+    np.testing.assert_array_equal(np.isnan(np.asarray(ops, np.float32)), np.isnan(want))
+    np.testing.assert_array_equal(np.isnan(np.asarray(reference(q, k, v, mask=mask, masked_rows="nan", scale=0.25),
+                                                      np.float32)), np.isnan(want))
+
+
 def _alphafold3_attention(q, k, v, mask, pair_logits, mask_q=None):
     """AlphaFold 3's attention (diffusion_transformer.self_attention and cross_attention, their
     projections and gate left out): q and k cast to float32, q scaled, a padding bias 1e9 * (mask - 1)

@@ -18,8 +18,8 @@ attention: each entry a batch of one head). The scale and the fill are read off 
 jax.nn and flax fill masked scores with a large negative number, so a query whose keys are all
 masked averages every value: their replacements ask for that (masked_rows="average"), as do by-hand
 masks with a finite fill, and additive biases (a bias of finfo.min hides a key, as HF ports write
-padding). With a -inf fill such a query is NaN under XLA; the kernels give it zeros (a -inf bias: the
-mean).
+padding). With a -inf fill such a query is NaN under XLA, and so here (masked_rows="nan": its NaN
+weights reach dv as XLA's do); a -inf bias gives the mean.
 
 With dropout on its probabilities (flax's dropout_rate, nn.Dropout on the weights, a random
 multiplier by hand), the multiplier the program draws (from jax's random bits, by XLA as before) is
@@ -685,11 +685,14 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
             q, lengths = _lengths_as_jax_nn(q, k, lengths)
         banded = window or mask_kind == "window"  # a band can hide every key of a query
         # A query whose keys are all hidden averages every value under a finite fill, and under a
-        # bias of finfo.min (an HF port's padding: XLA's scores there are all -3.4e38, equal)
-        average = (mask is not None or banded) and (fill is None or np.isfinite(fill)) or (with_bias and not with_mask)
+        # bias of finfo.min (an HF port's padding: XLA's scores there are all -3.4e38, equal); it
+        # is NaN under a fill of -inf (XLA's softmax of -inf scores)
+        hiding = mask is not None or banded
+        average = hiding and (fill is None or np.isfinite(fill)) or (with_bias and not with_mask)
         out = kernels.attention(q, k, v, causal=causal or mask_kind == "causal",
                                 bias=bias, mask=mask, scale=scale, backend=backend, kv_lengths=lengths,
-                                masked_rows="bias" if as_mask is not None else "average" if average else "zeros",
+                                masked_rows="bias" if as_mask is not None else "average" if average else
+                                "nan" if hiding and fill == -np.inf else "zeros",
                                 local_window_size=(left, right) if banded else None,
                                 dropout_multiplier=multiplier, logits_soft_cap=cap, sinks=sink,
                                 out_dtype=jnp.float32 if getattr(fn, "float32_out", False) else None)

@@ -71,16 +71,22 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     if masked_rows == "bias":  # hidden by adding a huge negative number: gradients pass the add
         s = s + jnp.where(visible, 0.0, -1e30)
     else:
-        s = jnp.where(visible, s, -jnp.inf if masked_rows == "zeros" else -1e30)  # jax.nn's fill: finite
+        s = jnp.where(visible, s, -jnp.inf if masked_rows in ("zeros", "nan") else -1e30)  # jax.nn's fill: finite
     s = jnp.where(_visible(q.shape[1], k.shape[1], False, None, kv_lengths, q.shape[0]), s, -jnp.inf)
+    if masked_rows == "nan" and sinks is None:  # (a row of -inf scores: NaN, as XLA's softmax makes it)
+        return jnp.einsum("bhqk,bkhd->bqhd", _dropped(jax.nn.softmax(s, -1), dropout_multiplier), vf).astype(
+            out_dtype or q.dtype)
     sink = -jnp.inf if sinks is None else _sink_rows(sinks, *s.shape[:3])[..., None]
     m = jnp.maximum(jnp.max(s, -1, keepdims=True, initial=-jnp.inf), sink)  # (no keys at all: o is 0)
     p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
     total = jnp.sum(p, -1, keepdims=True) + jnp.exp(sink - jnp.where(jnp.isfinite(m), m, 0.0))
     p = p / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)
-    if dropout_multiplier is not None:
-        p = p * jax.lax.stop_gradient(jnp.asarray(dropout_multiplier).astype(jnp.float32))
-    return jnp.einsum("bhqk,bkhd->bqhd", p, vf).astype(out_dtype or q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", _dropped(p, dropout_multiplier), vf).astype(out_dtype or q.dtype)
+
+
+def _dropped(p, multiplier):
+    """The probabilities times a dropout multiplier (None: none), which gets no gradient."""
+    return p if multiplier is None else p * jax.lax.stop_gradient(jnp.asarray(multiplier).astype(jnp.float32))
 
 
 def _capped(s, cap):
@@ -1372,6 +1378,7 @@ class Static:
     softcap: float = 0.0  # logits_soft_cap, 0 for none
     float32_out: bool = False  # out_dtype=float32: o stored unrounded (else in q's dtype)
     key_bias: bool = False  # a key bias [batch, heads, sk]: a bias the same for every query
+    nan_empty: bool = False  # masked_rows="nan" (applied around the kernels, in XLA)
 
     def out_dtype(self, q):
         return jnp.float32 if self.float32_out else q.dtype
@@ -1730,6 +1737,8 @@ def _attention_fwd(q, k, v, mask, bias, key_bias, kv_len, drop, st: Static):
         o = jax.lax.cond(jnp.any(_empty(lse)), lambda: jnp.where(
             _empty(lse)[..., None], _dropped_means(v, kv_len, drop, q.shape[2]).astype(o.dtype), o), lambda: o)
     o = _with_near_rows(o, lse, q, v, bias, key_bias, kv_len, drop, st)
+    if st.nan_empty:
+        o = jnp.where(_empty(lse)[..., None], jnp.nan, o)
     return o, (q, k, v, mask, bias, key_bias, kv_len, drop, o, lse)
 
 
@@ -1873,6 +1882,8 @@ def _gradients(st: Static, residuals, do, delta):
     far, near = _far_rows(lse, st), _near_rows(lse, st)
     kernels_lse = lse if far is None else jnp.where(far, jnp.inf, lse)  # (the kernels' p of those rows: 0)
     kernels_do, kernels_delta = do.astype(q.dtype), delta
+    if st.nan_empty:  # (delta is NaN in a NaN row: its p is 0 in the kernels, so 0 * NaN must not reach ds)
+        kernels_delta = jnp.where(lse == -jnp.inf, 0.0, delta)
     if near is not None:  # (their do and delta divided by their keys' count, where there are such rows)
         def divided():
             per_row = jnp.where(near, 1 / jnp.maximum(jnp.sum(_near_top(bias, key_bias, kv_len, k.shape[1]), -1), 1), 1.0)
@@ -1908,10 +1919,21 @@ def _gradients(st: Static, residuals, do, delta):
                 st.softcap)
             return (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype), dv_
         dq, dk, dv = jax.lax.cond(jnp.any(_empty(lse)), with_empty_rows, lambda: (dq, dk, dv))
+    if st.nan_empty:
+        dv = _nan_where_empty(dv, lse)
     dbias, dkey_bias = None, None
     if st.bias_flags:
         dbias, dkey_bias = _bias_grads(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st)
     return dq, dk, dv, None, dbias, dkey_bias, None, None
+
+
+def _nan_where_empty(dv, lse):
+    """masked_rows="nan": XLA's softmax of a row of -inf scores is NaN, and its NaN weights reach
+    dv = p^T do at every key of the batch entry and k/v head (not dq and dk: the where that filled
+    the scores passes them no gradient)."""
+    empty = jnp.any(lse == -jnp.inf, -1)  # [batch, heads]
+    empty = jnp.any(empty.reshape(empty.shape[0], dv.shape[2], -1), -1)  # [batch, kv_heads]
+    return jnp.where(empty[:, None, :, None], jnp.nan, dv).astype(dv.dtype)
 
 
 # masked_rows="average": a query whose keys are all hidden gets the mean of the (real) values, as
@@ -2165,7 +2187,7 @@ def _check(q, k, v, scale, kv_lengths):
                          f"{list(getattr(kv_lengths, 'shape', []))}")
 
 
-MASKED_ROWS = ("zeros", "average", "bias")
+MASKED_ROWS = ("zeros", "average", "bias", "nan")
 
 
 def _window_of(local_window_size) -> tuple | None:
@@ -2221,6 +2243,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         fill hidden scores with a large negative number). Keys past kv_lengths never count. "bias":
         the same, with the gradients XLA gives when the mask is a bias of finfo.min (HF's Flax
         ports): such a row's uniform weights pass their gradient to q and k through the scores.
+        "nan": NaN, what XLA's softmax makes of scores filled with -inf (by hand, `where(mask, s,
+        -inf)`); as there, its NaN weights reach dv at every key of its batch entry and k/v head.
     Float32 math inside; output in q's dtype. Hide keys with `mask` rather than a huge negative
     bias: a row whose every score is between about -1e5 and -1.3e8 keeps the forward's value, but its
     gradients lose the logsumexp's precision (the saved lse rounds to the row's max); below -1.3e8
@@ -2286,10 +2310,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
-    st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows != "zeros",
+    st = Static(causal, scale, mask_bh, bias_bh, kv_lengths is not None, backend, (), masked_rows in ("average", "bias"),
                 window, drop_bh, masked_rows == "bias", float(cap or 0.0),
                 out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32 and q.dtype != jnp.float32,
-                key_bias is not None)
+                key_bias is not None, masked_rows == "nan")
     st = dataclasses.replace(st, configs=tuned_configs(q, k, st))
     arrays = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), None if mask4 is None else mask4.astype(jnp.int8), bias4,
               key_bias, kv_len, None if drop4 is None else jax.lax.stop_gradient(drop4))
