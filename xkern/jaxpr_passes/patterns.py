@@ -481,7 +481,8 @@ class Registry:
     def build_all(self) -> "Registry":
         """Every pattern, gated or not, traced into one registry (to check them all together, e.g.
         for duplicates)."""
-        return build_registry(self.patterns)
+        with _collector.paused():
+            return build_registry(self.patterns)
 
 
 def found_in(graph: Graph, live, by_anchor: dict, names) -> frozenset:
