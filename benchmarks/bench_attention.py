@@ -223,6 +223,17 @@ def _int_mask_bias(q, k, v, rng):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype), v)
 
 
+def _padding_minus_inf(q, k, v, rng):
+    """By hand: a boolean padding mask given as data ([b, k]: the last 1/8 of the last example's keys
+    hidden), applied with where(mask, scores, -inf), softmax in float32 (a row it hid entirely would
+    be NaN, as under XLA: masked_rows="nan")."""
+    b, s = q.shape[:2]
+    data = jax.random.uniform(jax.random.fold_in(rng, 1), (b, s)) >= 0  # all True, but data
+    mask = (data & jnp.asarray(_last_example_padding(b, s)))[:, None, None, :]
+    scores = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1]), -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype), v)
+
+
 def _repeated_kv(q, k, v, rng):
     """GQA as Llama ports write it by hand: k and v repeated to q's heads (jnp.repeat), [b, h, s, d]
     matmuls, causal by a where with finfo.min, softmax in float32. (The kernels read k, v unrepeated.)"""
@@ -427,6 +438,7 @@ def _spelling_cases(on_gpu: bool) -> list[Case]:
               ("by hand: float32 product (preferred_element_type)", (4, 4096, 32, 128), _float32_product, 1),
               ("by hand: / np.sqrt(d) (float32 scores) + padding bias", (4, 4096, 32, 128), _np_sqrt_and_bias, 1),
               ("by hand: (1 - mask) * -10000 of an integer mask as data", (4, 4096, 32, 128), _int_mask_bias, 1),
+              ("by hand: a padding mask as data, where(mask, s, -inf)", (4, 4096, 32, 128), _padding_minus_inf, 1),
               ("flax force_fp32_for_softmax (float32 out)", (4, 4096, 32, 128), _flax_fp32_softmax, 1),
               ("by hand: causal, a temperature per head", (4, 4096, 32, 128), _temperature_per_head, 2),
               ("by hand: GQA 32/8 by jnp.repeat, causal", (4, 4096, 32, 128), _repeated_kv, 2),
