@@ -358,6 +358,23 @@ def test_the_garbage_collector_is_paused_while_planning_and_restored_after():
         gc.enable()
 
 
+def test_debug_callbacks_in_the_program_run_as_under_jax_jit():
+    """jax.debug.print / jax.debug.callback of a reduction (an equation with no result reading it)
+    inside a step: the callback sees jax.jit's value, and the rest is still rewritten."""
+    x = jax.random.normal(jax.random.key(3), (4, 37))
+    seen = []
+
+    def f(x):
+        jax.debug.callback(lambda s: seen.append(float(s)), jnp.sum(x * 2))
+        jax.debug.print("sum={s}", s=x.sum())
+        return jax.nn.softmax(x, axis=-1)
+
+    np.testing.assert_allclose(xkern.jit(f)(x), jax.jit(f)(x), rtol=1e-6)
+    jax.effects_barrier()
+    assert len(seen) == 2 and seen[0] == pytest.approx(seen[1], rel=1e-6)
+    assert [m.pattern for m in xkern.explain(f)(x).matches if m.op == "softmax"]
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""

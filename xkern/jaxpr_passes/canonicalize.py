@@ -294,8 +294,8 @@ def _kept_dims(reduction) -> tuple:
 def _expansion(eqn, var, shape, kept: tuple) -> bool:
     """Whether `eqn` only gives `var` unit dims back, to `shape` (`[..., None]`, jnp.expand_dims or a
     reshape; kept: the dims of `shape` that `var` has)."""
-    if eqn is None or eqn.invars[0] is not var or tuple(eqn.outvars[0].aval.shape) != shape:
-        return False
+    if eqn is None or len(eqn.outvars) != 1 or eqn.invars[0] is not var or tuple(eqn.outvars[0].aval.shape) != shape:
+        return False  # (an equation of no result reads it too: jax.debug.print's)
     if eqn.primitive.name == "broadcast_in_dim":
         return tuple(eqn.params["broadcast_dimensions"]) == kept
     return eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None
