@@ -260,6 +260,19 @@ def test_gradients_and_vmap_through_a_generated_kernel():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_gradient_of_a_python_number_through_a_generated_kernel():
+    """jax.grad of an optimized function with respect to a Python float, eagerly: the number reaches
+    the kernel as jax's TypedFloat (no array methods); under jit too."""
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 37)), jnp.float32)
+    f = lambda x, s: jnp.sum(jnp.tanh(x * s) * x)
+    assert fused_kernels(f, x, 2.0)
+    for wrap in (lambda g: g, jax.jit):
+        got = wrap(jax.grad(xkern.optimize(f), argnums=(0, 1)))(x, 2.0)
+        want = jax.grad(f, argnums=(0, 1))(x, 2.0)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_a_backward_program_is_one_generated_kernel():
     """A program that takes a gradient itself (seen by xkern.jit after differentiation): tanh's
     derivative (jax 0.11 writes 1 - t * t as one_minus_square) and the sum of a value's two

@@ -196,7 +196,8 @@ def _views(fused: Fused, inputs) -> tuple[list, int]:
     n_rows = int(np.prod(fused.group.rows, dtype=np.int64))
     shaped = {"full": (n_rows, n_cols), "row": (n_rows,), "col": (n_cols,), "scalar": (1,),
               "a": (n_rows, fused.k), "b": (fused.k, n_cols)}
-    return [x.reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
+    # (asarray: a Python number differentiated eagerly reaches here as jax's TypedFloat, no array)
+    return [jax.numpy.asarray(x).reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
 
 
 def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config,
