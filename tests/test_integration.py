@@ -375,6 +375,27 @@ def test_debug_callbacks_in_the_program_run_as_under_jax_jit():
     assert [m.pattern for m in xkern.explain(f)(x).matches if m.op == "softmax"]
 
 
+def test_errors_while_tracing_name_the_users_function_as_jax_jit_does():
+    """jax's errors while tracing name the function, its line and the argument: under xkern.jit the
+    user's (as jax.jit's say it), not xkern's wrapper's."""
+    def branches(x):
+        if x.sum() > 0:
+            return jax.nn.softmax(x)
+        return x
+
+    def labelled(x):
+        return jax.nn.softmax(x), "label"
+
+    x = jnp.ones((4, 37))
+    for f, error in ((branches, jax.errors.TracerBoolConversionError), (labelled, TypeError)):
+        messages = []
+        for jit in (jax.jit, xkern.jit):
+            with pytest.raises(error) as raised:
+                jit(f)(x)
+            messages.append([line for line in str(raised.value).splitlines() if f.__name__ in line])
+        assert messages[0] and messages[1] == messages[0], messages
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""

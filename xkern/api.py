@@ -49,6 +49,9 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (*_DYNAMIC, jax.ShapeDtypeStruct))]
     dynamic = [_canonical(leaves[i]) for i in dyn_idx]
     out_tree, mutated, static_out = [], [], {}
+    # (each argument one array, no keywords: the leaves are fun's parameters, and named as them)
+    one_leaf_each = not kwargs and len(dyn_idx) == len(args) and treedef == jax.tree_util.tree_structure(
+        (tuple(range(len(args))), {}))
 
     def flat_fun(*dyn):
         full = list(leaves)
@@ -71,8 +74,9 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
         static_out.clear()
         with (_compat.wrapping_differentiated(functools.partial(_before_differentiation, backend=backend)),
               unread.tracing(drop) as calls):
-            # (a new function each time: jax caches a trace per function)
-            return jax.make_jaxpr(lambda *dyn: flat_fun(*dyn))(*dynamic), calls
+            # (a new function each time: jax caches a trace per function; named as fun, so that
+            # jax's errors while tracing name the user's function and its line)
+            return jax.make_jaxpr(_named_as(fun, lambda *dyn: flat_fun(*dyn), one_leaf_each))(*dynamic), calls
 
     closed, calls = trace({})
     drop = unread.unread(closed, calls, declined_for_output) if backend != "xla" else {}
@@ -98,6 +102,22 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
     if any(isinstance(c, jax.core.Tracer) for c in closed.consts):
         key = None  # closes over an outer trace's values: valid for this trace only
     return _Traced(closed, out_tree[0], dynamic, key, mutated, static_out, dropped)
+
+
+def _named_as(fun: Callable, traced: Callable, same_parameters: bool = False) -> Callable:
+    """`traced` (fun, or fun over its array leaves) with fun's name, module and source line, so that
+    jax's errors while tracing name the user's function, not xkern's wrapper; and its signature
+    where its parameters are fun's (same_parameters), so that they name the argument too."""
+    try:
+        traced.__name__, traced.__qualname__ = fun.__name__, fun.__qualname__
+        traced.__module__ = fun.__module__
+        traced.__code__ = traced.__code__.replace(co_filename=fun.__code__.co_filename,
+                                                  co_firstlineno=fun.__code__.co_firstlineno, co_name=fun.__name__)
+        if same_parameters:
+            traced.__signature__ = inspect.signature(fun)
+    except (AttributeError, TypeError, ValueError):  # a callable object, a partial, a builtin: as it was
+        pass
+    return traced
 
 
 def _canonical(leaf):
@@ -299,6 +319,7 @@ def _weakly(fun: Callable, signature) -> Callable:
         return ref()(*args, **kwargs)
     functools.update_wrapper(call, fun, updated=())  # (not fun's __dict__: references of its own)
     del call.__wrapped__  # (a strong reference)
+    _named_as(fun, call)  # (jax.jit's messages: fun's source line)
     call.__signature__ = signature
     return call
 
