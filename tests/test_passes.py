@@ -510,6 +510,10 @@ def test_bad_arguments_name_themselves():
             api(3)
         with pytest.raises(ValueError, match="backend must be one of"):
             api(jax.nn.softmax, backend="cuda")
+        with pytest.raises(ValueError, match="jax.jit's platform argument is not taken"):  # (jax.jit's own)
+            api(jax.nn.softmax, backend="cpu")
+        with pytest.raises(ValueError, match=r"got 'fast'$"):
+            api(jax.nn.softmax, backend="fast")
 
 
 def test_plans_are_cached_per_signature(monkeypatch):
