@@ -188,8 +188,9 @@ def _check_args(api: str, fun, backend) -> None:
     if not callable(fun):
         raise TypeError(f"xkern.{api}: fun must be callable; got {type(fun).__name__}")
     if backend is not None and backend not in BACKENDS:
-        platform = (" (xkern's backend is the kernels'; jax.jit's platform argument is not taken: place "
-                    "arrays with jax.device_put or jax.default_device)") if backend in ("cpu", "gpu", "cuda", "rocm", "tpu") else ""
+        platform = "" if backend not in ("cpu", "gpu", "cuda", "rocm", "tpu") else (
+            " (xkern's backend is the kernels'; jax.jit's platform argument is not taken: place arrays with "
+            "jax.device_put or jax.default_device)")
         raise ValueError(f"xkern.{api}: backend must be one of {', '.join(BACKENDS)} or None; "
                          f"got {backend!r}{platform}")
 
