@@ -262,7 +262,8 @@ def test_gradients_and_vmap_through_a_generated_kernel():
 
 def test_the_gradient_of_a_python_number_through_a_generated_kernel():
     """jax.grad of an optimized function with respect to a Python float, eagerly: the number reaches
-    the kernel as jax's TypedFloat (no array methods); under jit too."""
+    the kernel as jax's TypedFloat (no array methods); under jit too. The number's gradient is weakly
+    typed, as jax's (it then promotes as the number did)."""
     x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 37)), jnp.float32)
     f = lambda x, s: jnp.sum(jnp.tanh(x * s) * x)
     assert fused_kernels(f, x, 2.0)
@@ -271,6 +272,8 @@ def test_the_gradient_of_a_python_number_through_a_generated_kernel():
         want = jax.grad(f, argnums=(0, 1))(x, 2.0)
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+            assert jax.typeof(g) == jax.typeof(w)
+        assert jax.typeof(got[1]).weak_type
 
 
 def test_a_backward_program_is_one_generated_kernel():

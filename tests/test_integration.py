@@ -309,6 +309,8 @@ def test_arguments_and_calls_as_jax_jit_takes_them():
     for _ in range(3):
         np.testing.assert_allclose(xkern.jit(f)(x), jax.nn.softmax(x), rtol=1e-6)
     assert len(traces) == 1 and xkern.jit(f).__wrapped__ is f
+    f.tag = "attributes of f, as jax.jit(f) has them"
+    assert xkern.jit(f).tag == jax.jit(f).tag
     once = xkern.jit(lambda x: jax.nn.log_softmax(x))  # (nothing else holds the lambda)
     import gc
     gc.collect()

@@ -223,7 +223,7 @@ def _optimized(fun: Callable, backend: str | None, carry_in_place: bool, on_plan
                 _inner_plans.plans.append(plan)
             if on_plan is not None:
                 on_plan(plan)
-            outs = evaluate(plan, traced.dynamic, chosen)
+            outs = evaluate(plan, _weak_cotangents(traced.dynamic), chosen)
         n_out = len(outs) - len(traced.mutated)
         if traced.mutated:
             _apply_mutations(args, kwargs, traced.mutated, outs[n_out:])
@@ -233,6 +233,19 @@ def _optimized(fun: Callable, backend: str | None, carry_in_place: bool, on_plan
         return jax.tree_util.tree_unflatten(traced.out_tree, leaves)
 
     return optimized
+
+
+def _weak_cotangents(values: list) -> list:
+    """`values`, each weakly typed float tracer (a Python float jax.grad differentiates) cast strong
+    and back: the plan drops the program's own such cast (canonicalize), whose transpose is what
+    gives jax.grad's result the argument's weak type. XLA removes the casts."""
+    def through_strong(x):
+        aval = jax.typeof(x)
+        if not (isinstance(x, jax.core.Tracer) and getattr(aval, "weak_type", False)
+                and jax.numpy.issubdtype(aval.dtype, jax.numpy.inexact)):
+            return x
+        return _compat.typed_as(_compat.typed_as(x, aval.update(weak_type=False)), aval)
+    return [through_strong(x) for x in values]
 
 
 PLANS_PER_SIGNATURE = 8
@@ -291,6 +304,7 @@ def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs
         return functools.partial(jit, backend=backend, **jit_kwargs)
     _check_args("jit", fun, backend)
     jitted = jax.jit(_jit_wrapper(fun, backend), **jit_kwargs)
+    jitted.__dict__.update(getattr(fun, "__dict__", {}))  # fun's attributes, as jax.jit's wrapper has
     jitted.__wrapped__ = fun  # as jax.jit's; it also keeps fun alive, which its wrapper holds weakly
     return jitted
 
