@@ -699,6 +699,10 @@ def test_duplicate_patterns_are_rejected():
     assert registry.rejected == [("softmax/twin", original.name)]
     with pytest.raises(ValueError, match="duplicate pattern names"):
         P.build_registry([original, original])
+    gated = P.build_registry([original])  # a twin in a family traced on need is found by build_all too
+    gated.gated, gated.patterns = {(frozenset({"exp"}), None): [twin]}, [original, twin]
+    assert gated.build_all().rejected == [("softmax/twin", original.name)]
+    assert len(gated.build_all().by_anchor["div"]) == len(gated.by_anchor["div"])  # (the twin's left out)
     everything = P.registry().build_all()
     assert everything.rejected == []  # the library's own patterns are all distinct
     # A family gated on a smaller pattern (Pattern.extends) is traced only for programs where that

@@ -455,10 +455,7 @@ class Registry:
         if groups not in self.merged:
             merged = {anchor: list(entries) for anchor, entries in self.by_anchor.items()}
             for key in sorted(groups, key=lambda k: (sorted(k[0]), k[1] or "")):
-                if key not in self.built:
-                    self.built[key] = build_registry(self.gated[key])
-                    self.rejected += self.built[key].rejected
-                for anchor, entries in self.built[key].by_anchor.items():
+                for anchor, entries in self._family(key).by_anchor.items():
                     merged.setdefault(anchor, []).extend(entries)
             for entries in merged.values():
                 entries.sort(key=lambda e: -len(e[1].eqns))
@@ -478,11 +475,34 @@ class Registry:
             by_anchor = self.by_anchor_for(primitives, found)
         return by_anchor
 
+    def _family(self, key) -> "Registry":
+        """The registry of the gated family `key`, built on first need."""
+        if key not in self.built:
+            self.built[key] = build_registry(self.gated[key])
+            self.rejected += self.built[key].rejected
+        return self.built[key]
+
     def build_all(self) -> "Registry":
-        """Every pattern, gated or not, traced into one registry (to check them all together, e.g.
-        for duplicates)."""
+        """Every pattern, gated or not, in one registry (to check them all together, e.g. for
+        duplicates): every family's registry as programs get it (traced once, or loaded from the
+        disk cache), merged, with a template that two families share rejected as in one."""
         with _collector.paused():
-            return build_registry(self.patterns)
+            families = [self] + [self._family(key) for key in self.gated]
+            kept, rejected, by_anchor = {}, list(self.rejected), {}  # (self.rejected: the families' too)
+            for family in families:
+                fresh = []
+                for anchor, (pattern, t) in ((a, e) for a, entries in family.by_anchor.items() for e in entries):
+                    twin = next((p for p, other in kept.get(_primitive_counts(t), ()) if same_jaxpr(t, other)), None)
+                    if twin is None:
+                        fresh.append((anchor, pattern, t))
+                    elif (pattern.name, twin.name) not in rejected:
+                        rejected.append((pattern.name, twin.name))
+                for anchor, pattern, t in fresh:  # (a family's own templates are distinct already)
+                    kept.setdefault(_primitive_counts(t), []).append((pattern, t))
+                    by_anchor.setdefault(anchor, []).append((pattern, t))
+        for anchor_entries in by_anchor.values():
+            anchor_entries.sort(key=lambda e: -len(e[1].eqns))
+        return Registry(by_anchor, self.patterns, rejected)
 
 
 def found_in(graph: Graph, live, by_anchor: dict, names) -> frozenset:
@@ -532,10 +552,14 @@ def build_registry(patterns: list[Pattern]) -> Registry:
     return Registry(by_anchor, patterns, rejected)
 
 
+def _primitive_counts(template: Jaxpr) -> tuple:
+    """The count of each primitive: only templates with the same can be the same."""
+    return tuple(sorted(collections.Counter(e.primitive.name for e in template.eqns).items()))
+
+
 def _trace_registry(patterns: list[Pattern]) -> tuple[dict, list]:
     """Trace every pattern's templates: by_anchor (largest template first) and the rejected."""
-    kept, rejected, by_anchor = {}, [], {}  # kept: primitives' counts -> [(pattern, template)]
-    signature = lambda t: tuple(sorted(collections.Counter(e.primitive.name for e in t.eqns).items()))
+    kept, rejected, by_anchor = {}, [], {}  # kept: _primitive_counts -> [(pattern, template)]
     for pattern in patterns:
         templates = []
         for dtype in _representatives(pattern.dtypes):
@@ -544,13 +568,13 @@ def _trace_registry(patterns: list[Pattern]) -> tuple[dict, list]:
                 templates.append(t)
         fresh = []
         for t in templates:  # only templates of the same primitives, as many of each, can be the same
-            twin = next((p for p, other in kept.get(signature(t), ()) if same_jaxpr(t, other)), None)
+            twin = next((p for p, other in kept.get(_primitive_counts(t), ()) if same_jaxpr(t, other)), None)
             if twin is None:
                 fresh.append(t)
             elif (pattern.name, twin.name) not in rejected:
                 rejected.append((pattern.name, twin.name))
         for t in fresh:
-            kept.setdefault(signature(t), []).append((pattern, t))
+            kept.setdefault(_primitive_counts(t), []).append((pattern, t))
             anchor = Graph(t).producer[t.outvars[0]][0]
             by_anchor.setdefault(t.eqns[anchor].primitive.name, []).append((pattern, t))
     for entries in by_anchor.values():
