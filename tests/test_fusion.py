@@ -410,8 +410,11 @@ def test_matmul_with_generated_epilogue(dtype):
     grad = jax.grad(lambda *a: xkern.optimize(f)(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3))
     # The epilogue's derivative is a generated kernel too (the bias gradient's row sum is XLA's).
     assert not [m for m in report.matches if "epilogue derivative" in m.pattern]  # never run forward only
-    derivative = [m for m in xkern.explain(grad)(x, w, b, r).matches if "epilogue derivative" in m.pattern]
+    explained = xkern.explain(grad)(x, w, b, r)
+    derivative = [m for m in explained.matches if "epilogue derivative" in m.pattern]
     assert len(derivative) == 1 and "tl.dot" not in derivative[0].source
+    # each match names the kernel that runs (differentiated: the variant also writing the product)
+    assert {k for m in explained.matches for k in m.kernels} == set(explained.kernels)
     launched = kernel_names(jax.make_jaxpr(grad)(x, w, b, r))  # forward (also writing the product)
     assert len(launched) == 2 and launched[1] == derivative[0].kernels[0]
     got = grad(x, w, b, r)

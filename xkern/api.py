@@ -402,10 +402,11 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list, list]:
+def _decisions(inner: list, plan, backend: str, as_written: list, launched: list) -> tuple[list, list]:
     """(Replaced, Declined) of the differentiated functions' plans (`inner`) and the program's;
     as_written: the decisions heard (rewrite.hearing_as_written): one a call ran as written is declined
-    for its reason."""
+    for its reason. launched: the kernels the program launches (a matmul group differentiated runs
+    its variant that also writes the product)."""
     # A candidate a differentiated function's plan already decided (taken, or declined with its
     # reason) is seen again, differentiated, in the whole program (often as a smaller spelling, a
     # line away, in the same function): say it once.
@@ -431,8 +432,10 @@ def _decisions(inner: list, plan, backend: str, as_written: list) -> tuple[list,
             matches.append(Replaced(r.pattern, r.match.pattern.op, r.location, kernel_names(replaced), r.params))
         role = f" ({p.role}, in the backward pass)" if p.role else ""
         for f in p.fusions.values():
+            ran = f.fused.with_product if f.fused.k and f.fused.name not in launched and \
+                f.fused.with_product.name in launched else f.fused
             matches.append(Replaced(f"generated/{len(f.fused.eqns)} ops{role}", "fused", f.location,
-                                    [f.fused.name], {}, f.fused.source))
+                                    [ran.name], {}, ran.source))
     return matches, declined
 
 
@@ -476,7 +479,7 @@ def explain(fun: Callable, *, backend: str | None = None, static_argnums: int | 
             plan = pipeline.plan(traced.closed, chosen)
             rewritten = jax.make_jaxpr(lambda *d: evaluate(plan, d, chosen))(*traced.dynamic)
         launched = kernel_names(rewritten)
-        matches, declined = _decisions(inner, plan, chosen, as_written)
+        matches, declined = _decisions(inner, plan, chosen, as_written, launched)
         # (a matmul epilogue's derivative is planned with it, but runs only if the program differentiates)
         matches = [m for m in matches if "in the backward pass" not in m.pattern or set(m.kernels) <= set(launched)]
         before, after = map(sum, zip(*(traffic(p) for p in (*inner, plan))))
