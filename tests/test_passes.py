@@ -3,6 +3,7 @@ must not, and that rewritten programs equal jax.jit's. Kernels run through the i
 
 import collections
 import gc
+import inspect
 import os
 import weakref
 
@@ -607,6 +608,19 @@ def test_explain_reports_kernels_matches_and_traffic():
     # a function of jax's own: no line of the user's, and none of xkern's given for it
     own = os.path.dirname(xkern.__file__)
     assert all(own not in m.location for m in xkern.explain(jax.nn.softmax)(x).matches)
+
+
+def test_explain_names_the_users_line_that_called_a_librarys_code():
+    """A pattern found inside flax's code is reported at the user's line that called it, then
+    flax's own (not at flax's line alone)."""
+    import flax.linen as nn
+    x = rand((4, 32))
+    params = nn.LayerNorm().init(jax.random.key(0), x)
+    line = inspect.currentframe().f_lineno + 1
+    report = xkern.explain(lambda p, x: nn.LayerNorm().apply(p, x))(params, x)
+    [found] = [m for m in [*report.matches, *report.declined] if m.pattern.startswith("layer_norm/")]
+    assert found.location.startswith(f"{__file__}:{line}:"), found.location
+    assert ", in flax/linen/normalization.py:" in found.location
 
 
 @pytest.mark.cost_model

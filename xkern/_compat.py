@@ -7,6 +7,7 @@ import contextlib
 import functools
 import os
 import sys
+import sysconfig
 import threading
 
 import jax
@@ -60,16 +61,26 @@ def typed_as(value, aval):
 
 
 _XKERN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# Where installed libraries live (flax, optax...): a line of theirs is not the user's own.
+_LIBRARY_DIRS = tuple({os.path.abspath(sysconfig.get_paths()[k]) + os.sep for k in ("purelib", "platlib")})
 
 
 def summarize_source(source_info) -> str:
     """'file.py:12:4 (fn)' for the user frame an equation came from: the innermost outside jax and
     xkern (a function of jax's own, xkern.explain(jax.nn.softmax), is reached through xkern's trace:
-    then 'unknown' rather than xkern's line)."""
-    for frame in _source_info.user_frames(source_info.traceback):
-        if not frame.file_name.startswith(_XKERN_DIR):
-            return _source_info._summarize_frame(frame)
-    return "unknown"
+    then 'unknown' rather than xkern's line). Where that frame is an installed library's (flax's
+    LayerNorm), the user's own line that called it comes first: 'model.py:9:8 (Block.__call__),
+    in flax/linen/normalization.py:216 (_normalize)'."""
+    frames = [f for f in _source_info.user_frames(source_info.traceback) if not f.file_name.startswith(_XKERN_DIR)]
+    if not frames:
+        return "unknown"
+    innermost = frames[0]
+    library = next((d for d in _LIBRARY_DIRS if innermost.file_name.startswith(d)), None)
+    own = next((f for f in frames if not f.file_name.startswith(_LIBRARY_DIRS)), None)
+    if library is None or own is None:
+        return _source_info._summarize_frame(innermost)
+    return (f"{_source_info._summarize_frame(own)}, in {os.path.relpath(innermost.file_name, library)}:"
+            f"{innermost.start_line} ({innermost.function_name})")
 
 
 def varying_axes(aval) -> frozenset:

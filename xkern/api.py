@@ -410,7 +410,7 @@ def _decisions(inner: list, plan, backend: str, as_written: list, launched: list
     # A candidate a differentiated function's plan already decided (taken, or declined with its
     # reason) is seen again, differentiated, in the whole program (often as a smaller spelling, a
     # line away, in the same function): say it once.
-    site = lambda pattern, location: (pattern.split("/")[0], re.sub(r":\d+:\d+ ", " ", location))
+    site = lambda pattern, location: (pattern.split("/")[0], re.sub(r":\d+(:\d+)? ", " ", location))
     decided = {site(d.pattern, d.location) for top in inner for p in top.walk() for d in p.declined} | {
         site(r.match.pattern.name, r.location) for top in inner for p in top.walk() for r in p.rewrites.values()}
     outer = {id(p) for p in plan.walk()}
