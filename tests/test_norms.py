@@ -1,5 +1,7 @@
 """xkern.ops.layer_norm / rms_norm (optionally with a residual add) against a float32 jax.numpy
 reference: values and every gradient, through the interpreter."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +125,27 @@ def test_jit_vmap_and_the_kernels_in_the_jaxpr():
                              argnums=(0, 1)), in_axes=(0, None))(x, scale)
     for g, w in zip(got, want):
         close(g, w, jnp.float32)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_per_example_gradients_of_shared_parameters_under_two_vmaps(rms):
+    """vmap(vmap(grad)) with scale and bias shared: each example of each vmap gets its own sums
+    (the backward's segments, one per example, nested: the outer vmap's of the inner's)."""
+    x, r, scale, bias, dy = make((3, 2, 5, 24), jnp.float32, seed=4)
+    bias = None if rms else bias
+
+    def loss(op, x, r, scale, bias, dy):  # one example: [5, 24]; the norm of x + r
+        y, h = op(x, scale, bias, eps=1e-5, residual=r) if op is not None else \
+            reference(x, scale, bias, 1e-5, r, rms)
+        return jnp.sum(y * dy) + jnp.sum(h * h) * 0.1
+    op = lambda x, scale, bias, **kw: (xkern.ops.rms_norm if rms else xkern.ops.layer_norm)(x, scale, bias=bias, **kw)
+    per_example = lambda op: jax.grad(functools.partial(loss, op), argnums=(0, 1, 2, 3))
+    nested = lambda g: jax.jit(jax.vmap(jax.vmap(g, in_axes=(0, 0, None, None, 0)), in_axes=(0, 0, None, None, 0)))
+    got = nested(per_example(op))(x, r, scale, bias, dy)
+    want = nested(per_example(None))(x, r, scale, bias, dy)
+    for g, w in zip(got, want):
+        if w is not None:
+            close(g, w, jnp.float32)
 
 
 def test_no_scale_wide_rows_empty_and_xla_backend():

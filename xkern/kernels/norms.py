@@ -388,9 +388,10 @@ def _xla_bwd(h, scale, bias, dy, eps, rms, out_dtype):
 _norm_rows.defvjp(_norm_rows_fwd, _norm_rows_bwd)
 
 
-def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shapes, **_):
+def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shapes, grid, **_):
     """Fold the vmapped axis into the rows when scale/bias are shared; the backward runs one segment
-    of programs per example (grid axis 1), so each example gets its own partial sums."""
+    of programs per example (grid axis 1), so each example gets its own partial sums: under a
+    second vmap, one per example of each (the launch's own segments, each in turn per example)."""
     flags = dict(constexprs)
     rms, fwd = flags["RMS"], kernel.endswith("_fwd")
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
@@ -420,7 +421,7 @@ def _batch(args, dims, *, kernel, constexprs, scalars, backend, config, out_shap
     dh, dscale, dbias = _launch_bwd(h.reshape(size * rows, n_cols), dy.reshape(size * rows, n_cols),
                                     folded_dh, scale if flags["HAS_SCALE"] else None,
                                     flags["EPS"], rms=rms, backend=backend, config=config,
-                                    segments=size)  # one segment per example
+                                    segments=size * grid[1])  # one segment per example
     return [dh.reshape(shape), dscale.reshape(size, -1, n_cols),
             dbias.reshape(size, -1, n_cols)], [0] * 3
 
