@@ -52,7 +52,9 @@ def main(argv: list[str]) -> int:
     suites = [SUITES[args.only]] if args.only else list(SUITES.values())
     for case in [c for suite in suites for c in suite.cases(on_gpu) if (args.case or "") in c.op]:
         rows.append(harness.run_case(case))
-        print(f"  {case.op} {case.shape} {case.mode}: {rows[-1].xkern_ms:.4f} ms", flush=True)
+        row = rows[-1]  # (as it goes: a run cut short still shows what it measured)
+        print(f"  {case.op} {case.shape} {case.mode}: {row.xkern_ms:.4f} ms, jax.jit {row.xla_ms:.4f} ms "
+              f"({row.speedup:.2f}x)", flush=True)
     print(harness.format_table(rows))
     if not args.only and not args.case:
         bench_passes.main()
