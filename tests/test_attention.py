@@ -2256,6 +2256,13 @@ def test_dropout_multiplier_values_and_gradients_against_the_reference(rng):
           attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.key(7)), jnp.float32)
     with pytest.raises(ValueError, match="needs dropout_rng"):
         attention(q, k, v, dropout_rate=0.1)
+    close(attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7)),  # a raw uint32 key
+          nn.dot_product_attention(q, k, v, dropout_rate=0.3, dropout_rng=jax.random.PRNGKey(7),
+                                   deterministic=False), jnp.float32)
+    with pytest.raises(TypeError, match="dropout_rng must be a jax.random key .* got int"):
+        attention(q, k, v, dropout_rate=0.1, dropout_rng=3)
+    with pytest.raises(TypeError, match="bias must be a real .* got complex64"):
+        attention(q, k, v, bias=jnp.ones((12, 12), jnp.complex64))
     with pytest.raises(TypeError, match="dropout_multiplier must be a floating-point array"):
         attention(q, k, v, dropout_multiplier=jnp.ones((12, 12), bool))
     with pytest.raises(ValueError, match="dropout_multiplier must broadcast to"):

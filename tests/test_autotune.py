@@ -151,6 +151,22 @@ autotune.store("mm|2", L.Config.of(BLOCK_M=64, num_warps=4), 2e-4, {path!r})
     assert autotune.lookup("mm|1", path) == B and autotune.lookup("mm|2", path) == A
 
 
+def test_processes_storing_at_once_keep_every_key(tmp_path):
+    """Three processes write 150 keys each into one file at once (ranks of a job tuning at start-up):
+    every key is kept (each merge reads the file under the lock)."""
+    path = str(tmp_path / "dev.json")
+    code = f"""
+import sys
+from xkern.kernels import launch as L
+from xkern.tuning import autotune
+for i in range(150):
+    autotune.store(f"mm|{{sys.argv[1]}}-{{i}}", L.Config.of(BLOCK_M=64, num_warps=4), 1e-4, {path!r})
+"""
+    workers = [subprocess.Popen([sys.executable, "-c", code, str(n)]) for n in range(3)]
+    assert [w.wait() for w in workers] == [0, 0, 0]
+    assert set(json.load(open(path))) == {f"mm|{n}-{i}" for n in range(3) for i in range(150)}
+
+
 def test_unreadable_or_stale_cache_is_retuned(tmp_path):
     path = tmp_path / "dev.json"
     path.write_text("{ not json")
@@ -159,6 +175,45 @@ def test_unreadable_or_stale_cache_is_retuned(tmp_path):
     path.write_text(json.dumps({"mm|k": {"meta": {}, "num_warps": 3}}))  # invalid entry
     autotune._MEMORY.clear()
     assert autotune.tuned("mm", "k", [A, B], lambda c: {A: 1.0, B: 2.0}[c], "triton", str(path)) == A
+
+
+def test_a_cached_config_the_candidates_do_not_offer_is_retuned(tmp_path):
+    """An entry edited by hand, or written when the config space offered a tile it no longer does
+    (one withdrawn for miscompiling), is measured again, not launched."""
+    path = tmp_path / "dev.json"
+    for entry in ({"meta": {"BLOCK_M": 256}, "num_warps": 8, "num_stages": 3},  # a tile not offered
+                  {"meta": {"BLOCK_M": "128"}, "num_warps": 8, "num_stages": 3},  # a string
+                  {"meta": {"BLOCK_Q": 128}, "num_warps": 8, "num_stages": 3},  # another name
+                  {"meta": {"BLOCK_M": 128}, "num_warps": 8, "num_stages": 2.5}):  # (int() would make it 2)
+        path.write_text(json.dumps({"mm|k": entry}))
+        autotune._MEMORY.clear()
+        calls = []
+        got = autotune.tuned("mm", "k", [A, B], lambda c: calls.append(c) or {A: 2.0, B: 1.0}[c], "triton",
+                             str(path))
+        assert got == B and calls, entry
+        assert autotune.lookup("mm|k", str(path)) == B  # the file now holds the measured winner
+
+
+def test_a_cache_that_cannot_be_written_warns_once_and_tunes(tmp_path, monkeypatch):
+    """A read-only cache folder (a cache shipped in an image): the tuned config is used, this process
+    remembers it, and one warning says how to keep it; no half-written file is left."""
+    path = str(tmp_path / "dev.json")
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(autotune.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(autotune, "_UNWRITABLE", set())
+    autotune._MEMORY.clear()
+    with pytest.warns(RuntimeWarning, match="cannot be written to .*dev.json.*XKERN_CACHE_DIR"):
+        assert autotune.tuned("mm", "a", [A, B], lambda c: {A: 2.0, B: 1.0}[c], "triton", path) == B
+    fail = lambda config: pytest.fail("measured again")
+    assert autotune.tuned("mm", "a", [A, B], fail, "triton", path) == B  # from memory
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned("mm", "b", [A, B], lambda c: {A: 1.0, B: 2.0}[c], "triton", path) == A
+    assert not list(tmp_path.glob("*.tmp")) and not (tmp_path / "dev.json").exists()
 
 
 def test_no_tuning_off_gpu_or_when_disabled(tmp_path, monkeypatch):

@@ -397,6 +397,10 @@ def test_kernels_per_reduction_vmap_jit_and_empty():
         close(dgot, dwant, jnp.float32)
     empty = xkern.ops.cross_entropy(jnp.zeros((0, 8)), jnp.zeros((0,), jnp.int32), reduction="none")
     assert empty.shape == (0,)
+    for reduction, shape in (("none", (3, 2)), ("mean", ()), ("sum", ())):  # no classes: every label out of range
+        rows = xkern.ops.cross_entropy(jnp.zeros((3, 2, 0)), jnp.zeros((3, 2), jnp.int32), reduction=reduction)
+        assert rows.shape == shape and np.isnan(rows).all()
+    assert jax.grad(lambda x: xkern.ops.cross_entropy(x, jnp.zeros(3, jnp.int32)))(jnp.zeros((3, 0))).shape == (3, 0)
     np.testing.assert_array_equal(xkern.ops.cross_entropy(logits, labels, backend="xla"),
                                   ce.reference(logits, labels))
 
@@ -454,6 +458,7 @@ def test_bad_input_names_the_argument():
              ((x, y), {"label_smoothing": 1.5}, ValueError, "label_smoothing must be"),
              ((x, y), {"z_loss": -1.0}, ValueError, "z_loss must be"),
              ((x, y), {"ignore_index": 1.0}, TypeError, "ignore_index must be an int"),
+             ((x, y), {"ignore_index": True}, TypeError, "ignore_index must be an int or None; got True"),
              ((x, y), {"ignore_index": 2**40}, ValueError, r"ignore_index must be in int32's range"),
              ((x, y), {"label_smoothing": "0.1"}, ValueError, "label_smoothing must be a number"),
              ((x, y), {"z_loss": True}, ValueError, "z_loss must be a non-negative number"),

@@ -303,6 +303,44 @@ def test_source_is_cached_on_disk_and_shown_by_explain(tmp_path, monkeypatch):
     assert report.bytes_before > report.bytes_after
 
 
+def test_a_read_only_cache_is_read_and_new_sources_go_to_a_writable_one(tmp_path, monkeypatch):
+    """XKERN_CACHE_DIR read-only (shipped with an image): a source it holds is imported from it; one
+    it lacks is written to the next folder that takes files (~/.cache/xkern here)."""
+    shipped, home = tmp_path / "shipped", tmp_path / "home"
+    monkeypatch.setenv("XKERN_CACHE_DIR", str(shipped))
+    monkeypatch.setenv("HOME", str(home))
+    takes_files = codegen._takes_files
+    monkeypatch.setattr(codegen, "_takes_files", lambda folder: not folder.startswith(str(shipped)) and
+                        takes_files(folder))
+    x, s = jnp.ones((4, 9)), jnp.ones(9)
+    program = lambda: lambda x, s: jnp.tanh(x * s).sum(-1)  # a new function each time: traced, not cached
+    (match,) = [m for m in xkern.explain(program())(x, s).matches if m.op == "fused"]
+    name = match.kernels[0]
+    monkeypatch.delitem(codegen._LOADED, name, raising=False)
+    assert_matches_xla(program(), x, s)
+    assert (home / ".cache" / "xkern" / "generated" / f"{name}.py").read_text() == match.source
+    assert not (shipped / "generated" / f"{name}.py").exists()
+    (shipped / "generated" / f"{name}.py").write_text(match.source)  # now the image ships it
+    (home / ".cache" / "xkern" / "generated" / f"{name}.py").unlink()
+    monkeypatch.delitem(codegen._LOADED, name)
+    assert_matches_xla(program(), x, s)
+    assert not (home / ".cache" / "xkern" / "generated" / f"{name}.py").exists()  # read where it was
+
+
+def test_explain_says_which_planned_kernels_do_not_run():
+    """Under jax.grad the group computing only the loss's value is planned but never launched (the
+    gradient does not need it), and so are groups of empty arrays: explain says so beside them."""
+    f = lambda x: jnp.sum(jnp.tanh(x * 2.0 + 1.0), -1).sum()
+    x = jnp.ones((4, 9))
+    for program, args, idle in ((jax.grad(f), (x,), 1), (jax.value_and_grad(f), (x,), 0), (f, (x[:0],), 1)):
+        report = xkern.explain(program)(*args)
+        lines = [line for line in str(report).splitlines() if line.startswith("  fused")]
+        assert len(lines) == len(report.matches) >= 1
+        for m, line in zip(report.matches, lines):
+            assert ("not launched" in line) == (m.kernels[0] not in report.kernels), line
+        assert sum("not launched" in line for line in lines) == idle
+
+
 def test_what_cannot_be_fused_stays_with_xla():
     x = jnp.ones((4, 8))
     assert fused_kernels(lambda x: jnp.sort(x * 2) + 1, x) == []  # sort splits the chain

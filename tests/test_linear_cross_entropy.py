@@ -298,6 +298,7 @@ def test_bad_input_names_the_argument():
              ((h, w, labels), {"transpose_w": True}, ValueError, r"w must have shape \(vocabulary, 8\)"),
              ((h, w, labels), {"transpose_w": 1}, TypeError, "transpose_w must be a bool"),
              ((h, w, labels), {"chunk_rows": 0}, ValueError, "chunk_rows must be a positive int"),
+             ((h, w, labels), {"chunk_rows": True}, ValueError, "chunk_rows must be a positive int or None; got True"),
              ((h, w, labels), {"weights": labels}, ValueError, r"weights must be None or a float array of labels' shape \(4,\)"),
              ((h, w, labels), {"weights": h[:, 0][:3]}, ValueError, "weights must be None or a float array"),
              ((h, w, labels), {"mask": labels > 2}, ValueError, "mask is given with weights"),

@@ -172,6 +172,8 @@ def test_bad_input_names_the_argument():
         xkern.ops.rms_norm(x, eps=-1.0)
     with pytest.raises(TypeError, match="out_dtype must be"):
         xkern.ops.rms_norm(x, out_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="layer_norm: out_dtype must be .* got 'float7'"):
+        xkern.ops.layer_norm(x, out_dtype="float7")
     with pytest.raises(TypeError, match="layer_norm: scale must have a floating-point dtype; got int32"):
         xkern.ops.layer_norm(x, jnp.ones(8, jnp.int32))
     with pytest.raises(TypeError, match="rms_norm: scale must have a floating-point dtype; got bool"):

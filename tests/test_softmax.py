@@ -170,6 +170,8 @@ def test_bad_input_raises_naming_the_argument():
         xkern.ops.softmax([1.0, 2.0])
     with pytest.raises(TypeError, match="out_dtype must be"):
         xkern.ops.softmax(jnp.ones((2, 3)), out_dtype=jnp.int32)
+    with pytest.raises(TypeError, match="log_softmax: out_dtype must be .* got 'float7'"):
+        xkern.ops.log_softmax(jnp.ones((2, 3)), out_dtype="float7")
     with pytest.raises(ValueError, match="axis"):
         xkern.ops.softmax(jnp.ones((2, 3)), axis=2)
     with pytest.raises(TypeError, match="softmax: axis must be an int or a non-empty tuple of ints; got 1.0"):

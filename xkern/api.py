@@ -373,7 +373,10 @@ class Report:
         lines = [f"xkern on backend {self.backend!r}: {len(self.matches)} rewrite(s), "
                  f"{len(self.declined)} declined; kernels launched: {self.kernels or 'none'}"]
         for m in self.matches:
-            lines.append(f"  fused    {m.pattern:42} at {m.location} -> {', '.join(m.kernels)}")
+            # (under jax.grad a group computing only the loss's value is planned, but never runs)
+            unused = " (not launched: the program needs none of its outputs, or they are empty)" if m.kernels and \
+                not set(m.kernels) & set(self.kernels) else ""
+            lines.append(f"  fused    {m.pattern:42} at {m.location} -> {', '.join(m.kernels)}{unused}")
         generated = [d for d in self.declined if d.pattern.startswith("generated/")]
         for d in self.declined if len(generated) <= 8 else [d for d in self.declined
                                                              if d not in generated]:

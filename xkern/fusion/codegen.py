@@ -5,6 +5,7 @@ The generated source is plain and readable; `xkern.explain` shows it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -276,20 +277,43 @@ _LOCK = threading.Lock()
 _LOADED: dict[str, object] = {}
 
 
-def cache_dir(sub: str = "generated") -> str:
+def cache_dir(sub: str = "generated", writable: bool = False) -> str:
     """xkern's cache folder `sub` (generated sources, tuned configs): under $XKERN_CACHE_DIR, else
-    ~/.cache/xkern, else a temp folder."""
+    ~/.cache/xkern, else a temp folder. A read-only one is read (a cache shipped with an image);
+    writable: the first that takes files."""
     roots = (os.environ.get("XKERN_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".cache", "xkern"),
              os.path.join(tempfile.gettempdir(), "xkern"))
     for root in roots:
-        if root:
-            try:
-                os.makedirs(os.path.join(root, sub), exist_ok=True)
-                return os.path.join(root, sub)
-            except OSError:
-                continue
+        if not root:
+            continue
+        try:
+            os.makedirs(os.path.join(root, sub), exist_ok=True)  # (each call: a test may remove it)
+        except OSError:
+            continue
+        if not writable or _takes_files(os.path.join(root, sub)):
+            return os.path.join(root, sub)
     raise OSError(f"xkern: no writable cache folder (tried {', '.join(r for r in roots if r)}); "
                   "set XKERN_CACHE_DIR")
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_files(folder: str) -> bool:
+    """Whether a file can be written in `folder` (a read-only cache exists, but takes none)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, suffix=".probe")
+        os.close(fd)
+        os.remove(probe)
+        return True
+    except OSError:
+        return False
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def load(name: str, source: str):
@@ -298,7 +322,8 @@ def load(name: str, source: str):
         if name in _LOADED:
             return _LOADED[name]
         path = os.path.join(cache_dir(), f"{name}.py")
-        if not os.path.exists(path) or open(path).read() != source:
+        if _read_text(path) != source:
+            path = os.path.join(cache_dir(writable=True), f"{name}.py")
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
                 f.write(source)

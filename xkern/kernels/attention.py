@@ -2125,6 +2125,8 @@ def _as_4d(name, a, batch, heads, sq, sk):
     """`a` as [1 or batch, 1 or heads, sq, sk] (only the two trailing axes broadcast in memory),
     and whether it varies over batch and over heads."""
     a = jnp.asarray(a)
+    if not (jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_):
+        raise TypeError(f"attention: {name} must be a real (float, integer or bool) array; got {a.dtype}")
     shape = (1,) * (4 - a.ndim) + tuple(a.shape) if a.ndim <= 4 else None
     if shape is None or any(n not in (1, size) for n, size in zip(shape, (batch, heads, sq, sk))):
         raise ValueError(f"attention: {name} must broadcast to [batch, heads, q_seq, kv_seq] = "
@@ -2278,9 +2280,9 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
     if logits_soft_cap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
         raise L.number_error("attention", "logits_soft_cap", "a positive finite number or None", logits_soft_cap)
-    if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
+    if out_dtype is not None and L.dtype_or_none(out_dtype) not in (jnp.dtype(q.dtype), jnp.dtype(jnp.float32)):
         raise TypeError(f"attention: out_dtype must be q's dtype ({jnp.dtype(q.dtype)}) or float32; got "
-                        f"{jnp.dtype(out_dtype)}")
+                        f"{out_dtype!r}")
     window = _window_of(local_window_size)
     if masked_rows not in MASKED_ROWS:
         raise ValueError(f"attention: masked_rows must be one of {', '.join(MASKED_ROWS)}; got {masked_rows!r}")
@@ -2341,6 +2343,10 @@ def _dropout_multiplier(rate, rng, broadcast: bool, multiplier, dtype, b, h, sq,
         return None
     if rng is None:
         raise ValueError("attention: dropout_rate > 0 needs dropout_rng (a jax.random key)")
+    dt = getattr(rng, "dtype", None)
+    if dt is None or not (jax.dtypes.issubdtype(dt, jax.dtypes.prng_key) or dt == jnp.uint32):
+        raise TypeError(f"attention: dropout_rng must be a jax.random key (jax.random.key or PRNGKey); got "
+                        f"{dt or type(rng).__name__}")
     keep_prob = 1.0 - rate
     keep = jax.random.bernoulli(rng, keep_prob, (1, 1, sq, sk) if broadcast else (b, h, sq, sk))
     return keep.astype(dtype) / jnp.asarray(keep_prob, dtype)

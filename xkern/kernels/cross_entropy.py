@@ -545,7 +545,7 @@ def _check(logits, labels, ignore_index, label_smoothing, z_loss, reduction, op=
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"{op}: labels must have shape {tuple(logits.shape[:-1])} (logits without "
                          f"the class axis); got {tuple(labels.shape)}")
-    if ignore_index is not None and not isinstance(ignore_index, (int, np.integer)):
+    if ignore_index is not None and (not isinstance(ignore_index, (int, np.integer)) or isinstance(ignore_index, bool)):
         raise TypeError(f"{op}: ignore_index must be an int or None; got {ignore_index!r}")
     if ignore_index is not None and not INT32.min <= ignore_index <= INT32.max:
         # the kernels compare it with int32 labels (as a constant of theirs)
@@ -626,10 +626,8 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
     check_bool("cross_entropy", "return_rows", return_rows)
     backend = L.resolve_backend(backend)
     logits, labels = jnp.asarray(logits), int32_labels(labels, ignore_index)
-    n_cols = logits.shape[-1]
-    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
     asked = dict(return_lse=return_lse, return_rows=return_rows)
-    if backend == "xla" or logits.size == 0:
+    if backend == "xla" or logits.size == 0:  # (no rows, or no classes: each row's loss is NaN)
         rows = reference(logits, labels, ignore_index, label_smoothing, z_loss, "none", soft_cap)
         if weights is not None and reduction != "none":
             out = jnp.sum(rows * row_weights(labels, ignore_index, reduction, weights))
@@ -637,6 +635,8 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
             out = reference(logits, labels, ignore_index, label_smoothing, z_loss, reduction, soft_cap)
             out = out if weights is None else out * weights  # (reduction "none")
         return _reference_outputs(out, rows, logits, soft_cap, **asked)
+    n_cols = logits.shape[-1]
+    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
     if weights is not None and reduction != "none":
         out, lse, rows = _weighted_sum(x2, labels1, row_weights(labels, ignore_index, reduction, weights).reshape(-1),
                                        ignore_index, label_smoothing, z_loss, backend, config, False, False, soft_cap)

@@ -755,6 +755,14 @@ def static_number(value) -> float | None:
     return None
 
 
+def dtype_or_none(value):
+    """`value` as a NumPy dtype, or None where it names none (so the op's own error can name it)."""
+    try:
+        return jax.numpy.dtype(value)
+    except TypeError:
+        return None
+
+
 def number_error(op: str, name: str, want: str, value) -> ValueError:
     """The error for a numeric option that is not `want` (see static_number)."""
     if isinstance(value, jax.core.Tracer):

@@ -276,7 +276,8 @@ def _check(h, w, labels, chunk_rows, transpose_w, op="linear_cross_entropy", wei
     if tuple(labels.shape) != tuple(h.shape[:-1]):
         raise ValueError(f"{op}: labels must have shape {tuple(h.shape[:-1])} (h without its feature "
                          f"axis); got {tuple(labels.shape)}")
-    if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and chunk_rows >= 1):
+    if chunk_rows is not None and not (isinstance(chunk_rows, (int, np.integer)) and not isinstance(chunk_rows, bool)
+                                       and chunk_rows >= 1):
         raise ValueError(f"{op}: chunk_rows must be a positive int or None; got {chunk_rows!r}")
     ce.check_weights(op, labels, weights)
     ce.check_mask(op, labels, weights, mask)

@@ -527,9 +527,9 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     if number is None or not number >= 0:
         raise number_error(op, "eps", "a non-negative number", eps)
     eps = number
+    if out_dtype is not None and L.dtype_or_none(out_dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float32, bfloat16, float16 or None; got {out_dtype!r}")
     out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out_dtype}")
     backend = L.resolve_backend(backend)
     n_cols = x.shape[-1]
     if backend == "xla" or x.size == 0 or n_cols > MAX_COLS:

@@ -284,15 +284,8 @@ def _check(x, cos, sin, interleaved, out_dtype) -> None:
             raise TypeError(f"{op}: {name} must have dtype float32 or x's ({x.dtype}); got {v.dtype}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"{op}: interleaved must be a bool; got {interleaved!r}")
-    if out_dtype is not None and _dtype_or_none(out_dtype) not in SUPPORTED_DTYPES:
+    if out_dtype is not None and L.dtype_or_none(out_dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: out_dtype must be float32, bfloat16, float16 or None; got {out_dtype!r}")
-
-
-def _dtype_or_none(value):
-    try:
-        return jnp.dtype(value)
-    except TypeError:
-        return None
 
 
 def rope(x, cos, sin, *, interleaved: bool = False, out_dtype=None, backend: str | None = None):

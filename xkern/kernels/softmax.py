@@ -308,8 +308,8 @@ def _softmax_any(x, axis, out_dtype, backend, config, log: bool):
         raise TypeError(f"{op}: x must be a jax or numpy array; got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{op}: x must have dtype float32, bfloat16 or float16; got {x.dtype}")
-    if out_dtype is not None and jnp.dtype(out_dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"{op}: out_dtype must be float32, bfloat16 or float16; got {out_dtype}")
+    if out_dtype is not None and L.dtype_or_none(out_dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op}: out_dtype must be float32, bfloat16, float16 or None; got {out_dtype!r}")
     if x.ndim == 0:
         raise ValueError(f"{op}: x must have at least one dimension; got a scalar")
     axes = _normalize_axes(op, axis, x.ndim)

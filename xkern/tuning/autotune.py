@@ -11,13 +11,14 @@ every later process starts with the tuned config. Keys carry a hash of the kerne
 
 The file is JSON, one per device kind and Triton version
 ($XKERN_CACHE_DIR or ~/.cache/xkern, then configs/<device>--triton-<version>.json), written by
-atomic rename after merging with what is on disk, so processes tuning at once never corrupt it (at
-worst one re-measures a key another wrote meanwhile). Tuning runs only on the triton backend and only
+atomic rename after merging with what is on disk, under a lock file, so processes tuning at once
+neither corrupt it nor drop each other's keys. Tuning runs only on the triton backend and only
 when XKERN_AUTOTUNE is not 0; otherwise, and for keys whose candidates all fail, the family's
 heuristic config (the first candidate) is used.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,12 +29,18 @@ import threading
 import warnings
 from typing import Callable, Sequence
 
+try:
+    import fcntl
+except ImportError:  # (Windows)
+    fcntl = None
+
 from xkern import _compat
 from xkern.kernels import launch as L
 
 ENV_VAR = "XKERN_AUTOTUNE"
 _LOCK = threading.Lock()
 _MEMORY: dict[str, dict[str, dict]] = {}  # cache file path -> {key: entry}
+_UNWRITABLE: set[str] = set()  # cache files a write failed for (warned once each)
 
 
 ACCEPTED = ("0", "1", "false", "true", "off", "on", "")  # "" (or unset): on
@@ -88,19 +95,40 @@ def lookup(key: str, path: str) -> L.Config | None:
         return None  # an entry from an incompatible version: re-tune
 
 
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive lock on `path` among processes (a lock file beside it; where fcntl is missing,
+    none: at worst a key is measured again)."""
+    with open(f"{path}.lock", "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        yield
+
+
 def store(key: str, config: L.Config, seconds: float, path: str, disagreed: Sequence[str] = ()) -> None:
     """Write `key`'s winner (and the candidates skipped for giving other results, if any)."""
     entry = {**to_json(config), "us": round(seconds * 1e6, 2)}
     if disagreed:
         entry["disagreed"] = list(disagreed)
     with _LOCK:
-        merged = {**_read(path), key: entry}
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(merged, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
-        _MEMORY[path] = merged
+        _MEMORY[path] = {**_read(path), key: entry}  # (this process keeps it even where the file cannot)
+        tmp = None
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with _locked(path):  # another process's read-merge-write waits, so neither loses the other's keys
+                merged = {**_read(path), key: entry}
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(merged, f, indent=1, sort_keys=True)
+                os.replace(tmp, path)
+            _MEMORY[path] = merged
+        except OSError as e:  # a read-only cache: later processes tune again, nothing worse
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)
+            if path not in _UNWRITABLE:
+                _UNWRITABLE.add(path)
+                warnings.warn(f"xkern: tuned configs cannot be written to {path} ({e}); each process will "
+                              "tune again. Set XKERN_CACHE_DIR to a writable folder.", RuntimeWarning, stacklevel=3)
 
 
 class Disagrees(ValueError):
@@ -193,6 +221,8 @@ def tuned(family: str, key: str, candidates: Sequence[L.Config], measure: Callab
     path = path or cache_path()
     full_key = f"{family}@{version}|{key}" if version else f"{family}|{key}"
     config = lookup(full_key, path)
+    if config not in candidates:  # (None, or an entry edited by hand or from a config space since changed)
+        config = None
     if config is None:
         disagreed: list = []
         config, seconds = best(candidates, measure, disagreed)
