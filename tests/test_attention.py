@@ -2269,6 +2269,23 @@ def test_dropout_multiplier_values_and_gradients_against_the_reference(rng):
         attention(q, k, v, dropout_multiplier=jnp.ones((3, 12, 12)))
 
 
+@pytest.mark.parametrize("scale", [np.inf, np.nan, 0.0])
+def test_scores_scaled_by_no_positive_finite_number_run_as_written(scale):
+    """A constant scale of inf, NaN or 0 is not one the kernels take: declined with its reason (not
+    an error), and the program is jax.jit's."""
+    q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=5)
+    f = lambda q, k, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(
+        jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale, -1), v)
+    report = xkern.explain(f)(q, k, v)
+    assert not [m for m in report.matches if m.op == "attention"]
+    assert any("take a positive finite scale" in d.reason for d in report.declined)
+    got = xkern.jit(f)(q, k, v)
+    if np.isnan(scale):  # (every score NaN; jaxlib 0.10 CPU's fused row max can drop a NaN, so not jax.jit)
+        assert np.isnan(got).all()
+    else:
+        close(got, jax.jit(f)(q, k, v), jnp.float32)
+
+
 def test_attention_near_misses_are_not_rewritten():
     q, k, v, _ = make(1, 16, 16, 2, 2, 16, jnp.float32, seed=9)
     softmax_av = lambda s, v: jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
@@ -2974,6 +2991,21 @@ def test_windows_that_bound_nothing_take_the_plain_kernels():
         assert (launch["CAUSAL"], launch["WINDOW_L"], launch["WINDOW_R"]) == (causal, left, right), kw
         close(attention(q, k, v, **kw), reference(q, k, v, **kw), jnp.float32)
     close(attention(q, k, v, local_window_size=0), v, jnp.float32)
+
+
+def test_rows_a_window_empties_beside_a_bias_get_no_gradient_through_it():
+    """masked_rows="average" with a bias: a row the window leaves without keys (17 queries, 16 keys,
+    window (0, 0)) is averaged through a `where`, so no gradient reaches q or k from it; only a row
+    a bias hid passes one through the add."""
+    q, k, v, do = make(1, 17, 16, 2, 2, 16, jnp.float32, seed=21)
+    bias = jnp.asarray(np.random.default_rng(2).standard_normal((1, 1, 1, 16)), jnp.float32)
+    kw = dict(bias=bias, local_window_size=(0, 0), masked_rows="average")
+    (out, grads), (want, grads_ref) = (value_and_grads(attention, (q, k, v), do, **kw),
+                                       value_and_grads(reference, (q, k, v), do, **kw))
+    close(out, want, jnp.float32)
+    for got, ref in zip(grads, grads_ref):
+        close(got, ref, jnp.float32)
+    assert not np.asarray(grads[0])[0, 16].any()  # the empty row's dq
 
 
 @pytest.mark.parametrize("causal", [False, True])

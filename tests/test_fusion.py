@@ -146,6 +146,18 @@ def test_each_binary_primitive_matches_xla_on_edge_values(name):
     assert_matches_xla(f, x, y)
 
 
+def test_max_and_min_of_zeros_of_either_sign_as_xla():
+    """Of +0 and -0, maximum is +0 and minimum -0 in either order, elementwise and along a row (a
+    later 1 / x tells them apart: inf or -inf)."""
+    a = jnp.asarray([[0.0, -0.0, 0.0, -0.0, 0.0]] * 2, jnp.float32)
+    b = jnp.asarray([[-0.0, 0.0, 0.0, -0.0, -0.0]] * 2, jnp.float32)
+    f = lambda a, b: (1 / jnp.maximum(a * 1.0, b), 1 / jnp.minimum(a * 1.0, b),
+                      1 / jnp.max(a * b, -1), 1 / jnp.min(-(a * b), -1))
+    assert len(fused_kernels(f, a, b)) >= 1
+    for got, want in zip(xkern.jit(f)(a, b), jax.jit(f)(a, b)):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("bound", [-1.0, np.nan, np.inf], ids=["finite", "nan", "inf"])
 def test_scalar_arguments_in_comparisons_and_max_min(bound):
     """A clamp by scalar arguments (a truncated-normal initializer's): comparisons on a scalar, then
@@ -417,6 +429,21 @@ def test_random_elementwise_and_reduction_programs(ops, combine, reduce, cols):
             v = v + other * 0.5
         return (v, v.sum(-1, keepdims=True) * v) if reduce else v
     assert_matches_xla(f, x, row, col, rtol=5e-5, atol=5e-5)
+
+
+@pytest.mark.parametrize("shape", [(7, 7), (2, 5, 5), (4, 6)], ids=str)
+def test_a_reduction_broadcast_along_the_last_axis_is_not_read_per_row(shape):
+    """x.sum(-1)[None, :] is one value per column of a square group (r[j], not r[i]): the group
+    shape alone cannot tell it from a row value, the kind of the reduction's output can. Pairwise
+    squared distances of n points in n dimensions are written so."""
+    x = jnp.asarray(np.random.default_rng(sum(shape)).standard_normal(shape), jnp.float32)
+    per_column = lambda x: (x + x.sum(-1)[..., None, :] * 0.5) * 2 if x.shape[-1] == x.shape[-2] else \
+        (x + x.sum(-1, keepdims=True)) * 2
+    assert_matches_xla(per_column, x, rtol=1e-5, atol=1e-5)
+    if len(shape) == 2:
+        square = jnp.asarray(np.random.default_rng(3).standard_normal((shape[0], shape[0])), jnp.float32)
+        pdist = lambda x: jnp.sum(x * x, -1)[:, None] + jnp.sum(x * x, -1)[None, :] - 2.0 * jnp.tanh(x)
+        assert_matches_xla(pdist, square, rtol=1e-5, atol=1e-5)
 
 
 def test_vmap_fallback_tells_apart_groups_that_share_a_kernel():

@@ -82,7 +82,8 @@ def eqn_kinds(eqn, group: Group) -> tuple[list, str] | None:
             return None
         if shape == ():
             kind = "scalar"
-        elif out_kind in ("full", "col") and shape == (S[-1],) and tuple(dims) == (nd - 1,):
+        elif out_kind in ("full", "col") and shape == (S[-1],) and tuple(dims) == (nd - 1,) and \
+                group.kinds.get(v, "col") == "col":  # (a row value of a square group is not one per column)
             kind = "col"
         elif group.kinds.get(v, "row") == "row" and _shape_kind(shape, S) == "row" and \
                 tuple(dims) == tuple(range(len(shape))):

@@ -86,11 +86,13 @@ def erfc(x):
     return tl.where(x < 0, 2.0 - tail, tail)
 
 
+# NaN wins, as in XLA; of +0 and -0, max is +0 and min -0 in either order (a + b of two zeros is -0
+# only when both are).
 @triton.jit
 def max_nan(a, b):
-    return tl.where((a > b) | (a != a), a, b)
+    return tl.where((a > b) | (a != a), a, tl.where((a == b) & (a == 0), a + b, b))
 
 
 @triton.jit
 def min_nan(a, b):
-    return tl.where((a < b) | (a != a), a, b)
+    return tl.where((a < b) | (a != a), a, tl.where((a == b) & (a == 0), -(-a - b), b))

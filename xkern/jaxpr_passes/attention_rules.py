@@ -426,8 +426,8 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
             return f"head dim {d} > {kernels.MAX_HEAD_DIM}"
         if kv_heads == 0 or heads % kv_heads:
             return "k/v heads do not divide q's heads"
-        if params.get("scale", 1.0) <= 0:
-            return f"scale {params['scale']}: the kernels take a positive scale"
+        if not (params.get("scale", 1.0) > 0 and math.isfinite(params.get("scale", 1.0))):  # (NaN too)
+            return f"scale {params['scale']}: the kernels take a positive finite scale"
         if not (params.get("cap", 1.0) > 0 and math.isfinite(params.get("cap", 1.0))):
             return ("tanh(scores / a) * b with a != b, or a cap that is not positive and finite: not the soft cap "
                     "the kernels take")

@@ -1866,8 +1866,9 @@ def _near_values(q, v, bias, key_bias, kv_len, drop):
 
 def _hidden_by_bias(st: Static) -> bool:
     """Whether rows whose keys are all hidden were hidden by a bias (or a mask standing for one,
-    masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add."""
-    return st.empty_grads or bool(st.bias_flags and st.mask_bh is None)
+    masked_rows="bias"): XLA's gradient of such a row reaches q and k through the add. Where a mask,
+    causal or a window can empty a row, they did (a `where`: no gradient passes)."""
+    return st.empty_grads or bool(st.bias_flags and st.mask_bh is None and not st.causal and st.window is None)
 
 
 def _attention_bwd(st: Static, residuals, do):
