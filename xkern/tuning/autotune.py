@@ -97,11 +97,14 @@ def lookup(key: str, path: str) -> L.Config | None:
 
 @contextlib.contextmanager
 def _locked(path: str):
-    """An exclusive lock on `path` among processes (a lock file beside it; where fcntl is missing,
-    none: at worst a key is measured again)."""
+    """An exclusive lock on `path` among processes (a lock file beside it; where fcntl is missing or
+    the file system takes no locks, none: at worst a key is measured again)."""
     with open(f"{path}.lock", "a") as lock:
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        try:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        except OSError:
+            pass
         yield
 
 
