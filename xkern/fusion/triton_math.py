@@ -86,13 +86,21 @@ def erfc(x):
     return tl.where(x < 0, 2.0 - tail, tail)
 
 
-# NaN wins, as in XLA; of +0 and -0, max is +0 and min -0 in either order (a + b of two zeros is -0
-# only when both are).
+# NaN wins, as in XLA; of +0 and -0, max is +0 and min -0 in either order. The sign of a zero is read
+# from its bits: arithmetic on zeros, -(-a - b), did not survive the compile for the GPU (min of +0
+# and -0 came out +0 on an H100). The generated kernels compute in float32; `a` may be a literal.
+@triton.jit
+def _sign_bit(a):
+    return tl.cast(a, tl.float32).to(tl.int32, bitcast=True) < 0
+
+
 @triton.jit
 def max_nan(a, b):
-    return tl.where((a > b) | (a != a), a, tl.where((a == b) & (a == 0), a + b, b))
+    a_negative = _sign_bit(a)
+    return tl.where((a > b) | (a != a), a, tl.where((a == b) & ~a_negative, a, b))
 
 
 @triton.jit
 def min_nan(a, b):
-    return tl.where((a < b) | (a != a), a, tl.where((a == b) & (a == 0), -(-a - b), b))
+    a_negative = _sign_bit(a)
+    return tl.where((a < b) | (a != a), a, tl.where((a == b) & a_negative, a, b))
