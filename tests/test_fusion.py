@@ -1,6 +1,8 @@
 """Generated kernels: fusion groups found in plain JAX code, Triton source generated per group, run
 through the interpreter and compared with jax.jit (float32 references), edge values included."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -147,12 +149,13 @@ def test_each_binary_primitive_matches_xla_on_edge_values(name):
 
 
 def test_max_and_min_of_zeros_of_either_sign_as_xla():
-    """Of +0 and -0, maximum is +0 and minimum -0 in either order, elementwise and along a row (a
-    later 1 / x tells them apart: inf or -inf)."""
+    """Of +0 and -0, maximum is +0 and minimum -0 in either order, elementwise and along a row, and
+    -(+0) is -0 (a later 1 / x tells them apart: inf or -inf). On an H100 (Triton 3.6) min of two
+    zeros and the negation of +0 came out +0."""
     a = jnp.asarray([[0.0, -0.0, 0.0, -0.0, 0.0]] * 2, jnp.float32)
     b = jnp.asarray([[-0.0, 0.0, 0.0, -0.0, -0.0]] * 2, jnp.float32)
     f = lambda a, b: (1 / jnp.maximum(a * 1.0, b), 1 / jnp.minimum(a * 1.0, b),
-                      1 / jnp.max(a * b, -1), 1 / jnp.min(-(a * b), -1))
+                      1 / jnp.max(a * b, -1), 1 / jnp.min(-(a * b), -1), 1 / -(a * b))
     assert len(fused_kernels(f, a, b)) >= 1
     for got, want in zip(xkern.jit(f)(a, b), jax.jit(f)(a, b)):
         np.testing.assert_array_equal(got, want)
@@ -545,6 +548,7 @@ def test_every_matmul_candidate_gives_xla_values(m, k, n):
     assert backend == "interpret" or len(candidates) > 4
 
 
+@pytest.mark.skipif(os.environ["XKERN_BACKEND"] != "interpret", reason="runs a kernel through the interpreter")
 def test_the_matmul_tuners_measure_checks_results(monkeypatch):
     """The matmul epilogue's measure (run through the interpreter with the timer faked) hands each
     candidate's results to autotune.agrees before timing it: a candidate that disagrees is skipped."""

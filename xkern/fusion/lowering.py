@@ -91,6 +91,11 @@ def _sign(a, eqn):
     return f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0))"
 
 
+def _neg(a, eqn):
+    # Triton before 3.7 negates a float as 0 - x, which is +0 for x = +0: XLA's neg gives -0.
+    return f"({a[0]} * -1.0)" if _is_float(eqn) else f"(-{a[0]})"
+
+
 def _max(a, eqn):
     return f"max_nan({a[0]}, {a[1]})" if _is_float(eqn) else f"tl.maximum({a[0]}, {a[1]})"
 
@@ -108,7 +113,7 @@ ELEMENTWISE = {
     "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "div": _div,
     "add_any": _binary("+"),  # the sum of cotangents in a backward pass
     "max": _max, "min": _min, "clamp": _clamp,
-    "neg": lambda a, e: f"(-{a[0]})", "abs": _call("tl.abs"), "sign": _sign,
+    "neg": _neg, "abs": _call("tl.abs"), "sign": _sign,
     "exp": _call("tl.exp"), "exp2": _call("tl.exp2"), "log": _call("tl.log"),
     "log1p": _call("log1p"), "expm1": _call("expm1"), "sqrt": _call("tl.sqrt"),
     "rsqrt": _call("tl.rsqrt"), "tanh": _call("tanh"), "logistic": _call("sigmoid"),
