@@ -575,6 +575,37 @@ def test_a_plan_is_reused_only_for_the_same_program_and_constants(monkeypatch):
     assert scaled(jnp.arange(3), 2).dtype == jnp.int32 and scaled(jnp.arange(3), 2.0).dtype == jnp.float32
 
 
+def test_a_numpy_constant_changed_in_place_is_seen(monkeypatch):
+    """A global numpy mask set anew in place (the same array object): the next eager call of
+    optimize(f) plans again from its new values, as eager jax.numpy sees them (the plan read the
+    mask as causal: the attention kernels take no mask then)."""
+    mask = np.tril(np.ones((16, 16), bool))
+
+    def attention(q):
+        s = jnp.where(mask, jnp.einsum("bqhd,bkhd->bhqk", q, q) / 4.0, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), q)
+    f, q = xkern.optimize(attention), rand((1, 16, 2, 16))
+    assert "attention_fwd" in " ".join(kernels_of(attention, q))
+    np.testing.assert_allclose(f(q), attention(q), rtol=2e-5, atol=2e-6)
+    mask[:] = True
+    np.testing.assert_allclose(f(q), attention(q), rtol=2e-5, atol=2e-6)
+
+
+def test_jit_of_an_equal_callable_outlives_the_first(monkeypatch):
+    """xkern.jit of a bound method fetched twice (two equal objects) shares one wrapper; dropping the
+    first xkern.jit must leave the second working (it called the first's dead method)."""
+    class Model:
+        def apply(self, a):
+            return jax.nn.softmax(a * 3.0)
+    model, x = Model(), rand((4, 8))
+    first = xkern.jit(model.apply)
+    first(x)
+    second = xkern.jit(model.apply)
+    del first
+    gc.collect()
+    np.testing.assert_allclose(second(x[:2]), jax.nn.softmax(x[:2] * 3.0), rtol=1e-6)
+
+
 def test_xla_backend_rewrites_nothing():
     x = rand((4, 33))
     assert kernels_of(jax.nn.softmax, x, backend="xla") == []

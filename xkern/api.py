@@ -269,17 +269,33 @@ def _cached_plan(plans: dict, traced: _Traced, backend: str):
             return plan
     plan = pipeline.plan(traced.closed, backend)
     entries[:] = [e for e in entries if e[0] != text][-(PLANS_PER_SIGNATURE - 1):]
-    entries.append((text, list(traced.closed.consts), plan))
+    entries.append((text, [_kept(c) for c in traced.closed.consts], plan))
     return plan
 
 
+COMPARED_ELEMENTS = 1 << 24  # (a causal mask of 4096 x 4096)
+
+
+def _kept(const):
+    """A constant as the plan's entry keeps it: a numpy array, which can change in place (a global
+    mask set anew), as a copy of its values, up to COMPARED_ELEMENTS; a jax array as itself."""
+    if isinstance(const, np.ndarray) and const.size <= COMPARED_ELEMENTS:
+        return const.copy()
+    return const
+
+
 def _same_constants(old: list, new: list) -> bool:
-    """The same arrays, or equal values (a numpy constant is a new array on each trace); a large one
-    not the same array counts as changed rather than be compared."""
-    return len(old) == len(new) and all(
-        a is b or (np.shape(a) == np.shape(b) and np.size(a) <= 1 << 20 and jax.numpy.result_type(a) ==
-                   jax.numpy.result_type(b) and bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True)))
-        for a, b in zip(old, new))
+    """The same arrays, or equal values (a numpy constant is a new array on each trace, or the same one
+    changed in place); a large one not the same array counts as changed rather than be compared."""
+    return len(old) == len(new) and all(map(_same_constant, old, new))
+
+
+def _same_constant(kept, new) -> bool:
+    if kept is new:  # a jax array (immutable), or a numpy one too large to have been copied
+        return True
+    return (np.shape(kept) == np.shape(new) and np.size(new) <= COMPARED_ELEMENTS
+            and jax.numpy.result_type(kept) == jax.numpy.result_type(new)
+            and bool(np.array_equal(np.asarray(kept), np.asarray(new), equal_nan=True)))
 
 
 def _warn_if_set_in_place(fun: Callable, before: list, arguments, outs: list) -> None:
@@ -312,7 +328,7 @@ def jit(fun: Callable | None = None, *, backend: str | None = None, **jit_kwargs
 # xkern.jit(f) made again for the same f (in a loop, as jax.jit allows) reuses f's wrapper, so that
 # jax.jit's caches, keyed on the function, hit: nothing is traced, planned or compiled again. The
 # wrapper holds f weakly (from this cache a strong reference would keep every f alive forever).
-_JIT_WRAPPERS = weakref.WeakKeyDictionary()  # f -> {backend: xkern.jit's wrapper of f}
+_JIT_WRAPPERS = weakref.WeakKeyDictionary()  # f -> {backend: (weak refs to f and its equals, wrapper)}
 
 
 def _jit_wrapper(fun: Callable, backend: str | None) -> Callable:
@@ -324,16 +340,21 @@ def _jit_wrapper(fun: Callable, backend: str | None) -> Callable:
     except (TypeError, ValueError):  # not weakly referenceable, unhashable, or no signature
         return _optimized(fun, backend, carry_in_place=False)
     if backend not in per_fun:
-        per_fun[backend] = _optimized(_weakly(fun, signature), backend, carry_in_place=False)
-    return per_fun[backend]
+        refs = []
+        per_fun[backend] = (refs, _optimized(_weakly(refs, fun, signature), backend, carry_in_place=False))
+    refs, wrapper = per_fun[backend]
+    # An equal callable (the same bound method fetched again) shares the wrapper; each xkern.jit
+    # keeps its own alive, and the wrapper calls whichever still lives.
+    refs[:] = [r for r in refs if r() is not None and r() is not fun] + [weakref.ref(fun)]
+    return wrapper
 
 
-def _weakly(fun: Callable, signature) -> Callable:
-    """fun, called through a weak reference; named, documented and signed as fun."""
-    ref = weakref.ref(fun)
-
+def _weakly(refs: list, fun: Callable, signature) -> Callable:
+    """The first live callable of `refs` (weak references to callables equal to fun), called; named,
+    documented and signed as fun."""
     def call(*args, **kwargs):
-        return ref()(*args, **kwargs)
+        live = next(f for f in (r() for r in reversed(refs)) if f is not None)
+        return live(*args, **kwargs)
     functools.update_wrapper(call, fun, updated=())  # (not fun's __dict__: references of its own)
     del call.__wrapped__  # (a strong reference)
     _named_as(fun, call)  # (jax.jit's messages: fun's source line)
