@@ -258,6 +258,11 @@ def test_a_product_with_a_converted_bool_is_a_select_as_xla_makes_it():
         assert_matches_xla(f, x, m, rtol=1e-5)
     grad = jax.grad(lambda x, m: jnp.sum(jnp.tanh(x) * m.astype(jnp.float32) * 3.0 + jnp.sin(x) * 0.1))
     assert_matches_xla(grad, x, m, rtol=1e-5)
+    # The mask converted in one kernel, multiplied in another: the max's gradient, a row with a NaN
+    # (no element equals the max: 0 of them, 1 / 0 times the converted mask)
+    logits = jnp.asarray(np.random.default_rng(6).standard_normal((4, 7)), jnp.float32).at[0, 3].set(jnp.nan)
+    loss = lambda lo, y: (jnp.max(lo, -1) - jnp.take_along_axis(lo, y[:, None], -1)[:, 0]).mean()
+    assert_matches_xla(jax.grad(loss), logits, jnp.arange(4, dtype=jnp.int32), rtol=1e-5)
 
 
 def test_gradients_and_vmap_through_a_generated_kernel():

@@ -398,6 +398,23 @@ def test_errors_while_tracing_name_the_users_function_as_jax_jit_does():
         assert messages[0] and messages[1] == messages[0], messages
 
 
+def test_errors_name_an_argument_in_a_pytree_or_passed_by_keyword_as_jax_jit_does():
+    """Arguments in a pytree, or passed by keyword, are named as jax.jit names them (mode, flag,
+    tree['x']), not as the flat leaves xkern traces (dyn[3])."""
+    def in_tree(tree, c, mode):
+        y = jax.nn.softmax(tree["x"] * c)
+        return y if mode == 0 else jnp.tanh(y)
+
+    def by_keyword(x, scale, flag):
+        return jax.nn.softmax(x * scale) if flag else x
+    tree, x = {"x": jnp.ones((4, 16)), "s": jnp.ones(16)}, jnp.ones((4, 16))
+    for call, name in ((lambda jit: jit(in_tree)(tree, 2.0, 0), "argument mode"),
+                       (lambda jit: jit(by_keyword)(x, scale=2.0, flag=True), "argument flag")):
+        for jit in (jax.jit, xkern.jit):
+            with pytest.raises(jax.errors.TracerBoolConversionError, match=name):
+                call(jit)
+
+
 def test_only_the_users_derivatives_are_replaced():
     """The derivatives xkern's own code asks for (a kernel's backward rule, the planner's epilogue
     derivative) are left as they are: the first caller outside jax decides."""

@@ -49,9 +49,16 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
     dyn_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (*_DYNAMIC, jax.ShapeDtypeStruct))]
     dynamic = [_canonical(leaves[i]) for i in dyn_idx]
     out_tree, mutated, static_out = [], [], {}
-    # (each argument one array, no keywords: the leaves are fun's parameters, and named as them)
-    one_leaf_each = not kwargs and len(dyn_idx) == len(args) and treedef == jax.tree_util.tree_structure(
-        (tuple(range(len(args))), {}))
+    # fun's own arguments, static leaves as None, for jax to trace: its errors then name them as
+    # jax.jit's do (tree['x'], mode), not as flat leaves
+    arrays, as_written = dict(zip(dyn_idx, dynamic)), True
+    try:
+        arrays_args, arrays_kwargs = jax.tree_util.tree_unflatten(treedef, [arrays.get(i) for i in range(len(leaves))])
+        again = jax.tree_util.tree_leaves((arrays_args, arrays_kwargs))
+        if len(again) != len(dynamic) or any(a is not b for a, b in zip(again, dynamic)):
+            raise ValueError("leaves reordered")
+    except Exception:  # a pytree node that takes no None, or flattens it otherwise: the leaves, named dyn[i]
+        (arrays_args, arrays_kwargs), as_written = (tuple(dynamic), {}), False
 
     def flat_fun(*dyn):
         full = list(leaves)
@@ -76,7 +83,9 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, backend: str, carry_in_plac
               unread.tracing(drop) as calls):
             # (a new function each time: jax caches a trace per function; named as fun, so that
             # jax's errors while tracing name the user's function and its line)
-            return jax.make_jaxpr(_named_as(fun, lambda *dyn: flat_fun(*dyn), one_leaf_each))(*dynamic), calls
+            traced = _named_as(fun, lambda *a, **k: flat_fun(*jax.tree_util.tree_leaves((a, k))),
+                               same_parameters=as_written)
+            return jax.make_jaxpr(traced)(*arrays_args, **arrays_kwargs), calls
 
     closed, calls = trace({})
     drop = unread.unread(closed, calls, declined_for_output) if backend != "xla" else {}

@@ -110,7 +110,9 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
     outputs = {v for v, _ in group.outputs}
     near_one = _tanh_added_to_constants(in_order, outputs)
     as_sigmoid = _tanh_as_sigmoid(in_order, outputs)
-    bools: dict = {}  # a value converted from a bool in the group -> (the bool's expression, the dtypes)
+    # a value converted from a bool -> (the bool's expression, the dtypes): in the group, or an input
+    # converted before it (the max's gradient: the bool's convert, then its count, then the product)
+    bools: dict = _converted_bool_inputs(group, eqns, names) if eqns is not None else {}
 
     def arguments(eqn):
         kinds, _ = eqn_kinds(eqn, group)
@@ -190,6 +192,24 @@ def generate(group: Group, eqns, matmul_out=None, exact_dot: bool = False,
 # and are rounded where the program converts or stores them.
 ROUNDED_TO_FLOAT16 = frozenset(lowering.ELEMENTWISE) - {"convert_element_type", "select_n", "neg", "abs", "max",
                                                          "min", "clamp"} | frozenset(lowering.REDUCTIONS)
+
+
+def _converted_bool_inputs(group: Group, eqns, names: dict) -> dict:
+    """The group's full or row inputs that the program converted from a bool, each as its own mask."""
+    producers = {v: eqn for eqn in eqns for v in eqn.outvars}
+
+    def chain(v) -> tuple | None:  # the dtypes v was converted through from a bool, if it was
+        eqn = producers.get(v)
+        if eqn is None or eqn.primitive.name != "convert_element_type" or isinstance(eqn.invars[0], Literal):
+            return None
+        source = eqn.invars[0]
+        before = () if source.aval.dtype == np.bool_ else chain(source)
+        return None if before is None else before + (lowering.dtype_name(v.aval),)
+    found = {}
+    for v, kind in group.inputs:
+        if (v, kind) in names and (dtypes := chain(v)) is not None:
+            found[v] = f"({names[(v, kind)]} != 0)", dtypes
+    return found
 
 
 def _times_bool(eqn, args, bools) -> str | None:
