@@ -11,8 +11,8 @@ A spelling is three choices, combined:
   affine      none, * scale, * scale + bias, * (1 + scale) (rms norm, Gemma's form)
   precision   in the input's dtype; half-precision input upcast to float32 and the result cast back
               after the affine, or before it (`scale * normed.astype(dtype)`, Llama's form)
-and the library forms: flax.linen.LayerNorm (with and without bias), flax.linen.RMSNorm,
-flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm
+and the library forms: flax.linen.LayerNorm (with and without bias, or neither parameter),
+flax.linen.RMSNorm (with and without scale), flax.nnx.LayerNorm / RMSNorm, jax.nn.standardize, Haiku's LayerNorm and RMSNorm, Equinox's LayerNorm
 (written here as those libraries compute them: neither is a dependency); Equinox's RMSNorm and
 haliax's norms are spellings above once canonical. eps is read off the program (any value; the
 exact re-trace checks it).
@@ -111,6 +111,16 @@ def flax_layer_norm_no_bias(x, scale, *, eps):
 def flax_rms_norm(x, scale, *, eps):
     import flax.linen as nn
     return nn.RMSNorm(epsilon=eps).apply({"params": {"scale": scale}}, x)
+
+
+def flax_layer_norm_no_parameters(x, *, eps):  # (OLMo's non-parametric LayerNorm)
+    import flax.linen as nn
+    return nn.LayerNorm(epsilon=eps, use_scale=False, use_bias=False).apply({}, x)
+
+
+def flax_rms_norm_no_scale(x, *, eps):
+    import flax.linen as nn
+    return nn.RMSNorm(epsilon=eps, use_scale=False).apply({}, x)
 
 
 def flax_nnx_norm(op: str, n_params: int, promote: bool):
@@ -285,6 +295,10 @@ if importlib.util.find_spec("flax") is not None:  # flax is optional: a test dep
         _pattern("layer_norm/flax.linen.LayerNorm(use_bias=False)", "layer_norm", flax_layer_norm_no_bias,
                  1, _param_dtypes(ALL), "*scale"),
         _pattern("rms_norm/flax.linen.RMSNorm", "rms_norm", flax_rms_norm, 1, _param_dtypes(ALL), "*scale"),
+        _pattern("layer_norm/flax.linen.LayerNorm(use_scale=False, use_bias=False)", "layer_norm",
+                 flax_layer_norm_no_parameters, 0, _param_dtypes(ALL)),
+        _pattern("rms_norm/flax.linen.RMSNorm(use_scale=False)", "rms_norm", flax_rms_norm_no_scale, 0,
+                 _param_dtypes(ALL)),
     ]
     for op, n_params in (("layer_norm", 2), ("layer_norm", 1), ("layer_norm", 0), ("rms_norm", 1), ("rms_norm", 0)):
         # promoting differs only for half-precision x with float32 parameters
