@@ -117,6 +117,55 @@ def test_each_op_splits_along_the_batch_as_jax_jit_does(case, mesh):
     assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], name
 
 
+# Known to differ under an Explicit mesh (found with the test below, not yet fixed): each case's reason.
+_ATTENTION_UNDER_EXPLICIT = ("the attention pattern declines; the softmax kernel's reshape of jax's [b, kv_heads, "
+                             "group, q, k] scores, sharded on dim 1, to rows raises a ShardingTypeError")
+_EXPLICIT_MESH_XFAILS = {
+    "rms_norm of a sum": "the norm kernel's output is typed replicated (a launch's outputs carry no sharding), "
+                         "so its value comes back gathered, where jax.jit's is P('data')",
+    "cross_entropy": "the cross_entropy pattern declines ('differs ... at these shapes and params')",
+    "rope": "rope.py's _rope_rows_bwd: jax.vjp of the reference with cotangents typed without sharding",
+    "attention, causal GQA": _ATTENTION_UNDER_EXPLICIT,
+    "attention, causal, a padding bias of an integer mask (a key bias)": _ATTENTION_UNDER_EXPLICIT,
+    "decode step, key_value_seq_lengths": _ATTENTION_UNDER_EXPLICIT,
+}
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(i, id=c[0], marks=[pytest.mark.xfail(reason=_EXPLICIT_MESH_XFAILS[c[0]])]
+                 if c[0] in _EXPLICIT_MESH_XFAILS else []) for i, c in enumerate(_cases(np.random.default_rng(0)))])
+def test_under_an_explicit_mesh_each_op_differentiates_as_jax_jit_does(case):
+    """A mesh of Explicit axes (jax.set_mesh): the arrays' types carry their shardings, which the
+    kernels' outputs (and so the cotangents reaching their backward) do not; values and gradients
+    as jax.jit's, with its shardings."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    name, f, args, split, kernels = _cases(np.random.default_rng(case))[case]
+    with jax.set_mesh(mesh):
+        sharded = [jax.device_put(a, NamedSharding(mesh, P("data") if s else P())) for a, s in zip(args, split)]
+        ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+        launched = set(kernel_names(jax.make_jaxpr(ours)(*sharded)))
+        assert kernels <= launched and launched, (name, launched)
+        got, want = jax.block_until_ready(ours(*sharded)), jax.block_until_ready(theirs(*sharded))
+    tol = 3e-2 if any(a.dtype == jnp.bfloat16 for a in args) else 2e-5
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (name, g.sharding, w.sharding)
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+def test_under_an_explicit_mesh_a_generated_kernel_selects_by_a_kernels_output():
+    """A generated kernel's select reads the softmax kernel's output (typed without a sharding) and
+    the sharded x: its backward evaluates the select on each as the program typed it."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = lambda x: jnp.sum(jnp.sin(jnp.tanh(jnp.where(jax.nn.softmax(x) > 0.1, x, -x)) * x))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(_normal(np.random.default_rng(13), (8, 6, 32)), NamedSharding(mesh, P("data")))
+        names = kernel_names(jax.make_jaxpr(xkern.jit(jax.grad(f)))(x))
+        assert "softmax_bwd" in names and any(n.startswith("fused_") for n in names), names
+        got, want = jax.block_until_ready((xkern.jit(jax.grad(f))(x), jax.jit(jax.grad(f))(x)))
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 def test_an_unsplittable_launch_runs_whole_on_every_device(mesh):
     """Rows sharded on a dim the kernel reduces over: gathered, then the kernel runs on all of them."""
     x = jax.device_put(_normal(np.random.default_rng(1), (4, 64)), NamedSharding(mesh, P(None, "data")))
@@ -200,6 +249,68 @@ def test_ops_called_inside_shard_map_sum_replicated_gradients(mesh):
         in_specs=(P("data"), P()), out_specs=(P("data"), P())))
     got = jax.block_until_ready(grads(lambda x, s, b: xkern.ops.layer_norm(x, s, b, eps=1e-5))(x, scale))
     want = jax.block_until_ready(grads(_layer_norm)(x, scale))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
+
+
+def _lm_head_losses():
+    """(name, loss of h, w, labels): by the patterns (a mean: dw made in the forward's scan) or by
+    xkern.ops (each row's loss: dw made in the backward's)."""
+    return [("mean, by the patterns", lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()),
+            ("none, by xkern.ops", lambda h, w, y: jnp.sum(jnp.sin(
+                xkern.ops.linear_cross_entropy(h, w, y, reduction="none", chunk_rows=4))))]
+
+
+@pytest.mark.parametrize("case", range(2), ids=[c[0] for c in _lm_head_losses()])
+def test_a_linear_cross_entropy_differentiated_inside_shard_map(case, mesh):
+    """An LM head and its loss (linear_cross_entropy) differentiated on each device's rows: the
+    chunks' scan accumulates dw in a carry that varies over the mesh as the rows do; values and
+    gradients as jax.jit's of the same program in jax.numpy."""
+    rng = np.random.default_rng(11)
+    h, w = _normal(rng, (8, 4, 32)), _normal(rng, (32, 37)) / 6
+    labels = jnp.asarray(rng.integers(0, 37, (8, 4)), jnp.int32)
+    name, loss = _lm_head_losses()[case]
+    rows = lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y)
+    reference = (lambda h, w, y: rows(h, w, y).mean()) if name.startswith("mean") else \
+        (lambda h, w, y: jnp.sum(jnp.sin(rows(h, w, y))))
+
+    def per_device(loss):
+        def body(h, w, y):
+            value, (dh, dw) = jax.value_and_grad(loss, argnums=(0, 1))(h, w, y)
+            return jax.lax.psum(value, "data"), dh, jax.lax.psum(dw, "data")
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P(), P("data"), P()))
+    ours = xkern.jit(per_device(loss))
+    assert "cross_entropy_fwd" in kernel_names(jax.make_jaxpr(ours)(h, w, labels))
+    got = jax.block_until_ready(ours(h, w, labels))
+    want = jax.block_until_ready(jax.jit(per_device(reference))(h, w, labels))
+    for g, x in zip(got, want):
+        np.testing.assert_allclose(g, x, rtol=2e-5, atol=2e-5)
+
+
+def _capped_attention(q, k, v, bias):
+    s = 5.0 * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0 / 5.0) + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+
+
+@pytest.mark.parametrize("hidden_by", ["a bias of -1e9", "a mask as a bias"])
+def test_attention_of_rows_a_bias_hides_differentiated_inside_shard_map(hidden_by, mesh):
+    """Soft-capped attention whose row 3 a bias hides wholly, on each device's examples: those rows'
+    gradients (XLA's, around the kernels: a scan over query chunks, under a cond) vary over the mesh
+    as q and k do; as jax.jit's of the same program in jax.numpy."""
+    rng = np.random.default_rng(12)
+    q, k, v = (_normal(rng, (4, 8, 2, 16)) for _ in range(3))
+    hidden = jnp.asarray(np.arange(8)[:, None] != 3)[None, None]  # [1, 1, q, k]: row 3 sees no key
+    if hidden_by == "a bias of -1e9":  # (FAR_BIAS)
+        bias = jnp.where(hidden, 0.0, -1e9) * jnp.ones((4, 1, 1, 1))
+        ours = lambda q, k, v, b: xkern.ops.attention(q, k, v, bias=b, logits_soft_cap=5.0)
+    else:
+        bias = jnp.where(hidden, 0.0, jnp.finfo(jnp.float32).min) * jnp.ones((4, 1, 1, 1))
+        ours = lambda q, k, v, b: xkern.ops.attention(q, k, v, mask=b == 0, logits_soft_cap=5.0, masked_rows="bias")
+    per_device = lambda f: jax.jit(jax.shard_map(
+        jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2)), mesh=mesh, in_specs=(P("data"),) * 4,
+        out_specs=(P("data"),) * 3))
+    got = jax.block_until_ready(per_device(ours)(q, k, v, bias))
+    want = jax.block_until_ready(per_device(_capped_attention)(q, k, v, bias))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=2e-5, atol=2e-5)
 

@@ -1905,7 +1905,8 @@ def _gradients(st: Static, residuals, do, delta):
                     jnp.any(_empty(lse)),
                     lambda: _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, None, st.scale,
                                                       st.softcap),
-                    lambda: (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32)))
+                    # (zeros_like: inside shard_map both branches vary over the mesh as q and k do)
+                    lambda: (jnp.zeros_like(q, jnp.float32), jnp.zeros_like(k, jnp.float32)))
             else:
                 dq_empty, dk_empty = _biased_empty_vjp(q, k, v, do_empty, delta_empty, kv_len, st.scale)
             dq, dk = (dq + dq_empty).astype(dq.dtype), (dk + dk_empty).astype(dk.dtype)
@@ -2016,7 +2017,8 @@ def _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scal
         return dk + scale * jnp.einsum("bhqk,bqhd->bkhd", ds, q_c), scale * jnp.einsum("bhqk,bkhd->bqhd", ds, kf)
 
     multiplier = jnp.zeros((1, 1, sq, 1), jnp.float32) if drop is None else drop.astype(jnp.float32)  # (unread)
-    dk, dq = jax.lax.scan(step, jnp.zeros((b, sk, heads, d), jnp.float32),
+    # (zeros_like: inside shard_map the carry varies over the mesh axes as the keys do, as its sums will)
+    dk, dq = jax.lax.scan(step, jnp.zeros_like(kf),
                           (chunks(q.astype(jnp.float32), 1), chunks(do_empty.astype(jnp.float32), 1),
                            chunks(delta_empty, 2), chunks(multiplier, 2)))
     dq = jnp.moveaxis(dq, 0, 1).reshape(b, n * chunk, heads, d)[:, :sq]

@@ -243,19 +243,49 @@ def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = Non
         return outs, (inputs, product)
 
     def bwd(residuals, cotangents):
+        inputs = residuals[0] if fused.k else residuals
+        return tuple(_resharded(g, jax.typeof(x).sharding) for g, x in zip(grads(residuals, cotangents), inputs))
+
+    def grads(residuals, cotangents):
         if not fused.k:
-            return tuple(jax.vjp(fused.reference, *residuals)[1](list(cotangents)))
+            return _vjp(fused.reference, _typed(residuals, fused.input_vars), list(cotangents))
         (a, b, *others), product = residuals
+        a, b, *others = _typed((a, b, *others), fused.input_vars)
         if epilogue_vjp is not None:
             d_product, *d_others = epilogue_vjp(product, *others, *cotangents)
         else:
-            d_product, *d_others = jax.vjp(fused.epilogue, product, *others)[1](list(cotangents))
+            (product,) = _typed((product,), fused.eqns[0].outvars)
+            d_product, *d_others = _vjp(fused.epilogue, (product, *others), list(cotangents))
         dot = fused.eqns[0]
-        d_a, d_b = jax.vjp(lambda a, b: _compat.bind_equation(dot, [a, b])[0], a, b)[1](d_product)
+        d_a, d_b = _vjp(lambda a, b: _compat.bind_equation(dot, [a, b])[0], (a, b), d_product)
         return (d_a, d_b, *d_others)
 
     fused_op.defvjp(fwd, bwd)
     return fused_op
+
+
+# Under a mesh of Explicit axes the program's values are typed with their shardings, the kernels'
+# outputs with none: the backward's jax.vjp of the group's equations takes each operand as the program
+# typed it (a select takes only operands of one sharding) and cotangents of its outputs' types, and
+# the custom_vjp wants each gradient of its input's type.
+
+def _resharded(value, sharding):
+    """value with `sharding`, where the two differ (and `sharding` is of a mesh: the types carry one)."""
+    if (not sharding.mesh.axis_names or jax.typeof(value).sharding.spec == sharding.spec
+            or value.dtype == jax.dtypes.float0):
+        return value
+    return jax.sharding.reshard(value, sharding)
+
+
+def _typed(values, program_vars) -> list:
+    """The values with the shardings the program typed them with."""
+    return [_resharded(x, v.aval.sharding) for x, v in zip(values, program_vars)]
+
+
+def _vjp(f, primals, cotangents):
+    """f's vjp at `primals`, applied to `cotangents` given f's outputs' shardings."""
+    outs, f_vjp = jax.vjp(f, *primals)
+    return f_vjp(jax.tree.map(lambda c, o: _resharded(c, jax.typeof(o).sharding), cotangents, outs))
 
 
 def _batch(args, dims, *, info, backend, config, **params):

@@ -156,7 +156,8 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
         return dw, (loss, lse, dh_c)
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
-    dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
+    # (zeros_like: inside shard_map the carry varies over the mesh axes w does, as the chunks' dw)
+    dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros_like(w), xs)
     loss, lse, dh = (_unchunk(a, h2.shape[0]) for a in (loss, lse, dh))
     return (ce._sum(loss, weights, options.masked), lse, loss), (dh, dw, loss)
 
@@ -208,7 +209,7 @@ def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
         return dw, dh_c
 
     xs = tuple(_chunks(a, chunk) for a in (h2, labels, g.astype(jnp.float32), lse))
-    dw, dh = jax.lax.scan(step, jnp.zeros(w.shape, w.dtype), xs)
+    dw, dh = jax.lax.scan(step, jnp.zeros_like(w), xs)  # (zeros_like: as above)
     return _unchunk(dh, h2.shape[0]), dw
 
 
