@@ -1294,3 +1294,93 @@ def test_shared_memory_kernel_one_hot_edge_rows_on_hopper(smoothing, z, monkeypa
     np.testing.assert_array_equal(np.isnan(dgot), np.isnan(dwant))
     np.testing.assert_allclose(dgot, dwant, rtol=1e-2, atol=1e-2)  # (bf16 dx: 2^-8 relative)
     assert len(launches) == 2
+
+
+def _as_jax_jit(f, args, argnums=0, rtol=1e-5, atol=1e-6):
+    """xkern.jit(f)'s value and jax.grad's gradients are jax.jit's (NaN and inf where jax.jit's are)."""
+    np.testing.assert_allclose(xkern.jit(f)(*args), jax.jit(f)(*args), rtol=rtol, atol=atol)
+    grads = lambda g: jax.jit(jax.grad(g, argnums))(*args)
+    for got, want in zip(jax.tree.leaves(grads(xkern.optimize(f))), jax.tree.leaves(grads(f))):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+def _fused(f, *args):
+    return [m.pattern for m in xkern.explain(f)(*args).matches if "cross_entropy" in m.pattern]
+
+
+def test_one_hot_losses_with_neg_inf_beside_the_label_as_jax_jit():
+    """A -inf logit outside the label's class (a vocabulary masked by -inf): where XLA computes
+    one_hot * log_probabilities as a select (lowering.xla_selects_bool_product: on this platform, in
+    the product's dtype), jax.jit's loss, and the mask's gradient, are finite; elsewhere 0 * inf is
+    NaN. The kernels' are jax.jit's either way; a label out of range is a row of zeros."""
+    import optax
+    logits, labels = make((2, 3, 37), jnp.float32, seed=21)
+    logits, labels = logits.at[..., 5].set(-jnp.inf), jnp.where(labels == 5, 6, labels).at[0, 0].set(40)
+    mask = jnp.asarray(np.random.default_rng(3).integers(0, 2, labels.shape), jnp.float32)
+    one_hot = lambda y, dtype=jnp.float32: jax.nn.one_hot(y, 37, dtype=dtype)
+    cases = {  # (program, its pattern)
+        "optax, mean": (lambda x, y, m: optax.softmax_cross_entropy(x, one_hot(y)).mean(), "mean(one_hot*log_softmax)"),
+        "gemma, masked sum": (lambda x, y, m: jnp.sum(-jnp.sum(one_hot(y) * jax.nn.log_softmax(x), -1) * m),
+                              "sum(one_hot*log_softmax * weights)"),
+        "rows": (lambda x, y, m: jnp.sum(jnp.tanh(optax.softmax_cross_entropy(x, one_hot(y)))), "one_hot*log_softmax"),
+        "written out, z-loss": (lambda x, y, m: jnp.mean((lambda log_z: -jnp.sum(one_hot(y) * (x - log_z), -1) + 1e-3 * (
+            jnp.square(jnp.squeeze(log_z, -1))))(jax.nn.logsumexp(x, -1, keepdims=True))),
+                                "mean(one_hot*(x-logsumexp)+z*logsumexp^2)"),
+    }
+    for name, (f, pattern) in cases.items():
+        assert _fused(f, logits, labels, mask) == [f"cross_entropy/{pattern}"], name
+        assert np.isfinite(jax.jit(f)(logits, labels, mask)) == xla_selects_bool_product(("float32",)), name
+        _as_jax_jit(f, (logits, labels, mask), (0, 2))
+    for dtype in (jnp.float16, jnp.bfloat16):  # a 16-bit product: a select where XLA makes one
+        f = lambda x, y: optax.softmax_cross_entropy(x, one_hot(y, x.dtype)).mean()
+        x16 = logits.astype(dtype)
+        assert _fused(f, x16, labels) == ["cross_entropy/mean(one_hot(dtype=logits')*log_softmax)"], dtype
+        assert np.isnan(np.float32(jax.jit(f)(x16, labels))) != xla_selects_bool_product((np.dtype(dtype).name,))
+        _as_jax_jit(f, (x16, labels), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [(1,), (3, 1), (2, 1, 1)], ids=str)
+def test_integer_labels_whose_last_batch_axis_is_one_are_found(rows):
+    """jnp.take_along_axis gathers differently where the labels' last batch axis has size 1 (one row;
+    one token per example): found as the other shapes are, values and gradients as jax.jit's."""
+    import optax
+    logits, labels = make((*rows, 33), jnp.float32, seed=22)
+    labels = labels.reshape(-1).at[0].set(-2).reshape(rows)  # (counted from the end)
+    cases = {"mean(optax_integer_labels)": lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean(),
+             "logsumexp-take_along_axis": lambda x, y: jnp.sum(jnp.tanh(jax.nn.logsumexp(x, -1) - jnp.take_along_axis(
+                 x, y[..., None], -1)[..., 0]))}
+    for pattern, f in cases.items():
+        assert _fused(f, logits, labels) == [f"cross_entropy/{pattern}"], pattern
+        _as_jax_jit(f, (logits, labels))
+
+
+def test_log_probabilities_written_out_negated_after_the_mean_are_found():
+    """-mean of the label's log-probability, log_softmax written out (x - logsumexp(x, keepdims=True)),
+    through take_along_axis or a one-hot target: the loss's mean, values and gradients as jax.jit's."""
+    logits, labels = make((4, 5, 33), jnp.float32, seed=23)
+    log_p = lambda x: x - jax.nn.logsumexp(x, -1, keepdims=True)
+    cases = {"-mean(take_along_axis(x-logsumexp))":
+             lambda x, y: -jnp.mean(jnp.take_along_axis(log_p(x), y[..., None], -1)[..., 0]),
+             "-mean(sum_classes(one_hot*(x-logsumexp)))":
+             lambda x, y: -jnp.mean(jnp.sum(jax.nn.one_hot(y, 33) * log_p(x), -1))}
+    for pattern, f in cases.items():
+        assert _fused(f, logits, labels) == [f"cross_entropy/{pattern}"], pattern
+        _as_jax_jit(f, (logits, labels))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int16, jnp.uint8, jnp.uint32, jnp.int8], ids=lambda d: jnp.dtype(d).name)
+def test_integer_labels_of_other_dtypes_are_found_as_jax_jit_reads_them(dtype):
+    """Labels stored as int16 / uint8 / uint32 / int8: found, read as jax.jit's gather reads them
+    (converted to int32; negative ones counted from the end, those out of range NaN)."""
+    import optax
+    f = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+    g = lambda x, y: jnp.sum(jnp.tanh(jax.nn.logsumexp(x, -1) - jnp.take_along_axis(x, y[..., None], -1)[..., 0]))
+    logits, labels = make((2, 3, 33), jnp.float32, seed=24)
+    labels = labels.astype(dtype)
+    for pattern, h in (("mean(optax_integer_labels)", f), ("logsumexp-take_along_axis", g)):
+        assert _fused(h, logits, labels) == [f"cross_entropy/{pattern}"], pattern
+        _as_jax_jit(h, (logits, labels))
+    info = np.iinfo(dtype)
+    edge = labels.at[0, 0].set(info.max).at[1, 2].set(info.min).at[0, 1].set(min(info.max, 40))
+    for h in (f, g):  # (out of range, or wrapped by jax.jit's convert to int32 as it is)
+        _as_jax_jit(h, (logits, edge))

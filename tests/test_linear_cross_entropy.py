@@ -627,3 +627,18 @@ def test_shared_memory_kernel_writes_dlogits_in_place_on_hopper(options, monkeyp
     for g, r in zip(grads, wants):
         close(g, r, jnp.bfloat16)
     assert launches and all(shape == (128, 16392) for shape in launches)
+
+
+@pytest.mark.parametrize("rows", [(1,), (3, 1)], ids=str)
+def test_lm_head_over_one_row_or_one_token_per_example_is_found(rows):
+    """h [1, D] or [B, 1, D]: jnp.take_along_axis gathers differently where the labels' last batch
+    axis has size 1; the LM head is found there too, values and gradients as jax.jit's."""
+    import optax
+    f = lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+    h, w, labels = make(rows, 16, 37, jnp.float32, seed=8)
+    report = xkern.explain(f)(h, w, labels)
+    assert [m.pattern for m in report.matches if "cross_entropy" in m.pattern] == \
+        ["linear_cross_entropy/mean(optax_integer_labels(jnp_matmul))"]
+    close(xkern.jit(f)(h, w, labels), jax.jit(f)(h, w, labels), jnp.float32)
+    for g, r in zip(jax.jit(jax.grad(xkern.optimize(f), (0, 1)))(h, w, labels), jax.jit(jax.grad(f, (0, 1)))(h, w, labels)):
+        close(g, r, jnp.float32)

@@ -55,9 +55,16 @@ and dead equations found.
   (`jnp.split`'s equation): `x[..., :h]` and `x[..., h:]` are the halves MaxText's rope and a GLU's
   one projection take with jnp.split. (Split's gradient is one concatenate, the slices' pads and
   adds: the same values.)
+- Gathers along the last axis batched: jnp.take_along_axis gathers a batch axis of size 1 (one
+  row; [B, 1, V] logits, one token per example) as a slice of it, not a batching dim as at every
+  other size; it becomes the batched gather (its indices given a unit index dim), so
+  cross-entropy's patterns see one spelling at every shape.
+- Integer casts taken before broadcasts: `labels[..., None]` of int16 / uint8 / uint32 labels is
+  broadcast, then cast to int32 by take_along_axis; the cast goes first (the same values), so the
+  patterns' labels input is the int32 labels as the program's gather reads them.
 - Marks removed: the identity equations that tell which aux outputs of a differentiated function
   the program reads (unread.py).
-The program is re-traced through an interpreter that does all eleven (source info kept).
+The program is re-traced through an interpreter that does all thirteen (source info kept).
 Higher-order primitives with real semantics (cond, scan, while, remat, custom_jvp/vjp but those
 above) are left alone: the rewrite recurses into them.
 """
@@ -212,6 +219,47 @@ def _folded_transpose(eqn, transposes: dict):
     if not folded:
         return None
     return eqn.replace(invars=invars, params={**eqn.params, "dimension_numbers": (tuple(contract), tuple(batch))})
+
+
+def _take_along_unit_axes(eqn) -> bool:
+    """Whether `eqn` is jnp.take_along_axis's gather along the last axis of an operand [..., V] whose
+    batch axes of size 1 are slices (offset dims at their own places) and the others batching dims
+    in order, one index a position (see _batched_gather)."""
+    if eqn.primitive.name != "gather":
+        return False
+    operand, indices, out = eqn.invars[0].aval, eqn.invars[1].aval, eqn.outvars[0].aval
+    n, dims = len(operand.shape), eqn.params["dimension_numbers"]
+    batch = tuple(dims.operand_batching_dims)
+    unit = tuple(a for a in range(n - 1) if a not in batch)
+    return (bool(unit) and tuple(dims.offset_dims) == unit and all(operand.shape[a] == 1 for a in unit)
+            and batch == tuple(sorted(batch)) and tuple(dims.start_indices_batching_dims) == tuple(range(len(batch)))
+            and tuple(dims.collapsed_slice_dims) == (n - 1,) and tuple(dims.start_index_map) == (n - 1,)
+            and tuple(eqn.params["slice_sizes"]) == (1,) * n and indices.shape[-1:] == (1,)
+            and len(out.shape) == n and tuple(out.shape[:-1]) == tuple(operand.shape[:-1]))
+
+
+def _batched_gather(eqn, operand, indices, source_info) -> list:
+    """_take_along_unit_axes's gather as take_along_axis writes it where those axes are longer:
+    every batch axis a batching dim, the indices one reshape to [..., K, 1] (the unit axes' places,
+    of size 1, keep the indices' order; indices: the values before their reshape, where they have one)."""
+    out, n = eqn.outvars[0].aval, len(eqn.invars[0].aval.shape)
+    dims = jax.lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(n - 1,), start_index_map=(n - 1,),
+                                          operand_batching_dims=tuple(range(n - 1)),
+                                          start_indices_batching_dims=tuple(range(n - 1)))
+    with _compat.user_context(source_info or eqn.source_info):
+        indices = jax.lax.reshape(indices, (*out.shape, 1))
+    return bind_equation(eqn, [operand, indices], params={**eqn.params, "dimension_numbers": dims},
+                         source_info=source_info)
+
+
+def _integer_cast(eqn) -> bool:
+    integer = lambda dtype: np.issubdtype(dtype, np.integer)
+    return eqn.primitive.name == "convert_element_type" and not isinstance(eqn.invars[0], Literal) and \
+        integer(eqn.invars[0].aval.dtype) and integer(eqn.params["new_dtype"])
+
+
+def _broadcast(eqn) -> bool:
+    return eqn.primitive.name == "broadcast_in_dim" and not isinstance(eqn.invars[0], Literal)
 
 
 def _note_transpose(eqn, producers: dict) -> None:
@@ -377,15 +425,16 @@ def _literal_key(v: Literal):
     return ("literal", value.dtype.str, value.shape, value.tobytes())
 
 
-def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
+def _inline_eval(jaxpr, consts, args, source_info=None, seen=None, broadcasts=None) -> list:
     """Evaluate `jaxpr` canonically (calls inlined, squares as `square`, repeated equations computed
     once); inlined equations take the call's source info (the user's line, where the body's own
     would point inside a library)."""
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     seen = {} if seen is None else seen  # CSE key -> (outputs, operands)
+    broadcasts = {} if broadcasts is None else broadcasts  # id(a broadcast's value) -> (its eqn, operand, value)
     read = lambda v: v.val if isinstance(v, Literal) else env[v]
-    filled, iotas, transposes, eqn_reads = {}, {}, {}, _read_vars(jaxpr)
+    filled, iotas, transposes, reshapes, eqn_reads = {}, {}, {}, {}, _read_vars(jaxpr)
     softmax_maxima = _hand_softmaxes(jaxpr)
     kept_maxima = set(softmax_maxima.values())
     widened, scalars, expansions = _late_expansions(jaxpr)
@@ -413,6 +462,17 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
         if _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p:
             env[eqn.outvars[0]] = read(eqn.invars[0])
             continue
+        if _take_along_unit_axes(eqn):
+            indices = reshapes[eqn.invars[1]].invars[0] if eqn.invars[1] in reshapes else eqn.invars[1]
+            env[eqn.outvars[0]] = _batched_gather(eqn, read(eqn.invars[0]), read(indices), source_info)[0]
+            continue
+        if _integer_cast(eqn) and id(read(eqn.invars[0])) in broadcasts:  # (cast first, then broadcast)
+            broadcast, operand, _ = broadcasts[id(read(eqn.invars[0]))]
+            cast = bind_equation(eqn.replace(invars=broadcast.invars), [operand], source_info=source_info)
+            env[eqn.outvars[0]] = bind_equation(broadcast, cast, source_info=source_info)[0]
+            continue
+        if eqn.primitive.name == "reshape" and not isinstance(eqn.invars[0], Literal):
+            reshapes[eqn.outvars[0]] = eqn
         squared = _squared(eqn)
         if squared is not None:
             eqn = eqn.replace(primitive=jax.lax.square_p, invars=[squared], params={})
@@ -428,7 +488,7 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
         sub = _inlined_body(eqn)
         if sub is not None:
             body, body_consts = (sub.jaxpr, sub.consts) if isinstance(sub, ClosedJaxpr) else (sub, [])
-            outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen)
+            outs = _inline_eval(body, body_consts, invals, source_info or eqn.source_info, seen, broadcasts)
             if eqn.primitive.name == "custom_vjp_call":  # (their rules ignore the other outputs' cotangents)
                 outs = outs[:1] + [jax.lax.stop_gradient(v) for v in outs[1:]]
             env.update(zip(eqn.outvars, outs))
@@ -449,6 +509,8 @@ def _inline_eval(jaxpr, consts, args, source_info=None, seen=None) -> list:
         if shape is not None and eqn.primitive.name == "reduce_sum":  # its unit dims back, as keepdims
             outs = [jax.lax.broadcast_in_dim(outs[0], shape, _kept_dims(eqn))]
         env.update(zip(eqn.outvars, outs))
+        if _broadcast(eqn):  # (by value: a cast inside an inlined body finds it)
+            broadcasts[id(outs[0])] = (eqn, invals[0], outs[0])
     # (an output that a dropped cast left weakly typed is cast as the program's was)
     return [read(v) if isinstance(v, Literal) else _compat.typed_as(read(v), v.aval) for v in jaxpr.outvars]
 
@@ -457,12 +519,15 @@ def _needs_rewriting(jaxpr) -> bool:
     """Whether canonicalizing would change `jaxpr` (calls, squares spelled otherwise, repeats)."""
     if _hand_softmaxes(jaxpr) or _late_expansions(jaxpr)[0] or _slice_partitions(jaxpr):
         return True
-    keys, filled, iotas, transposes, eqn_reads = set(), {}, {}, {}, _read_vars(jaxpr)
+    keys, filled, iotas, transposes, broadcasts, eqn_reads = set(), {}, {}, {}, set(), _read_vars(jaxpr)
     for eqn in jaxpr.eqns:
         if (_inlined_body(eqn) is not None or _squared(eqn) is not None or _filled_from(eqn, filled)
-                or _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p
+                or _weak_cast(eqn, eqn_reads) or eqn.primitive is aux_p or _take_along_unit_axes(eqn)
+                or (_integer_cast(eqn) and eqn.invars[0] in broadcasts)
                 or _iota_broadcast(eqn, iotas) or _folded_transpose(eqn, transposes)):
             return True
+        if _broadcast(eqn):
+            broadcasts.add(eqn.outvars[0])
         _note_filled(eqn, filled, None)
         _note_iota(eqn, iotas)
         _note_transpose(eqn, transposes)

@@ -43,9 +43,14 @@ differs from jax.jit's: jax.jit's scatter drops the index, so its gradient there
 loss counts the clamped label); the kernels' is the clamped label's. Masked rows (HF's -100 labels,
 masked after the loss) are 0 in both. One-hot targets, -sum(jax.nn.one_hot(labels, V) * log_softmax(logits))
 (optax.softmax_cross_entropy's program): there a label out of range is a row of zeros (loss 0), and
-a non-finite logit outside the label's class makes the loss NaN (0 * inf); the kernel does the same.
+a non-finite logit outside the label's class makes the loss NaN (0 * inf), but for a -inf one where
+XLA computes one_hot * log_softmax as a select (lowering.xla_selects_bool_product: the CPU in
+float32 and float16, the GPU): the kernel does the same (the LM head's keeps 0 * -inf = NaN).
 log_softmax may be written out, x - logsumexp(x, keepdims=True) (t5x's and MaxText's
-cross_entropy_with_logits), with integer or one-hot targets.
+cross_entropy_with_logits), with integer or one-hot targets, the label's log-probability also
+negated after the mean. Integer labels of any integer dtype are read as the gather reads them,
+converted to int32 (canonicalize casts them before labels[..., None]), and a last batch axis of
+size 1 (one row; one token per example) is gathered as the others (canonicalize).
 Smoothed one-hot targets, optax.smooth_labels(one_hot, e) = (1 - e) * one_hot + e / V: the kernels'
 label smoothing, e read off the program's two literals. PaLM's z-loss, the row loss plus
 z * logsumexp(logits)^2 (that of the loss, or one computed beside optax's or log_softmax's; with
@@ -92,6 +97,11 @@ def _log_probabilities(logits):
 
 def minus_log_probability_at_label(logits, labels):
     return -jnp.take_along_axis(_log_probabilities(logits), labels[..., None], axis=-1)[..., 0]
+
+
+def log_probability_at_label(logits, labels):
+    """The label's log-probability, log_softmax written out (the loss is its negated mean)."""
+    return jnp.take_along_axis(_log_probabilities(logits), labels[..., None], axis=-1)[..., 0]
 
 
 def one_hot_log_probabilities(logits, labels):
@@ -215,6 +225,11 @@ def one_hot_log_probability(logits, labels):
     return jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * jax.nn.log_softmax(logits, axis=-1), axis=-1)
 
 
+def one_hot_written_log_probability(logits, labels):
+    """The same, log_softmax written out."""
+    return jnp.sum(jax.nn.one_hot(labels, logits.shape[-1]) * _log_probabilities(logits), axis=-1)
+
+
 def _rows(logits):
     return jnp.arange(logits.shape[0])
 
@@ -239,18 +254,29 @@ def upcast(fn):
     return pattern
 
 
-def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0, provide=False):
+def _per_row_loss(logits, labels, how: str, backend, smoothing=0.0, z_loss=0.0, provide=False, selected=False):
     """The loss per row, with the labels read as the program reads them: "take_along_axis" and NumPy
     "indexing" count negative labels from the end; one still out of range is NaN, as take_along_axis's
     gather fills, and clamped into range by indexing, as its forward does (HF's -100 labels, masked
     after the loss: finite, as under jax.jit; indexing's gradient drops such a label, the kernels'
     is the clamped label's, the same wherever the row is masked); "one_hot" makes a label out of
-    range a row of zeros."""
+    range a row of zeros (selected: see _selected)."""
     if how == "one_hot":
         return kernels.one_hot_cross_entropy(logits, labels, label_smoothing=smoothing, z_loss=z_loss,
-                                             return_lse=provide, backend=backend)
+                                             return_lse=provide, selected=selected, backend=backend)
     return kernels.cross_entropy(logits, _labels_as_read(labels, how, logits.shape[-1]), z_loss=z_loss,
                                  reduction="none", return_lse=provide, backend=backend)
+
+
+def _selected(loss_fn, labels_as, param, logits, labels) -> bool:
+    """Whether the program's one_hot * log-probabilities is select(one_hot, ..., 0) under XLA here
+    (lowering.xla_selects_bool_product, in the product's dtype, the row loss's): then a logit of
+    -inf outside the label's class adds 0 to the loss, not 0 * -inf = NaN, and the kernels must
+    too (jax.nn.one_hot's targets; smoothed ones or flax's are no converted bool)."""
+    if labels_as != ONE_HOT or param not in (None, "z_loss"):
+        return False
+    rows = jax.eval_shape(functools.partial(loss_fn, **EXAMPLE_PARAMS[param]), logits, labels)
+    return xla_selects_bool_product((np.dtype(rows.dtype).name,))
 
 
 def _labels_as_read(labels, how: str, classes: int):
@@ -287,7 +313,8 @@ def _check(match, params) -> str | None:
 def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = False, labels_as="take_along_axis",
              param=None):
     def replace(logits, labels, *, backend, provide=False, **params):
-        loss = _per_row_loss(logits, labels, labels_as, backend, provide=provide, **params)
+        loss = _per_row_loss(logits, labels, labels_as, backend, provide=provide,
+                             selected=_selected(fn, labels_as, param, logits, labels), **params)
         loss, given = (loss[0], {"logsumexp": loss[1]}) if provide else (loss, None)
         if log_probability:
             loss = -loss
@@ -330,6 +357,9 @@ _ROW_LOSSES = [
     # log_softmax written out, x - logsumexp(x, keepdims=True)
     *_spelling("-take_along_axis(x-logsumexp)", minus_log_probability_at_label),
     *_spelling("one_hot*(x-logsumexp)", one_hot_log_probabilities, False, labels_as=ONE_HOT),
+    # their log-probabilities, the loss negated after the mean
+    *_spelling("take_along_axis(x-logsumexp)", log_probability_at_label, log_probability=True),
+    *_spelling("sum_classes(one_hot*(x-logsumexp))", one_hot_written_log_probability, False, True, ONE_HOT),
     # optax.smooth_labels of a one-hot target: the kernels' label smoothing
     *_spelling("smooth_labels(one_hot)*log_softmax", smoothed_one_hot_log_softmax, False, labels_as=ONE_HOT,
                param="smoothing"),
@@ -826,7 +856,9 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         bool_mask = params.get("bool_mask", False)
         if labels_as == ONE_HOT:  # (a label out of range is a row of zeros, not a NaN)
             loss = kernels.one_hot_cross_entropy(logits, labels, label_smoothing=params.get("smoothing", 0.0),
-                                                 weights=factors, mask=rest[0] != 0 if bool_mask else None, **options)
+                                                 weights=factors, mask=rest[0] != 0 if bool_mask else None,
+                                                 selected=_selected(loss_fn, labels_as, param, logits, labels),
+                                                 **options)
         elif masked in KEEPS or bool_mask:
             loss = kernels.where_masked_sum(logits, _labels_as_read(labels, labels_as, logits.shape[-1]),
                                             rest[0] != 0 if bool_mask else rest[0], scale=factors, **options)

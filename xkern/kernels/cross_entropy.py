@@ -41,6 +41,7 @@ import triton.language as tl
 
 SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 REDUCTIONS = ("mean", "sum", "none")
+SELECTED = "selected"  # the kernels' one_hot option of one_hot_cross_entropy(selected=True)
 
 
 def reference(logits, labels, ignore_index=None, label_smoothing=0.0, z_loss=0.0, reduction="mean", soft_cap=None):
@@ -168,7 +169,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
                                      # of exp(x - shift)); dx [n_rows, N_COLS] (WRITE_DX)
          N_COLS: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
          HAS_IGNORE: tl.constexpr, IGNORE_INDEX: tl.constexpr, ONE_HOT: tl.constexpr, WRITE_DX: tl.constexpr,
-         SOFT_CAP: tl.constexpr, FAST_TANH: tl.constexpr, BLOCK_N: tl.constexpr):
+         SOFT_CAP: tl.constexpr, FAST_TANH: tl.constexpr, SELECTED: tl.constexpr, BLOCK_N: tl.constexpr):
     # Each program takes every num_programs-th row (see PROGRAMS_PER_SM for how many programs).
     for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         row = tl.cast(row, tl.int64)  # (a Python int in the interpreter)
@@ -190,7 +191,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += tl.sum(x, 0)
-            if ONE_HOT:
+            if ONE_HOT and not SELECTED:
                 lowest = tl.minimum(lowest, x)
         if N_COLS % BLOCK_N != 0:
             start = N_COLS // BLOCK_N * BLOCK_N
@@ -201,7 +202,7 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
             m, ref, s = _online_lse(x, m, ref, s)
             if SMOOTHING != 0.0:
                 total += tl.sum(tl.where(mask, x, 0.0), 0)
-            if ONE_HOT:
+            if ONE_HOT and not SELECTED:
                 lowest = tl.minimum(lowest, tl.where(mask, x, float("inf")))
         log_sum = tl.log(s)
         lse = log_sum + ref
@@ -216,9 +217,12 @@ def _fwd(x_ptr, labels_ptr, row_scale_ptr,  # inputs: logits [n_rows, N_COLS], l
         if ONE_HOT and SMOOTHING == 0.0:
             # -sum(one_hot * log_softmax) multiplies every other class's log-probability by 0: NaN
             # wherever a logit is not finite. +inf and NaN show in the sum; -inf in the row's
-            # lowest value (one min per element), unless it is the label's own, then counted
+            # lowest value (one min per element), unless it is the label's own, then counted.
+            # SELECTED (XLA's select(one_hot, log_softmax, 0)): the label's log-probability alone
             not_finite = (log_sum != log_sum) | (log_sum == float("inf"))
-            if tl.min(lowest, 0) == -float("inf"):
+            if SELECTED:
+                not_finite &= in_range
+            elif tl.min(lowest, 0) == -float("inf"):
                 not_finite |= (picked != -float("inf")) | ~in_range
                 if (picked == -float("inf")) & in_range:
                     not_finite |= _neg_inf_outside(x_ptr, base, label, N_COLS, BLOCK_N)
@@ -347,12 +351,13 @@ L.def_split("cross_entropy_bwd", _split)
 # --------------------------------------------------------------------------------------------------
 
 def _consts(n_cols, ignore_index, smoothing, z_loss, write_dx=None, one_hot=False, soft_cap=None) -> dict:
-    """The kernels' constexprs (FAST_TANH is decided at launch, by _with_tanh)."""
+    """The kernels' constexprs (FAST_TANH is decided at launch, by _with_tanh); one_hot: False, True
+    or SELECTED (the forward's SELECTED: the backward's dx is the same)."""
     consts = {"N_COLS": n_cols, "SMOOTHING": float(smoothing), "Z_LOSS": float(z_loss),
               "HAS_IGNORE": ignore_index is not None,
-              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index), "ONE_HOT": one_hot,
+              "IGNORE_INDEX": -1 if ignore_index is None else int(ignore_index), "ONE_HOT": bool(one_hot),
               "SOFT_CAP": float(soft_cap or 0.0), "FAST_TANH": False}
-    return consts if write_dx is None else {**consts, "WRITE_DX": write_dx}
+    return consts if write_dx is None else {**consts, "WRITE_DX": write_dx, "SELECTED": one_hot == SELECTED}
 
 
 def _row_scale(labels, ignore_index, reduction):
@@ -678,7 +683,7 @@ def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, so
 
 def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_loss: float = 0.0, weights=None,
                           mask=None, soft_cap: float | None = None, return_lse: bool = False,
-                          return_rows: bool = False, backend: str | None = None):
+                          return_rows: bool = False, selected: bool = False, backend: str | None = None):
     """-sum(one_hot(labels, V) * log_softmax(logits), -1) per row, float32, as programs write it
     (optax.softmax_cross_entropy of a one-hot target): a label outside [0, V) is a row of zeros, so
     its loss and gradient are 0; a logit that is not finite outside the label's class makes the
@@ -689,12 +694,16 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     weights: a float per row (labels' shape): then sum(loss * weights) over the rows (a mean: 1 / n
     each), the gradient made in the forward pass. mask: with weights, a bool per row; rows where it is
     false add 0 even where their loss is NaN (as where(mask, loss * weights, 0); XLA computes
-    loss * mask.astype(float) so). soft_cap, return_lse, return_rows: as cross_entropy's."""
+    loss * mask.astype(float) so). soft_cap, return_lse, return_rows: as cross_entropy's.
+    selected: the program's one_hot * log_softmax is select(one_hot, log_softmax, 0), as XLA computes
+    it on some platforms and dtypes (xkern.fusion.lowering.xla_selects_bool_product): then only the
+    label's log-probability counts, and a logit of -inf outside its class does not make the loss NaN."""
     label_smoothing, z_loss = _check(logits, labels, None, label_smoothing, z_loss, "none", "one_hot_cross_entropy",
                                      weights=weights)
     soft_cap = check_soft_cap("one_hot_cross_entropy", soft_cap)
     check_bool("one_hot_cross_entropy", "return_lse", return_lse)
     check_bool("one_hot_cross_entropy", "return_rows", return_rows)
+    check_bool("one_hot_cross_entropy", "selected", selected)
     backend = L.resolve_backend(backend)
     check_mask("one_hot_cross_entropy", labels, weights, mask)
     logits, labels = jnp.asarray(logits), int32_labels(labels)
@@ -705,18 +714,21 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
     if backend == "xla" or logits.size == 0:
         target = (1.0 - label_smoothing) * jax.nn.one_hot(labels, n_cols) + label_smoothing / max(n_cols, 1)
         x = soft_capped(logits.astype(jnp.float32), soft_cap)
-        rows = -jnp.sum(target * jax.nn.log_softmax(x, -1), -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
+        products = target * jax.nn.log_softmax(x, -1)
+        products = jnp.where(target != 0, products, 0.0) if selected else products
+        rows = -jnp.sum(products, -1) + z_loss * jnp.square(jax.nn.logsumexp(x, -1))
         out = rows if weights is None else _sum(rows, weights.astype(jnp.float32).reshape(rows.shape),
                                                  mask is not None)
         return _reference_outputs(out, rows, logits, soft_cap, **asked)
     x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    one_hot = SELECTED if selected else True
     if weights is not None:
         out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing,
-                                       z_loss, backend, config, mask is not None, True, soft_cap)
+                                       z_loss, backend, config, mask is not None, one_hot, soft_cap)
     else:
-        out, lse, rows = _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, True, soft_cap)
+        out, lse, rows = _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, one_hot, soft_cap)
         out = out.reshape(labels.shape)
-    options = (None, label_smoothing, z_loss, True, soft_cap)
+    options = (None, label_smoothing, z_loss, one_hot, soft_cap)
     return _outputs(out, lse, rows, x2, labels1, labels.shape, options, backend, config, **asked)
 
 
@@ -742,20 +754,22 @@ def aot_cases():
                 yield (f"{tag}/fwd", _fwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32",
                         "n_rows": "i32", "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": f"*{dtype}"},
-                       config.replace(WRITE_DX=True))
+                       config.replace(WRITE_DX=True, SELECTED=False))
                 yield (f"{tag}/bwd", _bwd,
                        {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "lse_ptr": "*fp32",
                         "g_ptr": "*fp32", "n_rows": "i32", "dx_ptr": f"*{dtype}"}, config)
     # cross_entropy_hopper's kernel (Hopper only): 14 chunks and a tail, 6 chunks with every option;
-    # one-hot targets with a tail kept, 17 chunks overflowing through the ring, and 3 chunks,
+    # one-hot targets with a tail kept (a -inf beside the label NaN or, SELECTED, not), 17 chunks overflowing through the ring, and 3 chunks,
     # one-hot, smoothed, with z-loss
     for dtype, n_cols, options in (("bf16", 128256, {}),
                                    ("fp16", 50304, {"SMOOTHING": 0.1, "Z_LOSS": 1e-4, "HAS_IGNORE": True,
                                                     "IGNORE_INDEX": -100}),
-                                   ("bf16", 128256, {"ONE_HOT": True}), ("bf16", 256000, {}),
+                                   ("bf16", 128256, {"ONE_HOT": True}), ("bf16", 128256, {"ONE_HOT": True, "SELECTED": True}),
+                                   ("bf16", 256000, {}),
                                    ("bf16", 32000, {"ONE_HOT": True, "SMOOTHING": 0.1, "Z_LOSS": 1e-4})):
         consts = {**_consts(n_cols, None, 0.0, 0.0, write_dx=True), **options}
-        kind = ("/one_hot" if "ONE_HOT" in options else "") + ("/options" if set(options) - {"ONE_HOT"} else "")
+        kind = ("/one_hot" if "ONE_HOT" in options else "") + ("/selected" if "SELECTED" in options else "") + (
+            "/options" if set(options) - {"ONE_HOT", "SELECTED"} else "")
         name = f"cross_entropy/{dtype}/n{n_cols}{kind}/lse_dx"
         yield (name, cross_entropy_hopper.lse_dx,
                {"x_ptr": f"*{dtype}", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
@@ -768,6 +782,6 @@ def aot_cases():
         tag = f"cross_entropy/bf16/n256000/soft_cap{'_fast_tanh' if fast else ''}"
         yield (f"{tag}/fwd", _fwd, {"x_ptr": "*bf16", "labels_ptr": "*i32", "row_scale_ptr": "*fp32", "n_rows": "i32",
                                     "loss_ptr": "*fp32", "lse_ptr": "*fp32", "dx_ptr": "*bf16"},
-               config.replace(WRITE_DX=True), *([targets] if targets else []))
+               config.replace(WRITE_DX=True, SELECTED=False), *([targets] if targets else []))
         yield (f"{tag}/bwd", _bwd, {"x_ptr": "*bf16", "labels_ptr": "*i32", "lse_ptr": "*fp32", "g_ptr": "*fp32",
                                     "n_rows": "i32", "dx_ptr": "*bf16"}, config, *([targets] if targets else []))

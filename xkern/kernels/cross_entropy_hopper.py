@@ -183,13 +183,13 @@ def _loader(desc, bufs, ready, empty, n_rows, N_CHUNKS: gl.constexpr, OVER: gl.c
 @gluon.jit
 def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty,
           N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
-          IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, N_CHUNKS: gl.constexpr):
+          IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, SELECTED: gl.constexpr, N_CHUNKS: gl.constexpr):
     """The compute warps: each row's loss and lse from its chunks (its overflow chunks, streamed
     through the ring, then its first N_CHUNKS, then its tail), then its dx (the first N_CHUNKS from
     the ring, freeing them, the overflow chunks streamed again, the tail).
     ONE_HOT: cross_entropy._fwd's one-hot targets (a label out of range a row of zeros; unsmoothed,
     a logit of -inf beside the label makes the loss NaN, found by a running min, one more
-    instruction a logit)."""
+    instruction a logit; SELECTED: it does not, as XLA's select(one_hot, log_softmax, 0))."""
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     # a chunk as [boxes, 32, 8]: each thread holds 8 consecutive logits (16 bytes) of each of its rows
     layout: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 32, 1], [gl.num_warps(), 1, 1], [2, 1, 0])
@@ -203,7 +203,7 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
     PER_ROW: gl.constexpr = N_CHUNKS + 2 * OVER  # the ring's copies a row
     RESIDENT: gl.constexpr = (N_CHUNKS + OVER) * CHUNK  # (where the tail starts)
     TAIL: gl.constexpr = N_COLS - RESIDENT
-    FIND_NEG_INF: gl.constexpr = ONE_HOT and SMOOTHING == 0.0
+    FIND_NEG_INF: gl.constexpr = ONE_HOT and SMOOTHING == 0.0 and not SELECTED
     it = 0
     for row in range(gl.program_id(0), n_rows, gl.num_programs(0)):
         j0 = it * PER_ROW  # the ring's count of copies before this row's
@@ -300,8 +300,8 @@ def _rows(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, c
 @gluon.jit
 def lse_dx(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr,
            N_COLS: gl.constexpr, SMOOTHING: gl.constexpr, Z_LOSS: gl.constexpr, HAS_IGNORE: gl.constexpr,
-           IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, WRITE_DX: gl.constexpr, N_CHUNKS: gl.constexpr,
-           GLUON: gl.constexpr):
+           IGNORE_INDEX: gl.constexpr, ONE_HOT: gl.constexpr, WRITE_DX: gl.constexpr, SELECTED: gl.constexpr,
+           N_CHUNKS: gl.constexpr, GLUON: gl.constexpr):
     """cross_entropy._fwd with WRITE_DX: loss [n_rows], lse [n_rows, 2] (shift,
     log of the sum of exp(x - shift)) and dx [n_rows, N_COLS] of logits x [n_rows, N_COLS] (16-bit),
     dx scaled by row_scale. Grid: at most one program per SM (its shared memory), each taking every
@@ -321,7 +321,7 @@ def lse_dx(x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr,
         mbarrier.init(empty.index(c), count=1)
     gl.warp_specialize([
         (_rows, (x_ptr, labels_ptr, row_scale_ptr, n_rows, loss_ptr, lse_ptr, dx_ptr, chunks, ready, empty, N_COLS,
-                 SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX, ONE_HOT, N_CHUNKS)),
+                 SMOOTHING, Z_LOSS, HAS_IGNORE, IGNORE_INDEX, ONE_HOT, SELECTED, N_CHUNKS)),
         (_loader, (desc, bufs, ready, empty, n_rows, N_CHUNKS, _overflow(N_COLS, N_CHUNKS))),
     ], [1], [24])
 
