@@ -2263,6 +2263,8 @@ def test_dropout_multiplier_values_and_gradients_against_the_reference(rng):
         attention(q, k, v, dropout_rate=0.1, dropout_rng=3)
     with pytest.raises(TypeError, match="bias must be a real .* got complex64"):
         attention(q, k, v, bias=jnp.ones((12, 12), jnp.complex64))
+    with pytest.raises(TypeError, match="causal must be a bool; got 'yes'"):
+        attention(q, k, v, causal="yes")
     with pytest.raises(TypeError, match="dropout_multiplier must be a floating-point array"):
         attention(q, k, v, dropout_multiplier=jnp.ones((12, 12), bool))
     with pytest.raises(ValueError, match="dropout_multiplier must broadcast to"):
@@ -2809,6 +2811,32 @@ def test_split_key_forward_takes_sinks():
     assert not np.any(np.asarray(out[1]))
     for g, w in zip(grads, grads_ref):
         close(g, w, jnp.bfloat16)
+
+
+def test_split_key_forward_of_rows_a_far_bias_hides_and_lengths_past_int32():
+    """A decode step whose keys a bias of -1e9 all hides (padding given as data): XLA's scores tie,
+    so its weights are uniform over every key; the merge weights each chunk by its count of keys
+    (each chunk's lse, one float at -1.4e9, kept no count: chunks of 32, 32 and 1 key weighed
+    alike). And uint32 lengths past 2^31 are all the keys, not a wrapped negative length."""
+    q, k, v, _ = make(2, 1, 65, 4, 2, 16, jnp.float32, seed=11)
+    bias = jnp.zeros((2, 1, 1, 65)).at[1].set(-1e9)
+    assert "attention_fwd_split_kv" in kernel_names(jax.make_jaxpr(lambda q: attention(q, k, v, bias=bias))(q))
+    close(attention(q, k, v, bias=bias), reference(q, k, v, bias=bias), jnp.float32)
+    lengths = jnp.array([2**32 - 1, 40], jnp.uint32)
+    close(attention(q, k, v, bias=bias, kv_lengths=lengths),
+          reference(q, k, v, bias=bias, kv_lengths=jnp.array([65, 40])), jnp.float32)
+
+
+def test_gradients_with_a_bias_under_jax_enable_x64():
+    """With jax_enable_x64 the rows' key counts (rows a large bias lifts keys of) stay float32: the
+    backward's cond took a float64 branch and crashed."""
+    with jax.enable_x64(True):
+        q, k, v, do = make(1, 33, 33, 2, 2, 16, jnp.float32, seed=12)
+        bias = jnp.zeros((1, 2, 33, 33), jnp.float32)
+        got = jax.grad(lambda q: jnp.sum(attention(q, k, v, bias=bias) * do))(q)
+        want = jax.grad(lambda q: jnp.sum(reference(q, k, v, bias=bias) * do))(q)
+        assert got.dtype == jnp.float32
+        close(got, want, jnp.float32)
 
 
 @settings(max_examples=4, deadline=None)  # ~6 s each through the interpreter

@@ -590,7 +590,7 @@ def _split_kv_block(acc, m_i, l_i, q, k_ptr, v_ptr, k_base, start, rows, queries
 @triton.jit
 def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, key_bias_ptr, kv_len_ptr,  # inputs
                   sq, sk,
-                  o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group]
+                  o_part_ptr, lse_part_ptr,  # outputs: [batch, KV_HEADS, SPLITS, sq * group, D], [..., sq * group, 2]
                   QK_SCALE: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr, HEADS: tl.constexpr,
                   KV_HEADS: tl.constexpr, D: tl.constexpr, CAUSAL: tl.constexpr, WINDOW_L: tl.constexpr,
                   WINDOW_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_B: tl.constexpr, MASK_H: tl.constexpr,
@@ -599,7 +599,8 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, key_bias_ptr, kv_len_
                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr):
     """One chunk of the keys for every query of the query heads sharing key head hk: row r is query
     r // group of head hk * group + r % group (a query's heads are adjacent in q). Writes that
-    chunk's o and log2-domain lse, as _fwd_store does (a chunk that sees no key: 0 and -inf)."""
+    chunk's o and its log2-domain lse as (max, log2 of the sum) (a chunk that sees no key: 0, and
+    -inf for the max)."""
     tl.static_assert(WINDOW_L < 0 and WINDOW_R < 0)  # sliding windows take the kernels above (Static.fit)
     sk = _key_length(sk, SK16)
     split, bhk = tl.program_id(0), tl.program_id(1)
@@ -642,8 +643,15 @@ def _fwd_split_kv(q_ptr, k_ptr, v_ptr, mask_ptr, bias_ptr, key_bias_ptr, kv_len_
                                         FAST_TANH, KV_HEADS, D, CAUSAL, HAS_MASK, MASK_B, MASK_H, HAS_BIAS, BIAS_B,
                                         BIAS_H, HEADS, DOT_F32, True, BLOCK_N, BLOCK_D, n_rows)
     part = bhk.to(tl.int64) * SPLITS + split
-    _fwd_store(o_part_ptr, lse_part_ptr, acc, m_i, l_i, (part * n_rows + rows)[:, None] * D + dims[None, :], rows,
-               dims, part, n_rows, D)
+    seen = l_i != 0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(o_part_ptr + (part * n_rows + rows)[:, None] * D + dims[None, :], o,
+             mask=(rows[:, None] < n_rows) & (dims[None, :] < D))
+    # m and log2(l) apart, not their sum: where every score is near -1.4e9 (a bias of -1e9) the sum
+    # keeps nothing of l, and the merge must weight each chunk by its count of keys, as XLA's ties do
+    lse_offs = (part * n_rows + rows) * 2
+    tl.store(lse_part_ptr + lse_offs, tl.where(seen, m_i, -float("inf")), mask=rows < n_rows)
+    tl.store(lse_part_ptr + lse_offs + 1, tl.log2(tl.where(seen, l_i, 1.0)), mask=rows < n_rows)
 
 
 @triton.jit
@@ -1501,7 +1509,7 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, key_bias, kv_len, st: Static, sink
     config, kv_heads = st.configs[0], k.shape[2]
     rows, splits = sq * (heads // kv_heads), config["SPLITS"]
     outs = [jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32)]
+            jax.ShapeDtypeStruct((b, kv_heads, splits, rows, 2), jnp.float32)]
     mask_, _, bias_, key_bias_, kv_len_, _ = _dummies(mask, None, bias, key_bias, kv_len)
     consts = {n: value for n, value in st.constexprs(q, k).items() if n != "DROP"}
     o_part, lse_part = L.launch(_fwd_split_kv, q, k, v, mask_, bias_, key_bias_, kv_len_, sq, k.shape[1],
@@ -1511,20 +1519,23 @@ def _launch_fwd_split_kv(q, k, v, mask, bias, key_bias, kv_len, st: Static, sink
 
 
 def _merge_splits(o_part, lse_part, heads: int, dtype, sinks=None):
-    """o [batch, sq, heads, d] and its lse [batch, heads, sq] from the chunks' own: one softmax over
-    every key, each chunk weighted by exp2(its lse - the largest). A row no chunk saw a key for gets
-    o = 0 and lse = -inf, as from _fwd_store; a NaN in any chunk stays NaN. sinks: as a chunk of its
-    own whose o is zero."""
+    """o [batch, sq, heads, d] and its lse [batch, heads, sq] from the chunks' own (lse_part: each
+    chunk's max and log2 of its sum): one softmax over every key, each chunk weighted by
+    exp2(its max - the largest + its log2 sum). A row no chunk saw a key for gets o = 0 and
+    lse = -inf, as from _fwd_store; a NaN in any chunk stays NaN. sinks: as a chunk of its own whose
+    o is zero."""
     b, kv_heads, _, rows, d = o_part.shape
     group = heads // kv_heads
+    top_part, log_sum = lse_part[..., 0], lse_part[..., 1]
     if sinks is not None:  # [b, heads, sq] -> [b, kv_heads, 1, rows], rows = (query, head in group)
         sq = rows // group
         sunk = sinks.reshape(b, kv_heads, group, sq).transpose(0, 1, 3, 2).reshape(b, kv_heads, 1, rows) * LOG2E
-        lse_part = jnp.concatenate([lse_part, sunk], axis=2)
+        top_part = jnp.concatenate([top_part, sunk.astype(jnp.float32)], axis=2)
+        log_sum = jnp.concatenate([log_sum, jnp.zeros_like(sunk, jnp.float32)], axis=2)
         o_part = jnp.concatenate([o_part, jnp.zeros((b, kv_heads, 1, rows, d), o_part.dtype)], axis=2)
-    top = jnp.max(lse_part, axis=2, keepdims=True)
+    top = jnp.max(top_part, axis=2, keepdims=True)
     shift = jnp.where(top == -jnp.inf, 0.0, top)
-    weights = jnp.exp2(lse_part - shift)  # [b, kv_heads, splits, rows]
+    weights = jnp.exp2(top_part - shift + log_sum)  # [b, kv_heads, splits, rows]
     total = jnp.sum(weights, axis=2)
     o = jnp.sum(weights[..., None] * o_part, axis=2) / jnp.where(total == 0, 1.0, total)[..., None]
     lse = jnp.where(total == 0, -jnp.inf, shift[:, :, 0] + jnp.log2(jnp.where(total == 0, 1.0, total)))
@@ -1887,7 +1898,8 @@ def _gradients(st: Static, residuals, do, delta):
         kernels_delta = jnp.where(lse == -jnp.inf, 0.0, delta)
     if near is not None:  # (their do and delta divided by their keys' count, where there are such rows)
         def divided():
-            per_row = jnp.where(near, 1 / jnp.maximum(jnp.sum(_near_top(bias, key_bias, kv_len, k.shape[1]), -1), 1), 1.0)
+            count = jnp.sum(_near_top(bias, key_bias, kv_len, k.shape[1]), -1, dtype=jnp.float32)
+            per_row = jnp.where(near, 1 / jnp.maximum(count, 1.0), 1.0)  # (float32 under jax_enable_x64 too)
             return (do * jnp.transpose(per_row, (0, 2, 1))[..., None]).astype(q.dtype), delta * per_row
         kernels_do, kernels_delta = jax.lax.cond(jnp.any(near), divided, lambda: (kernels_do, kernels_delta))
     dq, dk, dv = _launch_bwd(q, k, v, mask, bias, key_bias, kv_len, drop, kernels_do, kernels_lse, kernels_delta, st)
@@ -2163,7 +2175,9 @@ def _biases(bias, batch, heads, sq, sk):
     return full, full_bh, None if not keys else functools.reduce(jnp.add, keys)
 
 
-def _check(q, k, v, scale, kv_lengths):
+def _check(q, k, v, scale, kv_lengths, causal):
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"attention: causal must be a bool; got {causal!r}")
     for name, a in (("q", q), ("k", k), ("v", v)):
         if not hasattr(a, "dtype") or not hasattr(a, "shape"):
             raise TypeError(f"attention: {name} must be a jax or numpy array; got {type(a).__name__}")
@@ -2279,7 +2293,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         hidden is zero whatever masked_rows says. They get their gradient. The forward kernels
         count the sink as a key of their online softmax, at the end of each row.
     """
-    _check(q, k, v, scale, kv_lengths)
+    _check(q, k, v, scale, kv_lengths, causal)
     cap = None if logits_soft_cap is None else L.static_number(logits_soft_cap)
     if logits_soft_cap is not None and not (cap is not None and math.isfinite(cap) and cap > 0):
         raise L.number_error("attention", "logits_soft_cap", "a positive finite number or None", logits_soft_cap)
@@ -2296,7 +2310,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
         raise TypeError(f"attention: mask must be boolean; got {jnp.asarray(mask).dtype}")
     mask4, mask_bh = _as_4d("mask", mask, b, h, sq, sk) if mask is not None else (None, None)
     bias4, bias_bh, key_bias = _biases(bias, b, h, sq, sk)
-    scale = 1 / math.sqrt(d) if scale is None else L.static_number(scale)
+    scale = (1 / math.sqrt(d) if d else 1.0) if scale is None else L.static_number(scale)  # (d = 0: empty, as jax.nn)
     drop = _dropout_multiplier(dropout_rate, dropout_rng, broadcast_dropout, dropout_multiplier, q.dtype, b, h, sq, sk)
     drop4, drop_bh = _as_4d("dropout_multiplier", drop, b, h, sq, sk) if drop is not None else (None, None)
     sink_rows = None if sinks is None else _sink_rows(sinks, b, h, sq)
@@ -2311,7 +2325,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, bias=None, scale: flo
     causal, window = _kernel_window(window, bool(causal), sq, sk)
     if mask4 is not None and window is not None:  # the mask's tile lists skip what the window hides
         mask4, window = mask4 & _visible(sq, sk, False, None, None, b, window), None
-    kv_len = None if kv_lengths is None else jnp.asarray(kv_lengths).astype(jnp.int32)
+    # (clipped first: a uint32 or int64 length past 2^31 must not wrap to a negative one)
+    kv_len = None if kv_lengths is None else jnp.clip(jnp.asarray(kv_lengths), 0, sk).astype(jnp.int32)
     if mask4 is not None and kv_len is not None:  # the tile lists must know the lengths too
         mask4 = mask4 & (jnp.arange(sk) < kv_len[:, None, None, None])
         mask_bh = (b > 1, mask_bh[1])
