@@ -359,8 +359,8 @@ def _jit_wrapper(fun: Callable, backend: str | None) -> Callable:
 
 
 def _weakly(refs: list, fun: Callable, signature) -> Callable:
-    """The first live callable of `refs` (weak references to callables equal to fun), called; named,
-    documented and signed as fun."""
+    """The latest live callable of `refs` (weak references to callables equal to fun), called;
+    named, documented and signed as fun."""
     def call(*args, **kwargs):
         live = next(f for f in (r() for r in reversed(refs)) if f is not None)
         return live(*args, **kwargs)
