@@ -510,9 +510,14 @@ def found_in(graph: Graph, live, by_anchor: dict, names) -> frozenset:
     at = collections.defaultdict(list)  # primitive -> live equations
     for i in sorted(live):
         at[graph.eqns[i].primitive.name].append(i)
-    return frozenset(pattern.name for anchor, entries in by_anchor.items() for pattern, template in entries
-                     if pattern.name in names and any(anchor_fits(graph, i, anchor_signature(template)) and
-                                                      unify(template, graph, i, strict=False) for i in at[anchor]))
+    found = set()
+    for anchor, entries in by_anchor.items():
+        for pattern, template in entries:
+            if pattern.name in names and pattern.name not in found and any(  # (one template found is enough)
+                    anchor_fits(graph, i, anchor_signature(template)) and unify(template, graph, i, strict=False)
+                    for i in at[anchor]):
+                found.add(pattern.name)
+    return frozenset(found)
 
 
 def _representatives(dtypes) -> list:

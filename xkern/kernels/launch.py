@@ -80,11 +80,14 @@ def _interpreter_indexes_numpy_scalars() -> None:
     interpreter._patch_lang_tensor = patch_tensor_squeezing_index
 
 
-def _language_modules(fn) -> set[int]:
-    """The triton.language modules a kernel's globals name (those the interpreter patches)."""
+@functools.lru_cache(maxsize=None)
+def _language_modules(fn) -> frozenset[int]:
+    """The triton.language modules a kernel's globals name (those the interpreter patches). Asked
+    at every helper call of an interpreted kernel, so kept per function (its module's globals name
+    the same modules for its life)."""
     import triton.language as tl
 
-    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
 
 def _interpreter_patches_the_language_once_per_launch() -> None:
