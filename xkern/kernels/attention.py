@@ -2379,9 +2379,9 @@ def aot_cases():
     heuristic picks: causal with GQA at head dims 128 / 256, every option (mask, bias and key bias,
     kv_lengths, dropout; key length a multiple of 16) and a causal sliding window at 128; for the
     first target of each vendor also causal GQA at 64, every option in float32 (the most shared
-    memory), a causal
-    mask alone (its visible runs take the unmasked path; key length not said to be a multiple of 16),
-    a causal soft cap and a key bias alone; and attention_hopper's kernels with their exps split (sm_90)."""
+    memory), a causal mask alone (its visible runs take the unmasked path; key length not said to be
+    a multiple of 16), a causal soft cap and a key bias alone; and attention_hopper's kernels with
+    their exps split (sm_90)."""
     from xkern.kernels.aot import SHARED_MEMORY
 
     every_option = {"HAS_MASK": True, "MASK_H": True, "HAS_BIAS": 3, "HAS_KV_LEN": True, "DROP": 7, "SK16": True}
