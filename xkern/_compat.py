@@ -109,13 +109,25 @@ def _spec_params() -> frozenset:
     return frozenset(inspect.signature(jax.ShapeDtypeStruct).parameters)
 
 
-def shaped_array_like(shape, dtype, avals):
+def explicit_mesh(avals):
+    """The mesh of Explicit axes that one of `avals` is typed on (jax.set_mesh; values' types carry
+    their shardings there), or None."""
+    explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+    for a in avals:
+        mesh = getattr(getattr(a, "sharding", None), "mesh", None)
+        if explicit is not None and mesh is not None and explicit in getattr(mesh, "axis_types", ()):
+            return mesh
+    return None
+
+
+def shaped_array_like(shape, dtype, avals, sharding=None):
     """A ShapedArray of `shape` and `dtype` that varies over every mesh axis one of `avals` varies
-    over (shard_map's type of a value computed on each device from those), on their mesh."""
+    over (shard_map's type of a value computed on each device from those), on their mesh; or,
+    outside shard_map, typed with `sharding` where one is given (a mesh of Explicit axes)."""
     from jax._src import core
     varying = frozenset().union(*map(varying_axes, avals))
     if not varying:
-        return core.ShapedArray(shape, dtype)
+        return core.ShapedArray(shape, dtype) if sharding is None else core.ShapedArray(shape, dtype, sharding=sharding)
     mesh = next(a.sharding.mesh for a in avals if varying_axes(a))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if hasattr(core, "ManualAxisType"):

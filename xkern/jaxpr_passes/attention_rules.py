@@ -837,9 +837,10 @@ def _split_dims(layout: str):
     """The dims of each input the kernels split across devices: batch and heads (kernels/attention's
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
     where the scores are ordered so). Of a batch of several dims (ANY_RANK), its first; of one
-    example, the heads."""
+    example, the heads. Of a vector, its one dim (key_value_seq_lengths: one per example; any other
+    is small, gathered where the kernels do not split it)."""
     def split_dims(i: int, ndim: int) -> set:
-        if layout == MQA and i in (1, 2) or layout == FOLDED:
+        if layout == MQA and i in (1, 2) or layout == FOLDED or ndim == 1:
             return {0}
         heads = ndim - (3 if layout.startswith("bhsd") or i >= 3 and not layout.startswith("bqhk") else 2)
         return ({0} if ndim > 3 else set()) | ({heads} if heads >= 0 else set())

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from xkern import _collector
+from xkern import _collector, _compat
 from xkern.jaxpr_passes import template_cache
 from xkern.jaxpr_passes.canonicalize import canonicalize, dce
 from xkern.jaxpr_passes.graph import Graph, as_literal, same_literal, unmarked
@@ -430,8 +430,11 @@ _trace_cached = functools.lru_cache(maxsize=4096)(
 
 
 def retrace(pattern: Pattern, avals, params: dict) -> Jaxpr:
-    """`trace`, cached per (pattern, input shapes and dtypes, params)."""
-    key = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
+    """`trace`, cached per (pattern, input shapes and dtypes, params); under a mesh of Explicit axes
+    with the inputs' shardings too (they are in the types, and jax writes them on the broadcasts,
+    iotas and reductions it traces from such inputs, as it did in the program)."""
+    key = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+                if _compat.explicit_mesh([a]) is not None else jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals)
     return _trace_cached(pattern, key, tuple(sorted(params.items())))
 
 

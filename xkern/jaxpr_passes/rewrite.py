@@ -295,13 +295,15 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
 
 def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
     """A reason to leave a match to XLA where the program constrains an input
-    (with_sharding_constraint) to be sharded along a dim its kernels do not split (partition.py:
-    the leading dim; attention's heads too): each device would gather it and compute the whole,
-    where XLA computes in parallel (a vocabulary sharded under the loss, a sequence under a norm).
-    splits(i, ndim): the dims of input i (of ndim dims) that may be sharded."""
+    (with_sharding_constraint), or types it (a mesh of Explicit axes), to be sharded along a dim its
+    kernels do not split (partition.py: the leading dim; attention's heads too): each device would
+    gather it and compute the whole, where XLA computes in parallel (a vocabulary sharded under the
+    loss, a sequence under a norm); and under Explicit axes the kernels' views of it as rows could
+    not be typed. splits(i, ndim): the dims of input i (of ndim dims) that may be sharded."""
     for i, v in enumerate(inputs):
         eqn = _constraint_of(graph, v)
-        sharding = eqn.params.get("sharding") if eqn is not None else None
+        sharding, how = (eqn.params.get("sharding"), "with_sharding_constraint") if eqn is not None else (
+            _typed_sharding(v), "its type, on a mesh of Explicit axes")
         spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
         if spec is None or mesh is None:
             continue
@@ -311,9 +313,15 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
                 continue
             if math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
                 return (f"an input is sharded along its dim {d} over mesh axes {axes} "
-                        f"(with_sharding_constraint), which the kernels do not split: each device would "
+                        f"({how}), which the kernels do not split: each device would "
                         f"gather it and compute the whole, where XLA computes its share")
     return None
+
+
+def _typed_sharding(v):
+    """The sharding v's type carries (a mesh of Explicit axes), or None."""
+    aval = getattr(v, "aval", None)
+    return aval.sharding if isinstance(v, Var) and _compat.explicit_mesh([aval]) is not None else None
 
 
 def _constraint_of(graph: Graph, v, depth: int = 8):

@@ -244,10 +244,15 @@ xkern_kernel_p.def_impl(functools.partial(_compat.apply_primitive, xkern_kernel_
 _compat.require_devices_when_lowering(xkern_kernel_p)  # sharded programs partition launches
 
 
-def _abstract_eval(*avals, out_shapes, **_):
+def _abstract_eval(*avals, out_shapes, **params):
     """Inside shard_map a launch works on each device's own values: its outputs vary over every
-    mesh axis an input varies over."""
-    return [_compat.shaped_array_like(s.shape, s.dtype, avals) for s in out_shapes]
+    mesh axis an input varies over. Under a mesh of Explicit axes (values typed with their
+    shardings) its outputs are typed as the partitioner will split them (partition.py)."""
+    shardings = [None] * len(out_shapes)
+    if not any(_compat.varying_axes(a) for a in avals) and _compat.explicit_mesh(avals) is not None:
+        from xkern.kernels import partition
+        shardings = partition.typed_shardings(avals, dict(params, out_shapes=out_shapes))
+    return [_compat.shaped_array_like(s.shape, s.dtype, avals, sharding) for s, sharding in zip(out_shapes, shardings)]
 
 
 xkern_kernel_p.def_abstract_eval(_abstract_eval)

@@ -164,6 +164,17 @@ def _infer(mesh, arg_shapes, result_shape, *, params, rule):
     return _shardings(mesh, split, axes, heads, params["out_shapes"])[1]
 
 
+def typed_shardings(avals, params) -> list:
+    """Under a mesh of Explicit axes: the shardings of a launch's outputs as the partitioner gives
+    them (each split output's dim 0 over the rows' axes, its heads dim over the heads'), replicated
+    for a launch that cannot split, so that the program's types say what XLA computes."""
+    mesh = _compat.explicit_mesh(avals)
+    rule = L._SPLIT_RULES.get(params["kernel"])
+    if rule is None:
+        return [NamedSharding(mesh, PartitionSpec())] * len(params["out_shapes"])
+    return _infer(mesh, avals, None, params=params, rule=rule)
+
+
 def _summed(partials, rows: int, axes):
     """Partial sums (only their total is read) as the whole launch's `rows` rows, the same on every
     device: the devices' totals summed across them in the first row, zeros after. One all-reduce of
