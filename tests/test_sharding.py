@@ -181,6 +181,78 @@ def test_under_an_explicit_mesh_inputs_sharded_along_another_dim(name):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
+def _rope_of_positions(x, pos):
+    """Rotate-half RoPE with tables computed from per-example positions [b, s]."""
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, x.shape[-1], 2, dtype=jnp.float32) / x.shape[-1]))
+    angles = pos.astype(jnp.float32)[..., None] * inv
+    angles = jnp.concatenate([angles, angles], -1)[:, :, None, :]
+    return rope_rules.rotate_half_form(x, jnp.cos(angles), jnp.sin(angles))
+
+
+def _mixed_cases(rng):
+    """(name, function, arguments, each one's PartitionSpec, a kernel it must launch): operands of
+    one launch typed with different shardings."""
+    mask = rng.random((4, 2, 4, 32)) < 0.75
+    mask[..., 0] = True
+    return [
+        ("swiglu, b replicated", lambda a, b: jax.nn.silu(a) * b, [_normal(rng, (16, 64))] * 2, [P("data"), P()],
+         "swiglu_bwd"),
+        ("rms norm, the scale replicated", lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s,
+         [_normal(rng, (16, 64)), _normal(rng, (64,))], [P("data"), P()], "rms_norm_bwd"),
+        ("attention, q replicated", lambda q, k, v: jax.nn.dot_product_attention(q, k, v),
+         [_normal(rng, (4, 8, 2, 16)), _normal(rng, (4, 8, 2, 16)), _normal(rng, (4, 8, 2, 16))],
+         [P(), P("data"), P("data")], "attention_bwd_dq"),
+        ("attention, a mask sharded with the batch",
+         lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m),
+         [_normal(rng, (4, 4, 2, 16)), _normal(rng, (4, 32, 2, 16)), _normal(rng, (4, 32, 2, 16)), jnp.asarray(mask)],
+         [P("data")] * 4, "attention_bwd_dq"),
+        ("attention, heads sharded, a replicated bias",
+         lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, bias=b),
+         [_normal(rng, (2, 4, 8, 16)), _normal(rng, (2, 16, 8, 16)), _normal(rng, (2, 16, 8, 16)),
+          _normal(rng, (2, 1, 4, 16))], [P(None, None, "data")] * 3 + [P()], "attention_fwd_split_kv"),
+        ("rope, x replicated, positions sharded", _rope_of_positions,
+         [_normal(rng, (8, 12, 4, 16)), jnp.asarray(rng.integers(0, 64, (8, 12)), jnp.int32)], [P(), P("data")],
+         "rope_bwd"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(6), ids=[c[0] for c in _mixed_cases(np.random.default_rng(0))])
+def test_under_an_explicit_mesh_operands_of_one_launch_sharded_differently(case):
+    """Under a mesh of Explicit axes, a kernel's operands typed with different shardings: each
+    gradient comes back of its primal's type (launch._typed_vjp), masks split into tiles and k/v
+    heads repeated keep their types, per-example rope tables beside a replicated x are mapped over
+    alike; values, gradients and shardings as jax.jit's."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    name, f, args, specs, kernel = _mixed_cases(np.random.default_rng(case))[case]
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+        ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+        assert kernel in kernel_names(jax.make_jaxpr(ours)(*args)), name
+        got, want = jax.block_until_ready((ours(*args), theirs(*args)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (name, g.sharding, w.sharding)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
+def test_under_an_explicit_mesh_a_norm_of_a_scale_sharded_along_the_features_is_left_to_xla():
+    """The scale typed as sharded along the features (the normalized dim): jax.jit's result is
+    sharded there, the kernels read the scale whole: the norm with its scale is declined, saying so
+    (the norm without it may run, XLA multiplying by the scale); values and shardings as jax.jit's."""
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    rng = np.random.default_rng(7)
+    f = lambda x, s: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * s
+    with jax.set_mesh(mesh):
+        x, s = jax.device_put(_normal(rng, (16, 64)), NamedSharding(mesh, P())), \
+            jax.device_put(_normal(rng, (64,)), NamedSharding(mesh, P("data")))
+        report = xkern.explain(f)(x, s)
+        assert any(d.pattern.startswith("rms_norm/") and "*scale" in d.pattern and "sharded along its dim 0" in d.reason
+                   for d in report.declined), report
+        got, want = jax.block_until_ready((_value_and_grads(xkern.optimize(f))(x, s), _value_and_grads(f)(x, s)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
 def test_explain_under_an_explicit_mesh_of_a_differentiated_loss():
     """xkern.explain of value_and_grad of a loss over arrays typed as sharded: it reports the
     cross-entropy kernel, and xkern.jit's value and gradient are jax.jit's, sharded as jax.jit's."""

@@ -120,6 +120,42 @@ def explicit_mesh(avals):
     return None
 
 
+def reshape_after(x, shape, leading: int):
+    """x.reshape(shape) where its first `leading` dims stay as they are: on a mesh of Explicit axes,
+    typed with their sharding (jax types only simple reshapes of a sharded array by itself)."""
+    aval = jax.typeof(x)
+    if explicit_mesh([aval]) is None:
+        return x.reshape(shape)
+    return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(*tuple(aval.sharding.spec)[:leading]))
+
+
+def repeat(x, repeats: int, axis: int):
+    """jnp.repeat, typed as x is on a mesh of Explicit axes (where jax asks which sharding to give)."""
+    aval = jax.typeof(x)
+    sharding = aval.sharding if explicit_mesh([aval]) is not None else None
+    return jax.numpy.repeat(x, repeats, axis=axis, out_sharding=sharding)
+
+
+def first_dims_alike(arrays: list) -> list:
+    """The arrays with dim 0 sharded alike, as the first one sharded there is, on a mesh of Explicit
+    axes (jax.vmap over dim 0 wants that); elsewhere as they are."""
+    avals = [jax.typeof(a) for a in arrays]
+    if explicit_mesh(avals) is None:
+        return list(arrays)
+    specs = [tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in avals]
+    first = next((spec[0] for spec in specs if spec[0] is not None), None)
+    return [a if spec[0] == first else jax.sharding.reshard(a, jax.sharding.PartitionSpec(first, *spec[1:]))
+            for a, spec in zip(arrays, specs)]
+
+
+def resharded(value, sharding):
+    """value with `sharding`, where the two differ (and `sharding` is of a mesh: the types carry one)."""
+    if (not sharding.mesh.axis_names or jax.typeof(value).sharding.spec == sharding.spec
+            or value.dtype == jax.dtypes.float0):
+        return value
+    return jax.sharding.reshard(value, sharding)
+
+
 def shaped_array_like(shape, dtype, avals, sharding=None):
     """A ShapedArray of `shape` and `dtype` that varies over every mesh axis one of `avals` varies
     over (shard_map's type of a value computed on each device from those), on their mesh; or,

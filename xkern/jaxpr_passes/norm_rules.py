@@ -234,8 +234,9 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
 
 def _split_dims(i: int, ndim: int) -> set:
     """The dims the norm kernels split (kernels/norms._split): the first, and the one before the
-    normalized dim (a sequence, per-head norms' heads) of x and of a residual of 3 dims or more."""
-    return {0, ndim - 2} if ndim >= 3 else {0}
+    normalized dim (a sequence, per-head norms' heads) of x and of a residual of 3 dims or more; of a
+    vector (a scale, a bias: read whole by every program), none."""
+    return {0, ndim - 2} if ndim >= 3 else {0} if ndim == 2 else set()
 
 
 def _rounds_params(fn, x, params, eps) -> bool:

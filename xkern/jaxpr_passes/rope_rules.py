@@ -38,6 +38,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from xkern import _compat
 from xkern.jaxpr_passes.patterns import Pattern
 from xkern.kernels import rope as kernels
 
@@ -158,7 +159,7 @@ def apply_rope(x, cos, sin, *, interleaved, full_width, out_dtype, backend):
         y = rope(x4, *(t.reshape(seq, width) for t in tables))
     else:  # a table per batch entry (per-example positions): the kernel under vmap
         per_entry = [jnp.broadcast_to(t, (*lead, seq, width)).reshape(-1, seq, width) for t in tables]
-        y = jax.vmap(rope)(x4, *per_entry)
+        y = jax.vmap(rope)(*_compat.first_dims_alike([x4, *per_entry]))
     return y.reshape(x.shape)
 
 

@@ -44,6 +44,7 @@ from xkern.kernels import launch as L  # first: it fixes Triton's mode before th
 import triton
 import triton.language as tl
 
+from xkern import _compat
 from xkern.fusion.triton_math import tanh_absolute, tanh_approx
 from xkern.kernels import attention_hopper
 from xkern.kernels.hopper import free_dead_barriers
@@ -62,7 +63,7 @@ def reference(q, k, v, *, causal=False, mask=None, bias=None, scale=None, kv_len
     attention takes them, [heads] or broadcastable to [batch, heads, q_seq, 1]."""
     qf, kf, vf = (a.astype(jnp.float32) for a in (q, k, v))
     group = q.shape[2] // k.shape[2]
-    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
+    kf, vf = _compat.repeat(kf, group, axis=2), _compat.repeat(vf, group, axis=2)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _capped(jnp.einsum("bqhd,bkhd->bhqk", qf, kf) * scale, logits_soft_cap)
     if bias is not None:
@@ -1452,7 +1453,7 @@ def _mask_tiles(mask, config: L.Config, causal: bool, by_keys: bool = False):
     mb, mh, sq, sk = mask.shape
     nq, nk = L.cdiv(sq, bm), L.cdiv(sk, bn)
     pad = ((0, 0), (0, 0), (0, nq * bm - sq), (0, nk * bn - sk))
-    as_tiles = lambda visible: jnp.pad(visible, pad).reshape(mb, mh, nq, bm, nk, bn)
+    as_tiles = lambda visible: _compat.reshape_after(jnp.pad(visible, pad), (mb, mh, nq, bm, nk, bn), 2)
     shown = as_tiles(mask != 0).all((3, 5))  # [mb, mh, nq, nk]: tiles the mask shows whole
     if causal:
         tiles = as_tiles((mask != 0) & (jnp.arange(sk)[None, :] <= jnp.arange(sq)[:, None]))
@@ -1963,7 +1964,7 @@ def _mean_values(v, kv_len, heads, dtype=None):
     """[batch, 1, heads, d]: each q head's mean value over the keys inside the length, in `dtype`
     (default v's)."""
     values, _ = _mean_values_parts(v, kv_len)
-    return jnp.repeat(values, heads // v.shape[2], axis=1)[:, None].astype(dtype or v.dtype)
+    return _compat.repeat(values, heads // v.shape[2], axis=1)[:, None].astype(dtype or v.dtype)
 
 
 def _mean_values_parts(v, kv_len):
@@ -2016,7 +2017,7 @@ def _biased_empty_chunked_vjp(q, k, v, do_empty, delta_empty, kv_len, drop, scal
     b, sq, heads, d = q.shape
     sk, kv_heads = k.shape[1], k.shape[2]
     _, w = _mean_values_parts(v, kv_len)  # [batch, sk]
-    kf, vf = (jnp.repeat(a.astype(jnp.float32), heads // kv_heads, axis=2) for a in (k, v))
+    kf, vf = (_compat.repeat(a.astype(jnp.float32), heads // kv_heads, axis=2) for a in (k, v))
     n, chunk = _query_chunk(q, sk)
     chunks = lambda a, axis: _in_query_chunks(a, axis, n, chunk)
 
@@ -2047,7 +2048,7 @@ def _dropped_weights(v, kv_len, drop):
 def _dropped_means(v, kv_len, drop, heads):
     """[batch, sq, heads, d]: what a row that sees no key gets under dropout (masked_rows="average"):
     the mean of the values, each times its multiplier (as flax's uniform weights, dropped)."""
-    vf = jnp.repeat(v.astype(jnp.float32), heads // v.shape[2], axis=2)
+    vf = _compat.repeat(v.astype(jnp.float32), heads // v.shape[2], axis=2)
     weights = jnp.broadcast_to(_dropped_weights(v, kv_len, drop), (v.shape[0], heads, *drop.shape[2:]))
     return jnp.einsum("bhqk,bkhd->bqhd", weights, vf)
 
@@ -2063,7 +2064,7 @@ def _bias_grads(q, k, v, mask, bias, key_bias, kv_len, drop, do, lse, delta, st:
     """dbias = ds summed to the bias's shape, and the key bias's (ds summed over the queries), by XLA
     (dead code, removed by XLA, unless used)."""
     group = q.shape[2] // k.shape[2]
-    kf, vf = (jnp.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
+    kf, vf = (_compat.repeat(a.astype(jnp.float32), group, axis=2) for a in (k, v))
     s = _capped(jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), kf) * st.scale, st.softcap)
     s = s + (0.0 if bias is None else bias.astype(jnp.float32)) + (0.0 if key_bias is None else key_bias[:, :, None])
     visible = _visible(q.shape[1], k.shape[1], st.causal, None if mask is None else mask != 0,

@@ -244,7 +244,7 @@ def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = Non
 
     def bwd(residuals, cotangents):
         inputs = residuals[0] if fused.k else residuals
-        return tuple(_resharded(g, jax.typeof(x).sharding) for g, x in zip(grads(residuals, cotangents), inputs))
+        return tuple(_compat.resharded(g, jax.typeof(x).sharding) for g, x in zip(grads(residuals, cotangents), inputs))
 
     def grads(residuals, cotangents):
         if not fused.k:
@@ -269,23 +269,15 @@ def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = Non
 # typed it (a select takes only operands of one sharding) and cotangents of its outputs' types, and
 # the custom_vjp wants each gradient of its input's type.
 
-def _resharded(value, sharding):
-    """value with `sharding`, where the two differ (and `sharding` is of a mesh: the types carry one)."""
-    if (not sharding.mesh.axis_names or jax.typeof(value).sharding.spec == sharding.spec
-            or value.dtype == jax.dtypes.float0):
-        return value
-    return jax.sharding.reshard(value, sharding)
-
-
 def _typed(values, program_vars) -> list:
     """The values with the shardings the program typed them with."""
-    return [_resharded(x, v.aval.sharding) for x, v in zip(values, program_vars)]
+    return [_compat.resharded(x, v.aval.sharding) for x, v in zip(values, program_vars)]
 
 
 def _vjp(f, primals, cotangents):
     """f's vjp at `primals`, applied to `cotangents` given f's outputs' shardings."""
     outs, f_vjp = jax.vjp(f, *primals)
-    return f_vjp(jax.tree.map(lambda c, o: _resharded(c, jax.typeof(o).sharding), cotangents, outs))
+    return f_vjp(jax.tree.map(lambda c, o: _compat.resharded(c, jax.typeof(o).sharding), cotangents, outs))
 
 
 def _batch(args, dims, *, info, backend, config, **params):

@@ -263,7 +263,8 @@ def varying_alike(op):
     each over every mesh axis one of them varies over (jax's pvary; its transpose sums a replicated
     argument's gradient over the devices, as jax does where such an argument meets a per-device one).
     Without it the backward kernels' cotangents, computed from per-device values, would not have
-    their replicated primals' type. Outside shard_map nothing changes."""
+    their replicated primals' type. Outside shard_map nothing changes. Under a mesh of Explicit axes
+    each gradient is resharded to its primal's type (`_typed_vjp`)."""
     arrays = (jax.Array, jax.core.Tracer, np.ndarray, np.generic)  # static arguments are neither
 
     @functools.wraps(op)
@@ -275,17 +276,58 @@ def varying_alike(op):
                     if isinstance(a, arrays) else a for a in args]
         return op(*args)
 
-    alike.defvjp = op.defvjp
+    alike.defvjp = lambda fwd, bwd, **kw: op.defvjp(*_typed_vjp(fwd, bwd, op.nondiff_argnums), **kw)
     return alike
+
+
+@jax.tree_util.register_pytree_node_class
+class _Typed:
+    """A custom_vjp's residuals and, as static data, the shardings its differentiated arguments were
+    typed with (None: not on a mesh of Explicit axes)."""
+
+    def __init__(self, residuals, shardings):
+        self.residuals, self.shardings = residuals, shardings
+
+    def tree_flatten(self):
+        return (self.residuals,), self.shardings
+
+    @classmethod
+    def tree_unflatten(cls, shardings, children):
+        return cls(children[0], shardings)
+
+
+def _typed_vjp(fwd, bwd, nondiff_argnums):
+    """fwd and bwd of a custom_vjp whose bwd returns each gradient with its primal's sharding: under
+    a mesh of Explicit axes the kernels' cotangents come typed as the launches split (an operand
+    replicated beside a sharded one gets a gradient typed sharded), and jax wants each gradient of
+    its primal's type."""
+    def typed_fwd(*args):
+        out, residuals = fwd(*args)
+        diff = [getattr(a, "value", a) for i, a in enumerate(args) if i not in nondiff_argnums]  # (symbolic_zeros:
+        # CustomVJPPrimal)
+        avals = [jax.typeof(a) if hasattr(a, "shape") else None for a in diff]
+        explicit = _compat.explicit_mesh([a for a in avals if a is not None]) is not None
+        return out, _Typed(residuals, tuple(a and a.sharding for a in avals) if explicit else None)
+
+    def typed_bwd(*args):
+        *static, typed, cotangents = args
+        grads = bwd(*static, typed.residuals, cotangents)
+        if typed.shardings is None:
+            return grads
+        return tuple(g if s is None or g is None else _compat.resharded(g, s) for g, s in zip(grads, typed.shardings))
+    return typed_fwd, typed_bwd
 
 
 def _no_jvp(primals, tangents, *, kernel, **_):
     raise NotImplementedError(
         f"xkern kernel {kernel!r} is differentiated by its op's custom_vjp, not by forward mode; "
-        "use jax.grad / jax.vjp on the op (forward-mode jax.jvp is not supported). For forward-mode "
-        "derivatives of an optimized function (jax.jvp of jax.grad: a Hessian-vector product), give "
-        "xkern the whole computation instead, e.g. xkern.jit(lambda x, v: jax.jvp(jax.grad(f), (x,), "
-        "(v,))): it replaces what is differentiated backwards and leaves the forward mode to jax")
+        "use jax.grad / jax.vjp on the op (forward-mode jax.jvp is not supported). A derivative of a "
+        "gradient taken through xkern's kernels (jax.grad of a function that calls "
+        "jax.grad(xkern.optimize(f)): a gradient penalty, MAML, a Hessian; or jax.jvp of jax.grad: a "
+        "Hessian-vector product) differentiates the kernels themselves: give xkern the whole "
+        "computation instead, e.g. xkern.jit(lambda x, v: jax.jvp(jax.grad(f), (x,), (v,))) or "
+        "xkern.optimize(lambda x: jax.grad(lambda y: jnp.sum(jax.grad(f)(y) ** 2))(x)): it replaces "
+        "what is differentiated backwards and leaves the rest to jax")
 
 
 ad.primitive_jvps[xkern_kernel_p] = _no_jvp
