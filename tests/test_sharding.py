@@ -270,6 +270,24 @@ def test_explain_under_an_explicit_mesh_of_a_differentiated_loss():
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-3)
 
 
+def test_a_process_ends_with_an_interpreted_sharded_result_never_waited_on():
+    """A script whose last sharded result (launches interpreted on several CPU devices) is never
+    waited on still exits: the launches finish before Python shuts down (they call back into it)."""
+    import subprocess
+    import sys
+    script = "\n".join([
+        "import os; os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=4'",
+        "os.environ['XKERN_BACKEND'] = 'interpret'",
+        "import jax, jax.numpy as jnp, numpy as np, xkern",
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P",
+        "mesh = Mesh(np.array(jax.devices()[:4]), ('data',))",
+        "a = jax.device_put(jnp.ones((16, 64)), NamedSharding(mesh, P('data')))",
+        "out = jax.jit(jax.grad(lambda a: jnp.sum(jnp.sin(xkern.optimize(lambda a: jax.nn.silu(a) * a)(a)))))(a)",
+        "print('done', flush=True)"])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "done" in run.stdout, run.stderr[-2000:]
+
+
 def test_an_unsplittable_launch_runs_whole_on_every_device(mesh):
     """Rows sharded on a dim the kernel reduces over: gathered, then the kernel runs on all of them."""
     x = jax.device_put(_normal(np.random.default_rng(1), (4, 64)), NamedSharding(mesh, P(None, "data")))

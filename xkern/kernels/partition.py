@@ -15,6 +15,7 @@ count) runs whole on every device, as before.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import math
@@ -235,6 +236,9 @@ def _register_target() -> None:
                                                                    ctypes.c_void_p)
     capsule = new_capsule(ctypes.cast(function, ctypes.c_void_p).value, b"xla._CUSTOM_CALL_TARGET", None)
     jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu", api_version=0)
+    # A launch still running at exit calls back into a Python that is shutting down, and the process
+    # never ends: wait for every result first.
+    atexit.register(lambda: [a.block_until_ready() for a in jax.live_arrays()])
 
 
 def lower_interpreted(ctx, arrays, params):
