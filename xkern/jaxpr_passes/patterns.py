@@ -571,7 +571,9 @@ def _trace_registry(patterns: list[Pattern]) -> tuple[dict, list]:
     for pattern in patterns:
         templates = []
         for dtype in _representatives(pattern.dtypes):
-            t = trace(pattern, pattern.example(dtype), pattern.example_params)
+            # (off any mesh the program is traced under: templates are stored for every later program)
+            with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+                t = trace(pattern, pattern.example(dtype), pattern.example_params)
             if not any(same_jaxpr(t, other) for other in templates):
                 templates.append(t)
         fresh = []
