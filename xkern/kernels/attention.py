@@ -1533,7 +1533,7 @@ def _merge_splits(o_part, lse_part, heads: int, dtype, sinks=None):
         sunk = sinks.reshape(b, kv_heads, group, sq).transpose(0, 1, 3, 2).reshape(b, kv_heads, 1, rows) * LOG2E
         top_part = jnp.concatenate([top_part, sunk.astype(jnp.float32)], axis=2)
         log_sum = jnp.concatenate([log_sum, jnp.zeros_like(sunk, jnp.float32)], axis=2)
-        o_part = jnp.concatenate([o_part, jnp.zeros((b, kv_heads, 1, rows, d), o_part.dtype)], axis=2)
+        o_part = jnp.concatenate([o_part, jnp.zeros_like(o_part[:, :, :1])], axis=2)  # typed as o_part
     top = jnp.max(top_part, axis=2, keepdims=True)
     shift = jnp.where(top == -jnp.inf, 0.0, top)
     weights = jnp.exp2(top_part - shift + log_sum)  # [b, kv_heads, splits, rows]
@@ -1969,7 +1969,9 @@ def _mean_values(v, kv_len, heads, dtype=None):
 
 def _mean_values_parts(v, kv_len):
     sk = v.shape[1]
-    real = jnp.ones((v.shape[0], sk), bool) if kv_len is None else jnp.arange(sk) < kv_len[:, None]
+    # ones_like of v's slice, not jnp.ones: typed with v's batch sharding on a mesh of Explicit axes
+    # (a replicated weights array would make XLA gather v for the einsum)
+    real = jnp.ones_like(v[:, :, 0, 0], bool) if kv_len is None else jnp.arange(sk) < kv_len[:, None]
     count = jnp.maximum(jnp.sum(real, 1), 1).astype(jnp.float32)  # no real key: zeros
     weights = real / count[:, None]  # [batch, kv_seq]
     return jnp.einsum("bk,bkhd->bhd", weights, v.astype(jnp.float32)), weights
