@@ -291,6 +291,47 @@ def test_a_process_ends_with_an_interpreted_sharded_result_never_waited_on():
     assert run.returncode == 0 and "done" in run.stdout, run.stderr[-2000:]
 
 
+_PLAN_MAXTEXT_ATTENTION = """
+import sys, jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from xkern import pipeline
+from xkern.jaxpr_passes import patterns
+sys.path.insert(0, sys.argv[2])
+from test_attention import maxtext_attention, _maxtext_mask
+traced = []
+trace_registry = patterns._trace_registry
+patterns._trace_registry = lambda family: traced.extend(family) or trace_registry(family)
+f = lambda q, k, v: maxtext_attention(q, k, v, _maxtext_mask(jnp.ones((4, 8), jnp.int32)))
+args = [jnp.ones((4, 8, 2, 16), jnp.bfloat16)] * 3
+if sys.argv[1] == "explicit":
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, P("data"))) for a in args]
+        plan = pipeline.plan(jax.make_jaxpr(f)(*args), "interpret")
+else:
+    plan = pipeline.plan(jax.make_jaxpr(f)(*args), "interpret")
+print(len(traced), sorted(r.match.pattern.name for r in plan.rewrites.values()))
+"""
+
+
+def test_templates_first_traced_under_an_explicit_mesh_serve_a_later_process_without_one(tmp_path):
+    """The template cache (template_cache.py) holds templates traced off any mesh: a process that
+    first traces a family inside jax.set_mesh (Explicit axes) stores templates that a later process,
+    with no mesh, loads (tracing nothing) and still finds its pattern with. Templates typed with
+    the first program's mesh matched neither program (MaxText's attention, as here)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XKERN_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    tests = os.path.dirname(os.path.abspath(__file__))
+    runs = [subprocess.run([sys.executable, "-c", _PLAN_MAXTEXT_ATTENTION, how, tests], env=env, capture_output=True,
+                           text=True, timeout=300) for how in ("explicit", "none")]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    (first, found_first), (second, found_second) = (r.stdout.split(" ", 1) for r in runs)
+    assert int(first) > 0 and int(second) == 0  # the second process loaded what the first stored
+    assert "attention/maxtext dot_product+mask" in found_first and found_second == found_first
+
+
 def test_an_unsplittable_launch_runs_whole_on_every_device(mesh):
     """Rows sharded on a dim the kernel reduces over: gathered, then the kernel runs on all of them."""
     x = jax.device_put(_normal(np.random.default_rng(1), (4, 64)), NamedSharding(mesh, P(None, "data")))
