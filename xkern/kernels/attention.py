@@ -1969,9 +1969,10 @@ def _mean_values(v, kv_len, heads, dtype=None):
 
 def _mean_values_parts(v, kv_len):
     sk = v.shape[1]
-    # ones_like of v's slice, not jnp.ones: typed with v's batch sharding on a mesh of Explicit axes
-    # (a replicated weights array would make XLA gather v for the einsum)
-    real = jnp.ones_like(v[:, :, 0, 0], bool) if kv_len is None else jnp.arange(sk) < kv_len[:, None]
+    # typed with v's batch sharding on a mesh of Explicit axes (replicated weights would make XLA
+    # gather v for the einsum)
+    real = (_compat.first_dims_alike([v, jnp.ones((v.shape[0], sk), bool)])[1] if kv_len is None
+            else jnp.arange(sk) < kv_len[:, None])
     count = jnp.maximum(jnp.sum(real, 1), 1).astype(jnp.float32)  # no real key: zeros
     weights = real / count[:, None]  # [batch, kv_seq]
     return jnp.einsum("bk,bkhd->bhd", weights, v.astype(jnp.float32)), weights

@@ -201,14 +201,16 @@ def _views(fused: Fused, inputs) -> tuple[list, int]:
 
 
 def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config,
-                  aliases: dict | None = None) -> list:
-    outs = [jax.ShapeDtypeStruct((n_rows, fused.n_cols) if k == "full" else (n_rows,), a.dtype)
+                  aliases: dict | None = None, n_cols: int | None = None) -> list:
+    """n_cols: the columns of this launch (a device's share where they are split), else the group's."""
+    n_cols = n_cols or fused.n_cols
+    outs = [jax.ShapeDtypeStruct((n_rows, n_cols) if k == "full" else (n_rows,), a.dtype)
             for k, a in zip(fused.output_kinds, fused.output_avals)]
     fn = codegen.load(fused.name, fused.source)
-    constexprs, grid = {"N_COLS": fused.n_cols}, L.cdiv(n_rows, config["BLOCK_M"])
+    constexprs, grid = {"N_COLS": n_cols}, L.cdiv(n_rows, config["BLOCK_M"])
     if fused.k:
         constexprs.update(K=fused.k, DOT_F32=backend == "interpret")
-        grid *= L.cdiv(fused.n_cols, config["BLOCK_N"])
+        grid *= L.cdiv(n_cols, config["BLOCK_N"])
         grid = min(grid, config["PROGRAMS"] or grid)  # persistent: each program loops over tiles
     return L.launch(fn, *views, n_rows, kernel=fused.name, out_shapes=outs, grid=(grid,),
                     config=config, backend=backend, constexprs=constexprs, info=fused, aliases=aliases)
@@ -307,16 +309,41 @@ def _batch(args, dims, *, info, backend, config, **params):
 
 def _split(params) -> L.Split:
     """Rows split across devices: full, row and matmul-operand (a) inputs and every output have
-    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared."""
+    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared. A group without
+    row reductions (every output full) also splits along its columns, as tensor parallelism shards
+    a hidden activation (the features of x @ w1, w1 sharded by column): full inputs and outputs
+    have them as dim 1, col inputs as dim 0, the weight b as dim 1; each device launches on its
+    columns, whose count N_COLS is then its share's."""
     fused: Any = params["info"]
     roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
+    by_cols = splits_columns(fused.output_kinds)
+    cols_args = tuple(_COLS_DIM.get(k) for k in fused.input_kinds) if by_cols else ()
 
     def relaunch(*views, backend, config, aliases, **_):
+        n_cols = next((v.shape[d] for v, d in zip(views, cols_args) if d is not None), fused.n_cols)
+        if fused.k and config["TMA"] and not tma_fits(fused.k, n_cols, np.dtype(views[1].dtype).itemsize):
+            config = config.replace(TMA=False, PROGRAMS=0)  # a share's rows of b too short for TMA
         return _launch_views(views, views[roles.index(L.ROWS)].shape[0], fused, backend, config,
-                             dict(aliases) or None)
+                             dict(aliases) or None, n_cols)
     return L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch,
-                   fits=lambda parts: L.ROWS in roles)
+                   fits=lambda parts: L.ROWS in roles, heads_args=cols_args,
+                   heads_outs=(1,) * len(fused.output_kinds) if by_cols else (), heads_fits=lambda parts: True)
 
+
+_COLS_DIM = {"full": 1, "col": 0, "b": 1}  # the dim of a kernel operand that holds the columns
+
+
+def splits_columns(output_kinds) -> bool:
+    """Whether a group's launches split along the columns too: none of its outputs reduces a row."""
+    return all(k == "full" for k in output_kinds)
+
+
+def split_dims(group: Group):
+    """For rewrite.unsplit_sharding: the dims of the group's input i (of ndim dims) that its
+    launches split, the rows' leading dim and, where the columns split, the last dim of full and
+    col inputs."""
+    by_cols = splits_columns([k for _, k in group.outputs])
+    return lambda i, ndim: {0, ndim - 1} if by_cols and group.inputs[i][1] in ("full", "col") else {0}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -241,17 +241,22 @@ def _batch(args, dims, *, kernel, constexprs, backend, config, **params):
 
 
 def _split(params) -> L.Split:
-    """Rows split across devices; the split form's [1] up / dup placeholders are shared."""
+    """Rows split across devices, and the columns of two projections; the split form's [1] up / dup
+    placeholders are shared."""
     consts, kernel = dict(params["constexprs"]), params["kernel"]
     split, fwd = consts["SPLIT"], kernel.endswith("_fwd")
     up = L.SHARED if split else L.ROWS
     kw = {"op": kernel.rsplit("_", 1)[0], "activation": consts["ACT"], "backend": params["backend"],
           "config": params["config"]}
+    # Two projections also split along their columns (tensor parallelism shards the hidden
+    # features); the split form's halves would not be a device's columns
+    cols = lambda n: {} if split else {"heads_args": (1,) * n, "heads_outs": (1,) * (1 if fwd else 2),
+                                       "heads_fits": lambda parts: True}
     if fwd:
         return L.Split((L.ROWS, up), (L.ROWS,),
-                       lambda gate, up2, **_: _launch_fwd(gate, None if split else up2, **kw))
+                       lambda gate, up2, **_: _launch_fwd(gate, None if split else up2, **kw), **cols(2))
     return L.Split((L.ROWS, up, L.ROWS), (L.ROWS, up),
-                   lambda gate, up2, dout, **_: _launch_bwd(gate, None if split else up2, dout, **kw))
+                   lambda gate, up2, dout, **_: _launch_bwd(gate, None if split else up2, dout, **kw), **cols(3))
 
 
 for _name in ("swiglu_fwd", "swiglu_bwd", "geglu_fwd", "geglu_bwd"):

@@ -189,7 +189,7 @@ def _batch(args, dims, *, constexprs, scalars, out_shapes, backend, config, **_)
 
 def _split(params) -> L.Split:
     """Rows split across devices in whole sequences: one shared table when every row uses it (each
-    device's rows then start at position 0), else whole tables along with their rows."""
+    device's rows then start at position 0), else whole tables along with their rows; and heads."""
     n_rows, seq, rows_per_table = (v for _, v in sorted(params["scalars"]))
     one_table = rows_per_table == n_rows
     flags = dict(params["constexprs"])
@@ -200,11 +200,14 @@ def _split(params) -> L.Split:
                         out_dtype=params["out_shapes"][0].dtype, backend=params["backend"],
                         config=params["config"])]
 
+    # x [rows, heads, head_dim] also splits along its heads, as tensor parallelism shards q and k;
+    # the tables are the same for every head
+    heads = {"heads_args": (1, None, None), "heads_outs": (1,), "heads_fits": lambda parts: True}
     if one_table:
         return L.Split((L.ROWS, L.SHARED, L.SHARED), (L.ROWS,), relaunch,
-                       fits=lambda parts: (n_rows // parts) % seq == 0)
+                       fits=lambda parts: (n_rows // parts) % seq == 0, **heads)
     return L.Split((L.ROWS, L.ROWS, L.ROWS), (L.ROWS,), relaunch,
-                   fits=lambda parts: (n_rows // rows_per_table) % parts == 0)
+                   fits=lambda parts: (n_rows // rows_per_table) % parts == 0, **heads)
 
 
 for _name in ("rope_fwd", "rope_bwd"):
