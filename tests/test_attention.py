@@ -2309,6 +2309,24 @@ def test_attention_near_misses_are_not_rewritten():
         close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
 
 
+def test_queries_of_another_dtype_than_the_cache_are_declined_saying_how_to_take_them():
+    """float32 queries against a bfloat16 cache (jnp promotes k and v inside the einsums): declined
+    with a reason that says so and what to do; with k and v cast, taken. Values as jax.jit's."""
+    q, _, _, _ = make(2, 1, 1, 4, 4, 8, jnp.float32, seed=2)
+    _, k, v, _ = make(2, 16, 16, 4, 4, 8, jnp.bfloat16, seed=3)
+
+    def step(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.float32(np.sqrt(8))
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
+    report = xkern.explain(step)(q, k, v)
+    assert not [m for m in report.matches if m.pattern.startswith("attention/")]
+    assert any("float32, bfloat16, bfloat16: the kernels take q, k and v of one dtype (jnp promotes them to "
+               "float32" in d.reason for d in report.declined), report
+    cast = lambda q, k, v: step(q, k.astype(jnp.float32), v.astype(jnp.float32))
+    assert [m for m in xkern.explain(cast)(q, k, v).matches if m.pattern.startswith("attention/")]
+    close(xkern.jit(step)(q, k, v), jax.jit(step)(q, k, v), jnp.float32)
+
+
 @pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")
 @pytest.mark.parametrize("shape", [(2, 40, 48, 2, 2, 32), (1, 37, 32, 4, 2, 32), (2, 16, 64, 2, 1, 64)],
                          ids=["odd queries", "gqa", "mqa"])

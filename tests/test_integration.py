@@ -330,6 +330,19 @@ def test_arguments_and_calls_as_jax_jit_takes_them():
         xkern.explain(softmax_at, static_argnums=["axis"])
 
 
+def test_jax_export_of_kernels_says_they_cannot_be_exported_and_what_can():
+    """jax.export of a program with xkern's kernels (for this platform or another) names the kernel
+    and the remedy; the same function with backend="xla" exports, and the export runs as jax.jit."""
+    from jax import export
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((4, 16)), jnp.float32)
+    f = lambda x: jax.nn.softmax(x * 2.0) + 1.0
+    for platforms in (None, ["cuda"]):
+        with pytest.raises(ValueError, match="cannot be exported.*backend='xla'"):
+            export.export(xkern.jit(f), platforms=platforms)(x)
+    exported = export.export(xkern.jit(f, backend="xla"))(x)
+    np.testing.assert_allclose(exported.call(x), jax.jit(f)(x), rtol=1e-6)
+
+
 def test_the_garbage_collector_is_paused_while_planning_and_restored_after():
     """Planning allocates millions of objects, and each full collection walks them all: the
     collector is paused while xkern traces and plans (the function below runs inside that), then

@@ -411,7 +411,11 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
             return f"dropout keep probability {params['keep']}"
         q, k, v = match.input_avals[:3]
         if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
-            return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
+            mixed = (f": the kernels take q, k and v of one dtype (jnp promotes them to "
+                     f"{jnp.result_type(q.dtype, k.dtype, v.dtype)} inside the products here): cast them to one "
+                     "dtype first to use the kernels"
+                     if all(a.dtype in ALL for a in (q, k, v)) else ": the attention kernels take one of bf16/fp16/fp32")
+            return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}{mixed}"
         rank = {MQA: (4, 3), FOLDED: (3, 3)}.get(layout, (4, 4))
         if layout == "bhsd" and q.ndim == 3:  # (one example [h, s, d]: heads folded into the batch, FOLDED's)
             return "q, k, v [heads, seq, dim] of one example: the spelling of heads folded into the batch takes them"

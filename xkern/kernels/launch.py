@@ -510,6 +510,12 @@ def _triton_call(*arrays, kernel, fn, scalars, out_shapes, grid, config, constex
 
 
 def _lower(ctx, *arrays, platform, **params):
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+        raise ValueError(
+            f"jax.export of a program that launches xkern's kernel {params['kernel']!r}: xkern's kernels "
+            "are Triton kernels built for the tracing machine (custom calls jax cannot serialize, host "
+            "callbacks on CPU), so they cannot be exported. Export the program as XLA computes it: "
+            "xkern.jit(f, backend='xla') or jax.jit(f)")
     rule = _SPLIT_RULES.get(params["kernel"])
     # (custom_partitioning needs an operand to shard by: a launch of none runs whole on every device)
     if rule is not None and arrays and _compat.partitioned_lowering(ctx):
