@@ -2309,6 +2309,42 @@ def test_attention_near_misses_are_not_rewritten():
         close(xkern.jit(f)(q, k, v), jax.jit(f)(q, k, v), jnp.float32)
 
 
+@pytest.mark.parametrize("spelling", ["[b,q,h,k], q scaled, a key mask broadcast", "[b,h,q,k], q scaled",
+                                      "[b,h,q,k], causal, q scaled", "[b,h,q,k], cast after the cap"])
+def test_soft_capped_scores_in_more_spellings(spelling):
+    """Gemma 2's cap tanh(s / c) * c where q carries the scale (as the gemma library scales it) in
+    either scores layout, with a key mask [b, k] broadcast over the queries, causal, or the capped
+    scores cast to float32 before the mask: the kernels take the cap; values and gradients as
+    jax.jit's in float32."""
+    b, t, h, d, cap = 2, 20, 4, 8, 5.0
+    q, k, v, do = make(b, t, t, h, h, d, jnp.bfloat16, seed=31)
+    q, k = q * 3, k * 3  # scores of a few caps
+    keys = jnp.arange(t)[None, :] < jnp.array([7, 20])[:, None]
+    bqhk = spelling.startswith("[b,q,h,k]")
+    qk, pv = ("bqhd,bkhd->bqhk", "bqhk,bkhd->bqhd") if bqhk else ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd")
+
+    def f(q, k, v, keys):
+        if "q scaled" in spelling:
+            q = q * d ** -0.5
+        s = jnp.einsum(qk, q, k)
+        s = s if "q scaled" in spelling else s * d ** -0.5
+        s = jnp.tanh(s / cap) * cap
+        s = s.astype(jnp.float32) if "cast after" in spelling else s
+        if "causal" in spelling:
+            s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -2.3819763e38)
+        else:
+            s = jnp.where(keys[:, None, None, :], s, -2.3819763e38)
+        return jnp.einsum(pv, jax.nn.softmax(s, -1).astype(v.dtype), v)
+    [match] = [m for m in xkern.explain(f)(q, k, v, keys).matches if m.op == "attention"]
+    assert match.params.get("cap") == cap, match
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, keys), jax.jit(f)(*f32, keys), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, keys).astype(jnp.float32) * do.astype(jnp.float32))
+    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
+        close(got, want, jnp.bfloat16)
+
+
 def test_queries_of_another_dtype_than_the_cache_are_declined_saying_how_to_take_them():
     """float32 queries against a bfloat16 cache (jnp promotes k and v inside the einsums): declined
     with a reason that says so and what to do; with k and v cast, taken. Values as jax.jit's."""

@@ -1031,6 +1031,20 @@ PATTERNS += [_pattern(by_hand(layout, causal, upcast, mask=mask, softcap=True), 
                       layout=layout, causal=causal, with_mask=mask, fill=bool(mask), shapes=SCORE_SHAPES, softcap=True)
              for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
              for upcast in (False, True)]
+# ... and with the scale on q (as the gemma library scales it, in any layout, with a key mask
+# broadcast over the queries too), or the scores cast to float32 before the cap (`upcast product`)
+# or after it, before the mask (`upcast_first`)
+PATTERNS += [_pattern(by_hand(layout, causal, upcast, mask=mask, scores=scores, softcap=True, upcast_first=first),
+                      HALF if upcast else ALL, layout=layout, causal=causal, with_mask=mask, fill=bool(mask),
+                      shapes=SCORE_SHAPES, softcap=True)
+             for layout in ("bshd", "bhsd") for causal, mask in ((False, None), (True, None), (False, "(broadcast)"))
+             for scores, upcast, first in (("scaled q", False, False), ("scaled q", True, False),
+                                           ("upcast product", True, False), ("product", True, True))
+             if not (first and not causal and not mask)]  # (nothing to mask: the cast is the one above)
+PATTERNS += [_pattern(by_hand(layout, False, upcast, mask="(broadcast)", scores="scaled q", softcap=True),
+                      HALF if upcast else ALL, layout=layout, with_mask="(broadcast)", fill=True, softcap=True,
+                      shapes=SCORE_SHAPES)
+             for layout in ("bqhk", "bqhk,gqa") for upcast in (False, True)]
 
 # Float32 probabilities into the product with v, a float32 result (flax's force_fp32_for_softmax; by
 # hand, a float32 scale such as np.sqrt(d) or lax.rsqrt(d) promotes the scores and nothing casts the
