@@ -719,17 +719,22 @@ def _features_parallel_cases(rng):
         ("swiglu of two projections", lambda x, w1, w3: jax.nn.silu(x @ w1) * (x @ w3), (x, w1, w3),
          (P("data"), by_column, by_column), "swiglu_"),
         ("rope, heads sharded", _rope, (q,), (features,), "rope_"),
+        ("generated, a row sum over the features", lambda h: jnp.sum(jnp.exp(h * 0.5) * h, -1), (h,), (features,),
+         "fused_"),
+        ("generated, a row max", lambda h: jnp.max(jnp.tanh(h) * 2.0, -1), (h,), (features,), "fused_"),
+        ("generated, a row mean", lambda h: jnp.mean(jnp.tanh(h) * h, -1), (h,), (features,), "fused_"),
     ]
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
-@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _features_parallel_cases(np.random.default_rng(0))])
-def test_elementwise_kernels_split_along_features_as_tensor_parallelism_shards_them(case, axis_type):
-    """Generated kernels without row reductions, GLUs of two projections and rope split along the
-    features (heads) too: each device launches on its examples and its features, so nothing is
-    gathered (the launch ran whole on every device: an all-gather of the largest activation
-    jax.jit lacks), with jax.jit's values, gradients, shardings and collectives. Under Explicit axes,
-    rope over sharded heads is left to XLA (its tables' layout decides which dim is the heads)."""
+@pytest.mark.parametrize("case", range(8), ids=[c[0] for c in _features_parallel_cases(np.random.default_rng(0))])
+def test_kernels_split_along_features_as_tensor_parallelism_shards_them(case, axis_type):
+    """Generated kernels, GLUs of two projections and rope split along the features (heads) too:
+    each device launches on its examples and its features, so nothing is gathered (the launch ran
+    whole on every device: an all-gather of the largest activation jax.jit lacks), with jax.jit's
+    values, gradients, shardings and collectives. A generated row sum, max or mean reduces each
+    device's features, then one all-reduce combines them, as jax.jit's. Under Explicit axes, rope
+    over sharded heads is left to XLA (its tables' layout decides which dim is the heads)."""
     rng = np.random.default_rng(30 + case)
     name, f, args, specs, kernel = _features_parallel_cases(rng)[case]
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
@@ -745,3 +750,20 @@ def test_elementwise_kernels_split_along_features_as_tensor_parallelism_shards_t
         assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (name, g.sharding, w.sharding)
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
     assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], name
+
+
+@pytest.mark.parametrize("after", ["sqrt of a sum", "a max times a negative number"])
+def test_a_row_value_computed_after_its_reduction_does_not_split_along_features(after):
+    """A generated row output computed after its reduction by more than a cast or a scale of a sum
+    (a norm's sqrt; a max scaled by -2 is a min): the devices' shares would not combine, so its
+    columns are not split; typed sharded along them (Explicit axes), it is left to XLA, saying so.
+    Values as jax.jit's."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    f = {"sqrt of a sum": lambda h: jnp.sqrt(jnp.sum(jnp.tanh(h) * h, -1)),
+         "a max times a negative number": lambda h: jnp.max(jnp.tanh(h) * 3.0, -1) * -2.0}[after]
+    with jax.set_mesh(mesh):
+        h = jax.device_put(_normal(np.random.default_rng(40), (4, 6, 64)), NamedSharding(mesh, P("data", None, "model")))
+        report = xkern.explain(f)(h)
+        got, want = jax.block_until_ready((xkern.jit(f)(h), jax.jit(f)(h)))
+    assert report.kernels == [] and any("sharded along its dim 2" in d.reason for d in report.declined), report
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -788,7 +788,7 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
                                           g.eqns[-1]))
             continue
         moved = sum(aval_bytes(v.aval) for v, _ in (*g.inputs, *g.outputs))
-        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], generated.split_dims(g)) or cost(
+        reason = unsplit_sharding(graph, [v for v, _ in g.inputs], generated.split_dims(g, graph.eqns)) or cost(
             "fused", [v.aval for v, _ in g.inputs],
             {"bytes": moved, "n_cols": g.n_cols, "fusable_neighbour": _fusable_neighbour(g, graph, plan.live, claimed)},
             backend)

@@ -316,7 +316,8 @@ def _split(params) -> L.Split:
     columns, whose count N_COLS is then its share's."""
     fused: Any = params["info"]
     roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
-    by_cols = splits_columns(fused.output_kinds)
+    reduced = _row_reductions(fused.group, fused.eqns)
+    by_cols = reduced is not None
     cols_args = tuple(_COLS_DIM.get(k) for k in fused.input_kinds) if by_cols else ()
 
     def relaunch(*views, backend, config, aliases, **_):
@@ -327,22 +328,58 @@ def _split(params) -> L.Split:
                              dict(aliases) or None, n_cols)
     return L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch,
                    fits=lambda parts: L.ROWS in roles, heads_args=cols_args,
-                   heads_outs=(1,) * len(fused.output_kinds) if by_cols else (), heads_fits=lambda parts: True)
+                   heads_outs=tuple(1 if k == "full" else None for k in fused.output_kinds) if by_cols else (),
+                   heads_fits=lambda parts: True, heads_reduced=reduced or ())
 
 
 _COLS_DIM = {"full": 1, "col": 0, "b": 1}  # the dim of a kernel operand that holds the columns
 
 
-def splits_columns(output_kinds) -> bool:
-    """Whether a group's launches split along the columns too: none of its outputs reduces a row."""
-    return all(k == "full" for k in output_kinds)
+_COMBINED = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 
 
-def split_dims(group: Group):
+def _row_reductions(group: Group, eqns) -> tuple | None:
+    """Per output, how its shares combine where the group's launches split along the columns: None
+    for a full output (each device writes its columns), "sum" / "max" / "min" for a row output that
+    is a reduction's result (each device reduces its columns; partition.py all-reduces them); None
+    for the whole group where a row output is computed after its reduction (a mean's division:
+    the shares would not combine), so the columns do not split."""
+    producers = {e.outvars[0]: e for e in eqns}
+    scalars = {v for v, kind in group.inputs if kind == "scalar"}
+    combined = []
+    for v, kind in group.outputs:
+        how = None if kind == "full" else _reduction_of(v, producers, scalars)
+        if kind != "full" and how is None:
+            return None
+        combined.append(how)
+    return tuple(combined)
+
+
+def _reduction_of(v, producers: dict, scalars: set) -> str | None:
+    """How shares of the row value v combine: its reduction's, through what commutes with it after
+    (a cast; for a sum, a product or quotient by a number: a mean's division), else None."""
+    number = lambda u: isinstance(u, Literal) or u in scalars
+    eqn, scaled = producers.get(v), False
+    while eqn is not None and eqn.primitive.name not in _COMBINED:
+        name, ins = eqn.primitive.name, eqn.invars
+        if name == "convert_element_type":
+            v = ins[0]
+        elif name == "mul" and len(ins) == 2 and any(map(number, ins)) and not all(map(number, ins)):
+            v, scaled = ins[1] if number(ins[0]) else ins[0], True
+        elif name == "div" and len(ins) == 2 and number(ins[1]) and not number(ins[0]):
+            v, scaled = ins[0], True
+        else:
+            return None
+        eqn = producers.get(v)
+    how = None if eqn is None else _COMBINED[eqn.primitive.name]
+    return None if scaled and how != "sum" else how  # (a max times a negative number is a min)
+
+
+def split_dims(group: Group, eqns):
     """For rewrite.unsplit_sharding: the dims of the group's input i (of ndim dims) that its
-    launches split, the rows' leading dim and, where the columns split, the last dim of full and
-    col inputs."""
-    by_cols = splits_columns([k for _, k in group.outputs])
+    launches split, the rows' leading dim and, where the columns split (_row_reductions), the last
+    dim of full and col inputs. eqns: the program's, which the group's indices name."""
+    by_cols = _row_reductions(group, [eqns[i] for i in group.eqns]) is not None
     return lambda i, ndim: {0, ndim - 1} if by_cols and group.inputs[i][1] in ("full", "col") else {0}
 
 

@@ -744,7 +744,9 @@ class Split:
     A second, independent split (attention's heads, which tensor parallelism shards): `heads_args`
     and `heads_outs` give each operand's and output's dim that splits with it (None: the same on
     every device along it), `heads_fits(parts)` whether it splits that many ways; relaunch then also
-    gets each device's heads (and reads how many from the shapes it is given)."""
+    gets each device's heads (and reads how many from the shapes it is given). `heads_reduced`, per
+    output: None, or how the devices' shares of an output that reduces along that dim combine
+    ("sum", "max", "min": a generated kernel's row sums over its columns), all-reduced across them."""
     args: tuple
     outs: tuple
     relaunch: Any
@@ -752,6 +754,7 @@ class Split:
     heads_args: tuple = ()
     heads_outs: tuple = ()
     heads_fits: Any = None
+    heads_reduced: tuple = ()
 
 
 _SPLIT_RULES: dict[str, Any] = {}

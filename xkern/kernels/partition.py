@@ -150,11 +150,17 @@ def _partition(mesh, arg_shapes, result_shape, *, params, rule):
         if not axes and not heads:
             return _whole(*local, params=params)
         outs = split.relaunch(*local, **params)
-        return [_summed(o, s.shape[0], axes + heads) if role == L.SUMMED and (axes or heads) else o
+        outs = [_summed(o, s.shape[0], axes + heads) if role == L.SUMMED and (axes or heads) else o
                 for o, s, role in zip(outs, out_shapes, split.outs)]
+        if heads and split.heads_reduced:  # each device reduced its own columns: combined here
+            outs = [_ALL_REDUCE[how](o, heads) if how else o for o, how in zip(outs, split.heads_reduced)]
+        return outs
 
     arg_shardings, out_shardings = _shardings(mesh, split, axes, heads, out_shapes)
     return mesh, lower_fn, out_shardings, arg_shardings
+
+
+_ALL_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 
 def _infer(mesh, arg_shapes, result_shape, *, params, rule):
