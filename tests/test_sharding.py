@@ -733,8 +733,7 @@ def test_kernels_split_along_features_as_tensor_parallelism_shards_them(case, ax
     each device launches on its examples and its features, so nothing is gathered (the launch ran
     whole on every device: an all-gather of the largest activation jax.jit lacks), with jax.jit's
     values, gradients, shardings and collectives. A generated row sum, max or mean reduces each
-    device's features, then one all-reduce combines them, as jax.jit's. Under Explicit axes, rope
-    over sharded heads is left to XLA (its tables' layout decides which dim is the heads)."""
+    device's features, then one all-reduce combines them, as jax.jit's."""
     rng = np.random.default_rng(30 + case)
     name, f, args, specs, kernel = _features_parallel_cases(rng)[case]
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
@@ -744,7 +743,7 @@ def test_kernels_split_along_features_as_tensor_parallelism_shards_them(case, ax
         launched = kernel_names(jax.make_jaxpr(ours)(*sharded))
         got, want = jax.block_until_ready(ours(*sharded)), jax.block_until_ready(theirs(*sharded))
         hlo, xla_hlo = (fn.lower(*sharded).compile().as_text() for fn in (ours, theirs))
-    assert any(k.startswith(kernel) for k in launched) != (axis_type == "Explicit" and kernel == "rope_"), launched
+    assert any(k.startswith(kernel) for k in launched), launched
     tol = 3e-2 if any(a.dtype == jnp.bfloat16 for a in args) else 2e-5
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (name, g.sharding, w.sharding)
@@ -767,3 +766,21 @@ def test_a_row_value_computed_after_its_reduction_does_not_split_along_features(
         got, want = jax.block_until_ready((xkern.jit(f)(h), jax.jit(f)(h)))
     assert report.kernels == [] and any("sharded along its dim 2" in d.reason for d in report.declined), report
     np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_under_an_explicit_mesh_rope_over_a_sharded_sequence_is_left_to_xla():
+    """x [b, h, s, d] (the tables' positions along dim 2) typed sharded along its sequence: not the
+    heads the kernels split (those are the dim before the last only in the [b, s, h, d] layout), so
+    the match is left to XLA, saying so; values, gradients and shardings as jax.jit's."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    angles = jnp.arange(8, dtype=jnp.float32)[:, None] * 0.1 ** jnp.arange(8)
+    angles = jnp.concatenate([angles, angles], -1)  # [s, d]: x's positions along its dim 2
+    f = jax.grad(lambda x: jnp.sum(jnp.sin(rope_rules.rotate_half_form(x, jnp.cos(angles), jnp.sin(angles)))))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(_normal(np.random.default_rng(41), (4, 4, 8, 16)), NamedSharding(mesh, P("data", None, "model")))
+        report = xkern.explain(f)(x)
+        got, want = jax.block_until_ready((xkern.jit(f)(x), jax.jit(f)(x)))
+    assert report.kernels == [] and any("typed sharded along its dim 2, which is not its heads" in d.reason
+                                        for d in report.declined), report
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -177,8 +177,20 @@ def _check(full_width):
             return "cos / sin have more axes than x"
         if 0 in x.shape:
             return "empty: nothing to rotate"
+        axis, _ = _table_layout(x.shape, jnp.broadcast_shapes(cos.shape, sin.shape))
+        spec = tuple(getattr(getattr(x, "sharding", None), "spec", None) or ())
+        if x.ndim >= 3 and axis != x.ndim - 3 and len(spec) > x.ndim - 2 and spec[x.ndim - 2] is not None:
+            return (f"x is typed sharded along its dim {x.ndim - 2}, which is not its heads (the tables' "
+                    "positions run along it, or heads are not the one dim before the last): the kernels "
+                    "split the heads only there")
         return None
     return check
+
+
+def _split_dims(i: int, ndim: int) -> set:
+    """The dims the rope kernels split (kernels/rope._split): the rows' first, and x's heads, the dim
+    before the last where the positions come before it (check declines x sharded there otherwise)."""
+    return {0, ndim - 2} if i == 0 and ndim >= 3 else {0}
 
 
 def _pattern(form: str, kind: str) -> Pattern:
@@ -201,7 +213,7 @@ def _pattern(form: str, kind: str) -> Pattern:
     return Pattern(name=f"rope/{form}{SUFFIX[kind]}", op="rope", fn=fn, dtypes=tuple(EXAMPLES[kind]),
                    example=example, params_of=lambda match: {}, check=_check(full_width),
                    replace=replace, xla_when=None if interleaved else _forward_alone, constants=constants,
-                   ignores=lambda params: set(range(3, 3 + constants)))
+                   ignores=lambda params: set(range(3, 3 + constants)), split_dims=_split_dims)
 
 
 def _forward_alone(perturbed: list[bool], params: dict) -> str | None:
@@ -246,7 +258,7 @@ def _complex_pattern(kind: str) -> Pattern:
                           out_dtype=out_dtype, backend=backend)
 
     return Pattern(name=f"rope/interleaved/complex multiply{SUFFIX[kind]}", op="rope", fn=fn, dtypes=(False, True),
-                   example=example, params_of=lambda match: {}, check=check, replace=replace)
+                   example=example, params_of=lambda match: {}, check=check, replace=replace, split_dims=_split_dims)
 
 
 class _Avals:
