@@ -244,11 +244,7 @@ def op(fused: Fused, backend: str, epilogue_vjp=None, aliases: dict | None = Non
         *outs, product = run(fused.with_product, inputs, backend)
         return outs, (inputs, product)
 
-    def bwd(residuals, cotangents):
-        inputs = residuals[0] if fused.k else residuals
-        return tuple(_compat.resharded(g, jax.typeof(x).sharding) for g, x in zip(grads(residuals, cotangents), inputs))
-
-    def grads(residuals, cotangents):
+    def bwd(residuals, cotangents):  # (each gradient typed as its input: launch._typed_vjp)
         if not fused.k:
             return _vjp(fused.reference, _typed(residuals, fused.input_vars), list(cotangents))
         (a, b, *others), product = residuals
