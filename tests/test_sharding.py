@@ -751,21 +751,32 @@ def test_kernels_split_along_features_as_tensor_parallelism_shards_them(case, ax
     assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], name
 
 
-@pytest.mark.parametrize("after", ["sqrt of a sum", "a max times a negative number"])
-def test_a_row_value_computed_after_its_reduction_does_not_split_along_features(after):
-    """A generated row output computed after its reduction by more than a cast or a scale of a sum
-    (a norm's sqrt; a max scaled by -2 is a min): the devices' shares would not combine, so its
-    columns are not split; typed sharded along them (Explicit axes), it is left to XLA, saying so.
-    Values as jax.jit's."""
-    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    f = {"sqrt of a sum": lambda h: jnp.sqrt(jnp.sum(jnp.tanh(h) * h, -1)),
-         "a max times a negative number": lambda h: jnp.max(jnp.tanh(h) * 3.0, -1) * -2.0}[after]
+_AFTER_A_REDUCTION = {
+    "sqrt of a sum": lambda h: jnp.sqrt(jnp.sum(jnp.tanh(h) * h, -1)),
+    "a max times a negative number": lambda h: jnp.max(jnp.tanh(h) * 3.0, -1) * -2.0,
+    "x less its row max": lambda h: jnp.tanh(h - jnp.max(h, -1, keepdims=True)) * 2.0,
+    "the sum of x less its row max": lambda h: jnp.sum(jnp.tanh(h - jnp.max(h, -1, keepdims=True)) * 2.0, -1)}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("after", list(_AFTER_A_REDUCTION))
+def test_a_value_computed_from_a_row_reduction_does_not_split_along_features(after, axis_type):
+    """A generated group that computes from a row reduction inside it by more than a cast or a
+    scale of a sum (a norm's sqrt; a max scaled by -2 is a min; x less its row max, full or summed):
+    each device would reduce only its own columns, so the columns are not split. Typed sharded along
+    them (Explicit axes), the group is left to XLA, saying so; on Auto axes the launch runs on the
+    gathered rows. Values as jax.jit's either way."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+    f = _AFTER_A_REDUCTION[after]
     with jax.set_mesh(mesh):
         h = jax.device_put(_normal(np.random.default_rng(40), (4, 6, 64)), NamedSharding(mesh, P("data", None, "model")))
         report = xkern.explain(f)(h)
         got, want = jax.block_until_ready((xkern.jit(f)(h), jax.jit(f)(h)))
-    assert report.kernels == [] and any("sharded along its dim 2" in d.reason for d in report.declined), report
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    if axis_type == "Explicit":
+        assert report.kernels == [] and any("sharded along its dim 2" in d.reason for d in report.declined), report
+    else:
+        assert report.kernels, report
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_under_an_explicit_mesh_rope_over_a_sharded_sequence_is_left_to_xla():

@@ -305,11 +305,11 @@ def _batch(args, dims, *, info, backend, config, **params):
 
 def _split(params) -> L.Split:
     """Rows split across devices: full, row and matmul-operand (a) inputs and every output have
-    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared. A group without
-    row reductions (every output full) also splits along its columns, as tensor parallelism shards
-    a hidden activation (the features of x @ w1, w1 sharded by column): full inputs and outputs
-    have them as dim 1, col inputs as dim 0, the weight b as dim 1; each device launches on its
-    columns, whose count N_COLS is then its share's."""
+    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared. The columns split
+    too, as tensor parallelism shards a hidden activation (the features of x @ w1, w1 sharded by
+    column), where the group's row outputs combine across devices (_row_reductions): full inputs
+    and outputs have them as dim 1, col inputs as dim 0, the weight b as dim 1; each device
+    launches on its columns, whose count N_COLS is then its share's."""
     fused: Any = params["info"]
     roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
     reduced = _row_reductions(fused.group, fused.eqns)
@@ -337,11 +337,21 @@ _COMBINED = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
 def _row_reductions(group: Group, eqns) -> tuple | None:
     """Per output, how its shares combine where the group's launches split along the columns: None
     for a full output (each device writes its columns), "sum" / "max" / "min" for a row output that
-    is a reduction's result (each device reduces its columns; partition.py all-reduces them); None
-    for the whole group where a row output is computed after its reduction (a mean's division:
-    the shares would not combine), so the columns do not split."""
+    is a reduction's result (each device reduces its columns; partition.py all-reduces them), also
+    scaled or cast after it (a mean). None for the whole group, whose columns then do not split,
+    where a reduction's result is read by anything but that (x - max(x) in the group: each device
+    would subtract its own max), or a row output is computed otherwise."""
     producers = {e.outvars[0]: e for e in eqns}
     scalars = {v for v, kind in group.inputs if kind == "scalar"}
+    reduced = set()  # values computed from a reduction inside the group
+    for e in eqns:
+        read = any(v in reduced for v in e.invars if not isinstance(v, Literal))
+        if read and e.primitive.name in _COMBINED:
+            return None
+        if read or e.primitive.name in _COMBINED:
+            reduced.update(e.outvars)
+    if any(v in reduced for v, kind in group.outputs if kind == "full"):
+        return None
     combined = []
     for v, kind in group.outputs:
         how = None if kind == "full" else _reduction_of(v, producers, scalars)
