@@ -2345,22 +2345,32 @@ def test_soft_capped_scores_in_more_spellings(spelling):
         close(got, want, jnp.bfloat16)
 
 
-def test_queries_of_another_dtype_than_the_cache_are_declined_saying_how_to_take_them():
-    """float32 queries against a bfloat16 cache (jnp promotes k and v inside the einsums): declined
-    with a reason that says so and what to do; with k and v cast, taken. Values as jax.jit's."""
-    q, _, _, _ = make(2, 1, 1, 4, 4, 8, jnp.float32, seed=2)
+def test_float32_queries_against_a_bfloat16_cache_as_jnp_promotes_them():
+    """float32 queries against a bfloat16 cache (jnp promotes k and v inside the einsums, a float32
+    result): taken, k and v promoted as jnp does, in a prefill and a decode step (the split-key
+    kernel); values and gradients as jax.jit's. Queries narrower than the cache (bfloat16 q, float32
+    k and v: the program rounds q's scale in bfloat16) are declined, saying what the kernels take."""
+    q, _, _, do = make(2, 5, 5, 4, 4, 8, jnp.float32, seed=2)
     _, k, v, _ = make(2, 16, 16, 4, 4, 8, jnp.bfloat16, seed=3)
+    lengths = jnp.array([5, 16])
 
-    def step(q, k, v):
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.float32(np.sqrt(8))
+    def step(q, k, v, lengths):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+        s = jnp.where(jnp.arange(16)[None, None, None] < lengths[:, None, None, None], s, jnp.finfo(s.dtype).min)
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
-    report = xkern.explain(step)(q, k, v)
-    assert not [m for m in report.matches if m.pattern.startswith("attention/")]
-    assert any("float32, bfloat16, bfloat16: the kernels take q, k and v of one dtype (jnp promotes them to "
-               "float32" in d.reason for d in report.declined), report
-    cast = lambda q, k, v: step(q, k.astype(jnp.float32), v.astype(jnp.float32))
-    assert [m for m in xkern.explain(cast)(q, k, v).matches if m.pattern.startswith("attention/")]
-    close(xkern.jit(step)(q, k, v), jax.jit(step)(q, k, v), jnp.float32)
+    for rows, kernel in ((5, "attention_fwd"), (1, "attention_fwd_split_kv")):
+        report = xkern.explain(step)(q[:, :rows], k, v, lengths)
+        assert kernel in report.kernels, report
+        close(xkern.jit(step)(q[:, :rows], k, v, lengths), jax.jit(step)(q[:, :rows], k, v, lengths), jnp.float32)
+    loss = lambda q, k, v: jnp.sum(step(q, k, v, lengths) * do)
+    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)):
+        assert got.dtype == want.dtype
+        close(got, want, jnp.float32 if want.dtype == jnp.float32 else jnp.bfloat16)
+    narrow = xkern.explain(step)(q.astype(jnp.bfloat16), k.astype(jnp.float32), v.astype(jnp.float32), lengths)
+    assert not [m for m in narrow.matches if m.op == "attention"]
+    assert any("the kernels take k and v promoted to q's dtype where q's is the widest" in d.reason
+               for d in narrow.declined), narrow
 
 
 @pytest.mark.skipif(not L.INTERPRET, reason="interpreter tiles; on a GPU, test_warp_specialized_kernels_on_hopper")

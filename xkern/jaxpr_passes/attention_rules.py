@@ -410,12 +410,14 @@ def _check(layout, dropout=None, sinks=False, row_scale=False, array_scale=False
         if params.get("keep", 1.0) <= 0:
             return f"dropout keep probability {params['keep']}"
         q, k, v = match.input_avals[:3]
-        if q.dtype not in ALL or not (q.dtype == k.dtype == v.dtype):
-            mixed = (f": the kernels take q, k and v of one dtype (jnp promotes them to "
-                     f"{jnp.result_type(q.dtype, k.dtype, v.dtype)} inside the products here): cast them to one "
-                     "dtype first to use the kernels"
-                     if all(a.dtype in ALL for a in (q, k, v)) else ": the attention kernels take one of bf16/fp16/fp32")
-            return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}{mixed}"
+        if any(a.dtype not in ALL for a in (q, k, v)):
+            return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: the attention kernels take one of bf16/fp16/fp32"
+        out = match.graph.eqns[match.anchor].outvars[0].aval.dtype
+        if not q.dtype == k.dtype == v.dtype and not (jnp.result_type(q.dtype, k.dtype, v.dtype) == q.dtype == out):
+            # (q the widest, as a float32 query against a bfloat16 cache: jnp promotes k and v to q's
+            # dtype inside the products, and so does replace; otherwise the program rounds in between)
+            return (f"dtypes {q.dtype}, {k.dtype}, {v.dtype} and a {out} result: the kernels take k and v "
+                    "promoted to q's dtype where q's is the widest and the result's; cast them to one dtype first")
         rank = {MQA: (4, 3), FOLDED: (3, 3)}.get(layout, (4, 4))
         if layout == "bhsd" and q.ndim == 3:  # (one example [h, s, d]: heads folded into the batch, FOLDED's)
             return "q, k, v [heads, seq, dim] of one example: the spelling of heads folded into the batch takes them"
@@ -618,6 +620,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
 
     def replace(q, k, v, *extras, **params):
         params.pop("batch_dims", None)  # (facts_of's, for the cost model)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # (a bfloat16 cache under float32 queries: as jnp promotes)
         if not any_rank or q.ndim == 4:
             return replace_batched(q, k, v, *extras, **params)
         batch = q.shape[:-3]  # (none, or several dims: made one for the kernels)
