@@ -767,7 +767,9 @@ def fuse_groups(plan: Plan, backend: str, cost) -> Plan:
     role = f" ({plan.role})" if plan.role else ""
     for dot, g in grouping.matmul_epilogues(graph, plan.live, claimed):
         last = graph.eqns[g.eqns[-1]]
-        reason = cost("matmul_epilogue", [v.aval for v in graph.eqns[dot].invars], {}, backend)
+        read = [v for v, _ in generated.inputs(g, graph.eqns, dot)]
+        reason = unsplit_sharding(graph, read, generated.split_dims(g, graph.eqns, dot)) or cost(
+            "matmul_epilogue", [v.aval for v in graph.eqns[dot].invars], {}, backend)
         if reason:
             plan.declined.append(Declined(f"generated/matmul+{len(g.eqns)} ops", location(last), reason,
                                           g.eqns[-1]))

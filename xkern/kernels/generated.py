@@ -83,18 +83,16 @@ def _registered(fused: "Fused") -> "Fused":
 
 def build(group: Group, eqns, dot: int | None = None) -> Fused:
     """The kernel for `group`; with `dot` (an equation index), as the epilogue of that matmul."""
-    inputs, computed, k = list(group.inputs), [eqns[i] for i in group.eqns], 0
+    read, computed, k = inputs(group, eqns, dot), [eqns[i] for i in group.eqns], 0
     if dot is None:
         name, source = codegen.generate(group, eqns)
     else:
-        a, b = eqns[dot].invars
-        out = eqns[dot].outvars[0]
-        inputs = [(a, "a"), (b, "b")] + [(v, kind) for v, kind in inputs if v is not out]
+        (a, b), out = eqns[dot].invars, eqns[dot].outvars[0]
         computed, k = [eqns[dot]] + computed, int(b.aval.shape[0])
         exact = np.dtype(a.aval.dtype) == np.float32
         name, source = codegen.generate(group, eqns, matmul_out=out, exact_dot=exact)
-    fused = Fused(name, source, group, tuple(computed), tuple(v for v, _ in inputs),
-                  tuple(kind for _, kind in inputs), tuple(kind for _, kind in group.outputs),
+    fused = Fused(name, source, group, tuple(computed), tuple(v for v, _ in read),
+                  tuple(kind for _, kind in read), tuple(kind for _, kind in group.outputs),
                   tuple(v.aval for v, _ in group.outputs), k)
     return _registered(fused)
 
@@ -363,12 +361,17 @@ def _row_reductions(group: Group, eqns) -> tuple | None:
 
 def _reduction_of(v, producers: dict, scalars: set) -> str | None:
     """How shares of the row value v combine: its reduction's, through what commutes with it after
-    (a cast; for a sum, a product or quotient by a number: a mean's division), else None."""
+    (a reshape adding unit dims, keepdims'; a cast, for a sum only one that does not narrow it: the
+    shares would each be rounded before their sum; for a sum, a product or quotient by a number: a
+    mean's division), else None."""
     number = lambda u: isinstance(u, Literal) or u in scalars
-    eqn, scaled = producers.get(v), False
+    eqn, scaled, narrowed = producers.get(v), False, False
     while eqn is not None and eqn.primitive.name not in _COMBINED:
         name, ins = eqn.primitive.name, eqn.invars
         if name == "convert_element_type":
+            narrowed |= np.dtype(eqn.outvars[0].aval.dtype).itemsize < np.dtype(ins[0].aval.dtype).itemsize
+            v = ins[0]
+        elif name in ("broadcast_in_dim", "reshape") and eqn.outvars[0].aval.size == ins[0].aval.size:
             v = ins[0]
         elif name == "mul" and len(ins) == 2 and any(map(number, ins)) and not all(map(number, ins)):
             v, scaled = ins[1] if number(ins[0]) else ins[0], True
@@ -378,15 +381,33 @@ def _reduction_of(v, producers: dict, scalars: set) -> str | None:
             return None
         eqn = producers.get(v)
     how = None if eqn is None else _COMBINED[eqn.primitive.name]
-    return None if scaled and how != "sum" else how  # (a max times a negative number is a min)
+    if scaled and how != "sum":  # (a max times a negative number is a min)
+        return None
+    return None if narrowed and how == "sum" else how
 
 
-def split_dims(group: Group, eqns):
-    """For rewrite.unsplit_sharding: the dims of the group's input i (of ndim dims) that its
-    launches split, the rows' leading dim and, where the columns split (_row_reductions), the last
-    dim of full and col inputs. eqns: the program's, which the group's indices name."""
+def split_dims(group: Group, eqns, dot: int | None = None):
+    """For rewrite.unsplit_sharding: the dims of the kernel's input i (of ndim dims; with `dot`, a
+    matmul's index, its operands a and b first, as `inputs`) that its launches split: the rows'
+    leading dim and, where the columns split (_row_reductions), the last dim of full and col inputs
+    and of the weight b (never a contraction). eqns: the program's, which the indices name."""
     by_cols = _row_reductions(group, [eqns[i] for i in group.eqns]) is not None
-    return lambda i, ndim: {0, ndim - 1} if by_cols and group.inputs[i][1] in ("full", "col") else {0}
+    kinds = [kind for _, kind in inputs(group, eqns, dot)]
+
+    def dims(i: int, ndim: int) -> set:
+        if kinds[i] == "b":
+            return {ndim - 1} if by_cols else set()
+        return {0, ndim - 1} if by_cols and kinds[i] in ("full", "col") else {0}
+    return dims
+
+
+def inputs(group: Group, eqns, dot: int | None = None) -> list:
+    """The kernel's inputs, (program value, kind): a matmul's operands a and b first, then the
+    group's others (not the product, which the kernel computes)."""
+    if dot is None:
+        return list(group.inputs)
+    (a, b), product = eqns[dot].invars, eqns[dot].outvars[0]
+    return [(a, "a"), (b, "b")] + [(v, kind) for v, kind in group.inputs if v is not product]
 
 
 # --------------------------------------------------------------------------------------------------
