@@ -32,6 +32,17 @@ def close(got, want, dtype):
     np.testing.assert_allclose(got, want, rtol=0, atol=TOL[dtype] * max(np.abs(want).max(), 1.0))
 
 
+def matches_float32_jax_jit(f, q, k, v, extra, do):
+    """f(q, k, v, extra) of bfloat16 q, k, v under xkern.jit, and its gradients at do, against
+    jax.jit's of float32 copies, within bfloat16's tolerance."""
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    close(xkern.jit(f)(q, k, v, extra), jax.jit(f)(*f32, extra), jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v, extra).astype(jnp.float32) * do.astype(jnp.float32))
+    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
+        close(got, want, jnp.bfloat16)
+
+
 def value_and_grads(f, args, do, **kw):
     """f(*args, **kw) and its vjp at do, in one jit. Run eagerly, every op around the kernels (and
     every op of the reference) is compiled on its own, for each new shape: most of a test's time
@@ -1567,12 +1578,7 @@ def test_a_padding_bias_of_a_boolean_mask_cast_runs_as_a_mask(form):
     f = lambda q, k, v, valid: attend(q, k, v, as_bias(valid.astype(jnp.float32)))
     [match] = [m for m in xkern.explain(f)(q, k, v, valid).matches if m.op == "attention"]
     assert match.params.get("bias_kind") == "mask", match
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v, valid), jax.jit(f)(*f32, valid), jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(f(q, k, v, valid).astype(jnp.float32) * do.astype(jnp.float32))
-    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
-                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
-        close(got, want, jnp.bfloat16)
+    matches_float32_jax_jit(f, q, k, v, valid, do)
     float_data = lambda q, k, v, m: attend(q, k, v, as_bias(m))  # (a float mask given: any value)
     bert = lambda q, k, v, valid: attend(q, k, v, (1.0 - valid.astype(jnp.float32)) * -1e4)
     for g, m in ((float_data, valid.astype(jnp.float32)), (bert, valid)):
@@ -2337,12 +2343,7 @@ def test_soft_capped_scores_in_more_spellings(spelling):
         return jnp.einsum(pv, jax.nn.softmax(s, -1).astype(v.dtype), v)
     [match] = [m for m in xkern.explain(f)(q, k, v, keys).matches if m.op == "attention"]
     assert match.params.get("cap") == cap, match
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    close(xkern.jit(f)(q, k, v, keys), jax.jit(f)(*f32, keys), jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(f(q, k, v, keys).astype(jnp.float32) * do.astype(jnp.float32))
-    for got, want in zip(jax.jit(jax.grad(xkern.optimize(loss), (0, 1, 2)))(q, k, v),
-                         jax.jit(jax.grad(loss, (0, 1, 2)))(*f32)):
-        close(got, want, jnp.bfloat16)
+    matches_float32_jax_jit(f, q, k, v, keys, do)
 
 
 def test_float32_queries_against_a_bfloat16_cache_as_jnp_promotes_them():
