@@ -8,8 +8,10 @@ kernel, the batch of attention), which are the same on every device (a norm's sc
 launch the kernel again on one device's share. A launch in a program over several devices is
 lowered through jax's custom_partitioning with that rule: the leading dim keeps the sharding it
 has (data parallelism: the batch), every other dim is gathered, and each device launches the kernel
-on its own rows. A family may name a second split, of heads (attention's: tensor parallelism shards
-q's and k/v's heads over a "model" axis): each device then launches on its examples and its heads.
+on its own rows. A family may name a second split, of heads (attention's and rope's: tensor
+parallelism shards q's and k/v's heads over a "model" axis) or of columns (generated kernels' and
+GLUs': the features of x @ w1, w1 sharded by column): each device then launches on its examples and
+its heads or columns, and an output reduced along them (a generated row sum) is all-reduced.
 A launch that cannot split (no rule, the split dim not sharded, or not divisible by the device
 count) runs whole on every device, as before.
 """
