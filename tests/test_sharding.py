@@ -4,6 +4,8 @@ the arrays are sharded (kernels/partition.py), so xkern keeps jax.jit's sharding
 The interpreter's launches run on the host while XLA's CPU client waits on them: each test takes
 every result before the next call (executions with collectives queued behind host-side kernels can
 stall XLA's CPU client on a two-core machine)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -613,28 +615,87 @@ def _reference_attention(name, q, k, v, extra):
     return jax.nn.dot_product_attention(q, k[:, :, :1], v[:, :, :1])
 
 
-@pytest.mark.parametrize("spec, taken", [(P("data", None, "model"), False), (P("data"), True)])
-def test_a_loss_over_a_vocabulary_the_program_shards_is_left_to_xla(spec, taken, mesh2d):
+@pytest.mark.parametrize("spec, one_hot, taken", [(P("data", None, "model"), False, True), (P("data"), False, True),
+                                                  (P("data", None, "model"), True, False)])
+def test_a_loss_over_a_vocabulary_the_program_shards(spec, one_hot, taken, mesh2d):
     """Logits constrained to be sharded along the vocabulary (MaxText's logical axes under tensor
-    parallelism): the cross-entropy kernels split only rows, so each device would gather every
-    logit and compute the whole loss; XLA computes it vocabulary-parallel, so the match is left to
-    it, with the reason in explain. Rows alone sharded: the kernel is taken."""
+    parallelism): the cross-entropy kernels split it, each device launching on its classes, with
+    all-reduces of a few floats per row and no gather, as jax.jit's. One-hot targets (whose row terms
+    read every class) do not split that way, so that match is left to XLA, the reason in explain."""
     rng = np.random.default_rng(7)
     logits = jax.device_put(_normal(rng, (4, 6, 32)), NamedSharding(mesh2d, P("data")))
     labels = jax.device_put(jnp.asarray(rng.integers(0, 32, (4, 6)), jnp.int32), NamedSharding(mesh2d, P("data")))
 
     def loss(x, y):
         x = jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh2d, spec))
+        if one_hot:
+            return optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 32)).mean()
         return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
     report = xkern.explain(jax.value_and_grad(loss))(logits, labels)
     assert ("cross_entropy_fwd" in report.kernels) == taken
     if not taken:
         assert any(d.pattern.startswith("cross_entropy/") and "sharded along its dim 2 over mesh axes ('model',)"
                    in d.reason for d in report.declined)
-    (got, dgot), (want, dwant) = jax.block_until_ready(
-        (xkern.jit(jax.value_and_grad(loss))(logits, labels), jax.jit(jax.value_and_grad(loss))(logits, labels)))
+    ours, theirs = xkern.jit(jax.value_and_grad(loss)), jax.jit(jax.value_and_grad(loss))
+    (got, dgot), (want, dwant) = jax.block_until_ready((ours(logits, labels), theirs(logits, labels)))
     np.testing.assert_allclose(got, want, rtol=1e-5)
     np.testing.assert_allclose(dgot, dwant, rtol=1e-4, atol=1e-6)
+    assert dgot.sharding.is_equivalent_to(dwant.sharding, 3)
+    assert "all-gather" not in ours.lower(logits, labels).compile().as_text()
+
+
+def _vocab_parallel_losses():
+    """(name, loss of (h, w, labels, ce)) over logits h @ w, w sharded by column (tensor parallelism):
+    XLA's propagation alone shards the logits along the vocabulary (no constraint). ce: for the
+    losses that call it, xkern.ops.cross_entropy or its definition (XLA's, the reference)."""
+    take = lambda x, y: optax.softmax_cross_entropy_with_integer_labels(x, y)
+    return [
+        ("optax, mean", lambda h, w, y, ce: take(h @ w, y).mean()),
+        ("a z-loss (PaLM's)", lambda h, w, y, ce: _z_loss(h @ w, y)),
+        ("soft-capped logits", lambda h, w, y, ce: take(jnp.tanh((h @ w) / 3.0) * 3.0, y).mean()),
+        ("each row weighted (the backward kernel)", lambda h, w, y, ce: jnp.sum(take(h @ w, y) * jnp.arange(6.0))),
+        ("bfloat16 logits", lambda h, w, y, ce: take((h @ w).astype(jnp.bfloat16), y).astype(jnp.float32).mean()),
+        ("logits of -inf, a row's whole share, the rest far below 0", lambda h, w, y, ce: take(
+            (h @ w).at[1, 3, 20].set(-jnp.inf).at[2, 0, :16].set(-jnp.inf).at[2, 0, 16:].add(-1e3), y).mean()),
+        ("xkern.ops, ignore_index -100", lambda h, w, y, ce: ce(h @ w, y, ignore_index=-100)),
+        ("xkern.ops, ignore_index 3, a class", lambda h, w, y, ce: ce(h @ w, y, ignore_index=3, z_loss=1e-3)),
+        ("xkern.ops, per-row losses", lambda h, w, y, ce: jnp.sum(ce(h @ w, y, reduction="none") ** 2)),
+    ]
+
+
+def _z_loss(logits, labels):
+    lse = jax.nn.logsumexp(logits, -1)
+    return jnp.mean(lse - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0] + 1e-2 * lse ** 2)
+
+
+@pytest.mark.parametrize("case", range(9), ids=[c[0] for c in _vocab_parallel_losses()])
+def test_a_loss_over_logits_xla_shards_along_the_vocabulary(case, mesh2d):
+    """Without a constraint, XLA's propagation gives the loss kernels logits sharded along the
+    vocabulary (h @ w, w sharded by column). Each device launches on its classes: the rows'
+    logsumexps are combined across devices (logsumexp of logsumexps), the label's logit taken from
+    the device holding it, so nothing is gathered (before, every device gathered the whole logits),
+    with jax.jit's values and gradients; labels held by either device, at the shards' edges (15, 16,
+    31), ignored (-100), and an ignore_index that is a class, which does not split (a device's own
+    label index could equal it) and still computes jax.jit's values."""
+    from xkern.kernels.cross_entropy import reference
+    name, loss = _vocab_parallel_losses()[case]
+    rng = np.random.default_rng(40 + case)
+    h = jax.device_put(_normal(rng, (4, 6, 16)), NamedSharding(mesh2d, P("data")))
+    w = jax.device_put(_normal(rng, (16, 32)), NamedSharding(mesh2d, P(None, "model")))
+    y = jnp.asarray(rng.integers(0, 32, (4, 6)), jnp.int32).at[2, :4].set(jnp.asarray([20, 15, 16, 31]))
+    if name.startswith("xkern.ops"):  # (xkern.ops launches its kernels under jax.jit)
+        y = y.at[0, 0].set(-100).at[1, 2].set(3)
+        ours = jax.jit(jax.value_and_grad(lambda h, w, y: loss(h, w, y, xkern.ops.cross_entropy), argnums=(0, 1)))
+    else:
+        ours = xkern.jit(jax.value_and_grad(lambda h, w, y: loss(h, w, y, None), argnums=(0, 1)))
+    theirs = jax.jit(jax.value_and_grad(lambda h, w, y: loss(h, w, y, reference), argnums=(0, 1)))
+    y = jax.device_put(y, NamedSharding(mesh2d, P("data")))
+    got, want = jax.block_until_ready(ours(h, w, y)), jax.block_until_ready(theirs(h, w, y))
+    tol = 2e-2 if "bfloat16" in name else 2e-5
+    for g, wv in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(wv), rtol=tol, atol=tol)
+    gathered = re.findall(r"= f32\[12,32\]\S* all-gather", ours.lower(h, w, y).compile().as_text())
+    assert bool(gathered) == ("a class" in name), (name, gathered)  # (a device's rows of the whole logits)
 
 
 def _heads_first_attention(q, k, v):

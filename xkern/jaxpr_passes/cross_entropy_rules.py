@@ -292,6 +292,17 @@ def _requires(labels_as: str) -> frozenset:
     return frozenset({"reduce_max", "log"} | ({"iota", "eq"} if labels_as == "one_hot" else {"gather"}))
 
 
+def _split_dims(labels_as: str, vocab_of=None):
+    """Pattern.split_dims: the rows, and, but for one-hot targets (cross_entropy._vocab_splits), the
+    vocabulary that tensor parallelism shards: the logits' last dim (input 0), or the LM head's
+    (vocab_of(input index, ndim): the weight's vocabulary dim, or None for any other input)."""
+    if labels_as == ONE_HOT:
+        return None
+    if vocab_of is None:
+        return lambda i, ndim: {0, ndim - 1} if i == 0 else {0}
+    return lambda i, ndim: {0} | ({vocab_of(i)} - {None})
+
+
 def _check_params(params) -> str | None:
     smoothing, z_loss = params.get("smoothing", 0.0), params.get("z_loss", 0.0)
     if not 0.0 <= smoothing <= 1.0:
@@ -327,7 +338,7 @@ def _pattern(name, fn, dtypes, cast_to_input: bool, log_probability: bool = Fals
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype), jax.ShapeDtypeStruct((4,), jnp.int32)),
         params_of=_params_of(param, lambda match: match.input_avals[0].shape[-1], 8), check=_check,
         replace=replace, example_params=EXAMPLE_PARAMS[param], requires=_requires(labels_as),
-        provides=logsumexps_in)
+        provides=logsumexps_in, split_dims=_split_dims(labels_as))
 
 
 
@@ -735,7 +746,8 @@ def _linear_pattern(loss_fn, project, reduce, dtypes, cast_to_input: bool, log_p
         example=example, params_of=params_of,
         check=lambda match, params: _check_linear(match, params, transposed, post, masked, shifted),
         replace=replace, example_params=example_params, provides=lambda match: _provided(match, post, masked),
-        requires=_requires(labels_as) | {"dot_general"} | ({"tanh"} if capped else set()), extends=extends)
+        requires=_requires(labels_as) | {"dot_general"} | ({"tanh"} if capped else set()), extends=extends,
+        split_dims=_split_dims(labels_as, lambda i: (0 if transposed else 1) if i == 1 else None))
 
 
 def mean(loss):
@@ -900,7 +912,8 @@ def _reduced_pattern(name, loss_fn, reduce, dtypes, log_probability=False, label
         check=lambda match, params: _check_reduced(match, params, masked, post, shifted),
         replace=replace, example_params=example_params, provides=lambda match: _provided(match, post, masked),
         # (a scaled reduction: traced only for programs where the reduction is found)
-        requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}")
+        requires=_requires(labels_as), extends=reduced if post else f"cross_entropy/{name}",
+        split_dims=_split_dims(labels_as))
 
 
 # Each row loss's mean and sum over every row: plain, weighted per row (a padding mask) or masked

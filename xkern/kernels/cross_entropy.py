@@ -333,13 +333,85 @@ L.def_batching("cross_entropy_bwd", L.batch_rows(_launch_bwd))
 
 def _split(params) -> L.Split:
     """Rows split across devices (the mean's 1 / valid rows is computed outside, over all rows);
-    the [1] dx placeholder of a forward that does not write dx is shared."""
+    the [1] dx placeholder of a forward that does not write dx is shared. A vocabulary sharded
+    across devices (tensor parallelism's logits, x @ w with w sharded by column) splits too, where
+    _vocab_splits: each device launches on its own classes (_vocab_fwd, _vocab_bwd)."""
     in_place = bool(params["aliases"])
-    relaunch = _launch_fwd if params["kernel"].endswith("_fwd") else _launch_bwd
+    consts = dict(params["constexprs"])
     fwd = params["kernel"].endswith("_fwd")
-    dx = L.ROWS if not fwd or dict(params["constexprs"])["WRITE_DX"] else L.SHARED
+    dx = L.ROWS if not fwd or consts["WRITE_DX"] else L.SHARED
+    vocab = {}
+    if _vocab_splits(consts):
+        vocab = dict(heads_args=(1, None, None) if fwd else (1, None, None, None),
+                     heads_outs=(None, None, 1 if dx == L.ROWS else None) if fwd else (1,),
+                     heads_fits=lambda parts: True,
+                     heads_relaunch=functools.partial(_vocab_fwd if fwd else _vocab_bwd, in_place=in_place))
+    relaunch = _launch_fwd if fwd else _launch_bwd
     return L.Split((L.ROWS,) * (3 if fwd else 4), (L.ROWS, L.ROWS, dx) if fwd else (L.ROWS,),
-                   functools.partial(relaunch, in_place=in_place))
+                   functools.partial(relaunch, in_place=in_place), **vocab)
+
+
+def _vocab_splits(consts: dict) -> bool:
+    """Whether the kernels split along a sharded vocabulary: not one-hot targets or smoothing (their
+    row terms read every class and N_COLS), nor an ignore_index that is a class (a device's own
+    label index could then equal it)."""
+    ignores_a_class = consts["HAS_IGNORE"] and 0 <= consts["IGNORE_INDEX"] < consts["N_COLS"]
+    return not consts["ONE_HOT"] and consts["SMOOTHING"] == 0.0 and not ignores_a_class
+
+
+def _local_labels(labels, heads, n_local: int, consts: dict):
+    """Each row's label among this device's classes, n_local (out of range: no class of its) where
+    another device has it, ignore_index kept; and whether this device has it."""
+    local = labels - jax.lax.axis_index(heads) * n_local
+    owned = (local >= 0) & (local < n_local)
+    local = jnp.where(owned, local, n_local)
+    if consts["HAS_IGNORE"]:
+        local = jnp.where(labels == consts["IGNORE_INDEX"], labels, local)
+    return local, owned
+
+
+def _global_lse(lse, heads):
+    """Each row's (shift, log_sum) over every device's classes from each device's own: a logsumexp
+    of logsumexps, shifted by the largest finite max (a device's share of -inf logits has none;
+    one holding +inf or NaN has log_sum +inf or NaN, which carries through)."""
+    shift, log_sum = lse[:, 0], lse[:, 1]
+    top = jax.lax.pmax(jnp.where(jnp.isfinite(log_sum), shift, -jnp.inf), heads)
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    log_sum = jnp.log(jax.lax.psum(jnp.exp(shift - top + log_sum), heads))
+    return jnp.stack([top, log_sum], 1)
+
+
+def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_place=False, **_):
+    """_launch_fwd on one device's classes: the kernel's logsumexp of them, combined across devices
+    (two all-reduces of a float per row), the label's logit from the device that has it (a third),
+    then dx, if asked for, from the backward kernel at the whole row's logsumexp (one more pass over
+    the logits than the one-device kernel, which writes dx as it goes: it knows the row's lse)."""
+    consts, n_local = dict(constexprs), x2.shape[1]
+    local, owned = _local_labels(labels, heads, n_local, consts)
+    part = {**consts, "N_COLS": n_local, "WRITE_DX": False}
+    _, lse, _ = _launch_fwd(x2, local, row_scale, backend=backend, config=config, constexprs=part)
+    lse = _global_lse(lse, heads)
+    picked = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[:, None], 1)[:, 0]
+    picked = soft_capped(picked.astype(jnp.float32), consts["SOFT_CAP"] or None)
+    picked = jax.lax.psum(jnp.where(owned, picked, 0.0), heads)
+    in_range = (labels >= 0) & (labels < consts["N_COLS"])
+    total = lse[:, 0] + lse[:, 1]
+    loss = total - jnp.where(in_range, picked, jnp.nan) + consts["Z_LOSS"] * total * total
+    if consts["HAS_IGNORE"]:
+        loss = jnp.where(labels == consts["IGNORE_INDEX"], 0.0, loss)
+    if not consts["WRITE_DX"]:
+        return loss, lse, jnp.zeros((1,), x2.dtype)
+    bwd = {k: v for k, v in part.items() if k not in ("WRITE_DX", "SELECTED")}
+    (dx,) = _launch_bwd(x2, local, lse, row_scale, backend=backend, config=config, constexprs=bwd,
+                        in_place=in_place)
+    return loss, lse, dx
+
+
+def _vocab_bwd(x2, labels, lse, g, *, heads, backend, config, constexprs, in_place=False, **_):
+    """_launch_bwd on one device's classes, at the whole row's lse: no collective."""
+    local, _ = _local_labels(labels, heads, x2.shape[1], dict(constexprs))
+    return _launch_bwd(x2, local, lse, g, backend=backend, config=config,
+                       constexprs={**dict(constexprs), "N_COLS": x2.shape[1]}, in_place=in_place)
 
 
 L.def_split("cross_entropy_fwd", _split)

@@ -746,7 +746,10 @@ class Split:
     every device along it), `heads_fits(parts)` whether it splits that many ways; relaunch then also
     gets each device's heads (and reads how many from the shapes it is given). `heads_reduced`, per
     output: None, or how the devices' shares of an output that reduces along that dim combine
-    ("sum", "max", "min": a generated kernel's row sums over its columns), all-reduced across them."""
+    ("sum", "max", "min": a generated kernel's row sums over its columns), all-reduced across them.
+    `heads_relaunch`, where the devices' shares combine by more than an all-reduce of each output
+    (cross-entropy over a sharded vocabulary: a logsumexp of logsumexps): called in relaunch's place
+    as heads_relaunch(*arrays, heads=<the mesh axes>, **params), it runs the collectives itself."""
     args: tuple
     outs: tuple
     relaunch: Any
@@ -755,6 +758,7 @@ class Split:
     heads_outs: tuple = ()
     heads_fits: Any = None
     heads_reduced: tuple = ()
+    heads_relaunch: Any = None
 
 
 _SPLIT_RULES: dict[str, Any] = {}

@@ -151,6 +151,8 @@ def _partition(mesh, arg_shapes, result_shape, *, params, rule):
     def lower_fn(*local):
         if not axes and not heads:
             return _whole(*local, params=params)
+        if heads and split.heads_relaunch:
+            return split.heads_relaunch(*local, heads=heads, **params)
         outs = split.relaunch(*local, **params)
         outs = [_summed(o, s.shape[0], axes + heads) if role == L.SUMMED and (axes or heads) else o
                 for o, s, role in zip(outs, out_shapes, split.outs)]
