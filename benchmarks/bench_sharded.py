@@ -1,5 +1,6 @@
 """Data parallelism: the decoder blocks' training step with the batch sharded over every device;
-tensor parallelism: causal GQA attention with its heads sharded over every device.
+tensor parallelism: causal GQA attention with its heads sharded over every device, and the LM
+head's loss with its vocabulary sharded over every device (h @ w, w sharded by column).
 
 Each xkern launch in such a program runs on its device's share of the batch (kernels/partition.py),
 and attention's on its share of the heads, as XLA's own fusions do; without that, every launch would
@@ -7,6 +8,8 @@ gather the whole batch (or every head) onto every device.
 Runs only where jax sees more than one device of the default backend.
 """
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +38,7 @@ def cases(on_gpu: bool) -> list[Case]:
         out.append(Case(f"{name}, batch over {len(devices)} devices", (*shape, heads), "bfloat16", "fwd+bwd",
                         jax.grad(xkern.optimize(loss)), jax.grad(loss), args, 0, 3e-2))
     out.append(_heads_case(mesh, on_gpu))
-    return out
+    return out + _vocab_cases(mesh, on_gpu)
 
 
 def _heads_case(mesh, on_gpu: bool) -> Case:
@@ -54,3 +57,26 @@ def _heads_case(mesh, on_gpu: bool) -> Case:
     flops = int(4 * b * h * s * s * d * 0.5 * 3.5)  # causal: half the scores; backward 2.5x forward
     return Case(f"attention causal GQA, heads over {len(mesh.devices.flat)} devices", (b, s, h, d), "bfloat16",
                 "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args, 0, 3e-2, flops=flops)
+
+
+def _vocab_cases(mesh, on_gpu: bool) -> list[Case]:
+    """optax's cross-entropy of h @ w, value and gradients, w sharded by column (Llama 3's 8192
+    tokens, d4096, vocabulary 128256 on a GPU): XLA's propagation shards the logits along the
+    vocabulary, and each device's loss kernels take its classes (kernels/cross_entropy._vocab_fwd)."""
+    if importlib.util.find_spec("optax") is None:  # (a test dependency only)
+        return []
+    import optax
+    rows, d, vocab = (8192, 4096, 128256) if on_gpu else (64, 32, 1000)
+    tp = Mesh(mesh.devices, ("model",))
+    loss = lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(
+        (h @ w).astype(jnp.float32), y).mean()
+    grads = lambda f: jax.value_and_grad(f, (0, 1))
+
+    def args(key):
+        kh, kw, ky = jax.random.split(key, 3)
+        put = lambda a, *spec: jax.device_put(a, NamedSharding(tp, PartitionSpec(*spec)))
+        return (put(jax.random.normal(kh, (rows, d), jnp.bfloat16)),
+                put(jax.random.normal(kw, (d, vocab), jnp.bfloat16) * d ** -0.5, None, "model"),
+                put(jax.random.randint(ky, (rows,), 0, vocab)))
+    return [Case(f"LM head loss, vocabulary over {len(mesh.devices.flat)} devices", (rows, d, vocab), "bfloat16",
+                 "fwd+bwd", grads(xkern.optimize(loss)), grads(loss), args, 0, 3e-2, flops=6 * rows * d * vocab)]

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import xkern
+from benchmarks.bench_cross_entropy import cross_entropy_with_logits
 from xkern.jaxpr_passes import rope_rules
 from xkern.kernels import launch as L
 from xkern.kernels import partition
@@ -615,22 +616,26 @@ def _reference_attention(name, q, k, v, extra):
     return jax.nn.dot_product_attention(q, k[:, :, :1], v[:, :, :1])
 
 
-@pytest.mark.parametrize("spec, one_hot, taken", [(P("data", None, "model"), False, True), (P("data"), False, True),
-                                                  (P("data", None, "model"), True, False)])
-def test_a_loss_over_a_vocabulary_the_program_shards(spec, one_hot, taken, mesh2d):
+@pytest.mark.parametrize("spec, targets, taken", [
+    (P("data", None, "model"), "labels", True), (P("data"), "labels", True),
+    (P("data", None, "model"), "one-hot", True), (P("data", None, "model"), "smoothed one-hot", False)])
+def test_a_loss_over_a_vocabulary_the_program_shards(spec, targets, taken, mesh2d):
     """Logits constrained to be sharded along the vocabulary (MaxText's logical axes under tensor
     parallelism): the cross-entropy kernels split it, each device launching on its classes, with
-    all-reduces of a few floats per row and no gather, as jax.jit's. One-hot targets (whose row terms
-    read every class) do not split that way, so that match is left to XLA, the reason in explain."""
+    all-reduces of a few floats per row and no gather, as jax.jit's. Smoothed targets (whose terms
+    read every class and the whole row's length) do not split that way, so that match is left to
+    XLA, the reason in explain."""
     rng = np.random.default_rng(7)
     logits = jax.device_put(_normal(rng, (4, 6, 32)), NamedSharding(mesh2d, P("data")))
     labels = jax.device_put(jnp.asarray(rng.integers(0, 32, (4, 6)), jnp.int32), NamedSharding(mesh2d, P("data")))
 
     def loss(x, y):
         x = jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh2d, spec))
-        if one_hot:
-            return optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 32)).mean()
-        return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+        if targets == "labels":
+            return optax.softmax_cross_entropy_with_integer_labels(x, y).mean()
+        one_hot = jax.nn.one_hot(y, 32)
+        return optax.softmax_cross_entropy(x, optax.smooth_labels(one_hot, 0.1) if "smoothed" in targets
+                                           else one_hot).mean()
     report = xkern.explain(jax.value_and_grad(loss))(logits, labels)
     assert ("cross_entropy_fwd" in report.kernels) == taken
     if not taken:
@@ -660,6 +665,17 @@ def _vocab_parallel_losses():
         ("xkern.ops, ignore_index -100", lambda h, w, y, ce: ce(h @ w, y, ignore_index=-100)),
         ("xkern.ops, ignore_index 3, a class", lambda h, w, y, ce: ce(h @ w, y, ignore_index=3, z_loss=1e-3)),
         ("xkern.ops, per-row losses", lambda h, w, y, ce: jnp.sum(ce(h @ w, y, reduction="none") ** 2)),
+        ("one-hot targets, a label out of range, -inf logits", lambda h, w, y, ce: optax.softmax_cross_entropy(
+            (h @ w).at[1, 3, 20].set(-jnp.inf), jax.nn.one_hot(y.at[3, 0].set(40), 32)).mean()),
+        ("bfloat16 one-hot targets, -inf logits (XLA multiplies: NaN)", lambda h, w, y, ce: optax.softmax_cross_entropy(
+            (h @ w).astype(jnp.bfloat16).at[1, 3, 20].set(-jnp.inf).at[2, 0, 20].set(-jnp.inf),
+            jax.nn.one_hot(y, 32, dtype=jnp.bfloat16)).astype(jnp.float32).mean()),
+        ("MaxText's cross_entropy_with_logits, no z-loss", lambda h, w, y, ce: jnp.mean(
+            cross_entropy_with_logits("MaxText.max_utils")(h @ w, jax.nn.one_hot(y, 32), 0.0)[0])),
+        # (the softmax kernels give way to XLA on each device's share: kernels/softmax._split)
+        ("softmax at a temperature", lambda h, w, y, ce: jnp.sum(
+            jax.nn.softmax((h @ w).at[1, 2, 3].set(-jnp.inf) / 0.7) ** 2 * jnp.arange(32.0))),
+        ("log_softmax", lambda h, w, y, ce: jnp.sum(jnp.sin(jax.nn.log_softmax(h @ w)))),
     ]
 
 
@@ -668,7 +684,7 @@ def _z_loss(logits, labels):
     return jnp.mean(lse - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0] + 1e-2 * lse ** 2)
 
 
-@pytest.mark.parametrize("case", range(9), ids=[c[0] for c in _vocab_parallel_losses()])
+@pytest.mark.parametrize("case", range(14), ids=[c[0] for c in _vocab_parallel_losses()])
 def test_a_loss_over_logits_xla_shards_along_the_vocabulary(case, mesh2d):
     """Without a constraint, XLA's propagation gives the loss kernels logits sharded along the
     vocabulary (h @ w, w sharded by column). Each device launches on its classes: the rows'
@@ -689,6 +705,7 @@ def test_a_loss_over_logits_xla_shards_along_the_vocabulary(case, mesh2d):
     else:
         ours = xkern.jit(jax.value_and_grad(lambda h, w, y: loss(h, w, y, None), argnums=(0, 1)))
     theirs = jax.jit(jax.value_and_grad(lambda h, w, y: loss(h, w, y, reference), argnums=(0, 1)))
+    assert kernel_names(jax.make_jaxpr(ours)(h, w, y)), name
     y = jax.device_put(y, NamedSharding(mesh2d, P("data")))
     got, want = jax.block_until_ready(ours(h, w, y)), jax.block_until_ready(theirs(h, w, y))
     tol = 2e-2 if "bfloat16" in name else 2e-5

@@ -846,7 +846,7 @@ def _split_dims(layout: str):
     where the scores are ordered so). Of a batch of several dims (ANY_RANK), its first; of one
     example, the heads. Of a vector, its one dim (key_value_seq_lengths: one per example; any other
     is small, gathered where the kernels do not split it)."""
-    def split_dims(i: int, ndim: int) -> set:
+    def split_dims(i: int, ndim: int, params: dict) -> set:
         if layout == MQA and i in (1, 2) or layout == FOLDED or ndim == 1:
             return {0}
         heads = ndim - (3 if layout.startswith("bhsd") or i >= 3 and not layout.startswith("bqhk") else 2)

@@ -293,14 +293,15 @@ def _requires(labels_as: str) -> frozenset:
 
 
 def _split_dims(labels_as: str, vocab_of=None):
-    """Pattern.split_dims: the rows, and, but for one-hot targets (cross_entropy._vocab_splits), the
+    """Pattern.split_dims: the rows, and, where the kernels split it (kernels.vocab_splits), the
     vocabulary that tensor parallelism shards: the logits' last dim (input 0), or the LM head's
-    (vocab_of(input index, ndim): the weight's vocabulary dim, or None for any other input)."""
-    if labels_as == ONE_HOT:
-        return None
-    if vocab_of is None:
-        return lambda i, ndim: {0, ndim - 1} if i == 0 else {0}
-    return lambda i, ndim: {0} | ({vocab_of(i)} - {None})
+    (vocab_of(i): input i's vocabulary dim, None for an input without one)."""
+    def split_dims(i: int, ndim: int, params: dict) -> set:
+        if not kernels.vocab_splits(labels_as == ONE_HOT, params.get("smoothing", 0.0), params.get("z_loss", 0.0)):
+            return {0}
+        vocab = (ndim - 1 if i == 0 else None) if vocab_of is None else vocab_of(i)
+        return {0} | ({vocab} - {None})
+    return split_dims
 
 
 def _check_params(params) -> str | None:

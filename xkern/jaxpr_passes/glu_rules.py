@@ -98,7 +98,7 @@ def _pattern(name, fn, activation, dtypes, one_projection):
         example = lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype),) * 2
         replacement = lambda a, b, *, backend: replace(a, b, backend)
     # (two projections split along their features too, as tensor parallelism shards them: kernels/glu._split)
-    split_dims = None if one_projection else (lambda i, ndim: {0, ndim - 1})
+    split_dims = None if one_projection else (lambda i, ndim, params: {0, ndim - 1})
     return Pattern(name=name, op=op, fn=fn, example=example, dtypes=dtypes,
                    params_of=lambda match: {}, check=_check, replace=replacement, split_dims=split_dims)
 

@@ -232,7 +232,7 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
                    facts_of=_residual_sum, folds_residual_add=True, split_dims=_split_dims)
 
 
-def _split_dims(i: int, ndim: int) -> set:
+def _split_dims(i: int, ndim: int, params: dict) -> set:
     """The dims the norm kernels split (kernels/norms._split): the first, and the one before the
     normalized dim (a sequence, per-head norms' heads) of x and of a residual of 3 dims or more; of a
     vector (a scale, a bias: read whole by every program), none."""

@@ -74,10 +74,11 @@ class Pattern:
     # traced only for programs where that one is found, so a family built around many small
     # patterns costs start-up time only for the few a program holds.
     extends: str | None = None
-    # The dims of input i (of ndim dims) that its kernels split across devices (kernels/partition.py),
-    # in a program that shards them: where the program constrains another dim to be sharded, the
-    # match is left to XLA (rewrite.unsplit_sharding). None: the leading dim only.
-    split_dims: Callable[[int, int], set] | None = None
+    # split_dims(i, ndim, params): the dims of input i (of ndim dims) that its kernels split across
+    # devices (kernels/partition.py) at these params, in a program that shards them: where the
+    # program constrains another dim to be sharded, the match is left to XLA
+    # (rewrite.unsplit_sharding). None: the leading dim only.
+    split_dims: Callable[[int, int, dict], set] | None = None
     # xla_when(perturbed, params): why a call runs the matched equations themselves (jax.jit's
     # program) rather than the replacement, or None; perturbed: whether each input is differentiated
     # (rewrite._per_differentiation; all False where the call is not differentiated). Only where the

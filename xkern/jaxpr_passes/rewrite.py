@@ -285,8 +285,9 @@ def _decide(match: Match, live: set[int], backend: str, cost) -> tuple[dict | No
     consumers = [match.graph.eqns[c].primitive.name for c in match.graph.consumers.get(out, ())
                  if c in live] + (["output"] if out in match.graph.outvars else [])
     params = {**params, **pattern.facts_of(match)}
+    splits = pattern.split_dims or (lambda i, ndim, params: {0})
     reason = pattern.check(match, params) or unsplit_sharding(match.graph, match.inputs,
-                                                              pattern.split_dims or (lambda i, ndim: {0}))
+                                                              lambda i, ndim: splits(i, ndim, params))
     if reason:
         return None, reason, False
     reason = cost(pattern.op, match.input_avals, params, backend, consumers)

@@ -187,7 +187,7 @@ def _check(full_width):
     return check
 
 
-def _split_dims(i: int, ndim: int) -> set:
+def _split_dims(i: int, ndim: int, params: dict) -> set:
     """The dims the rope kernels split (kernels/rope._split): the rows' first, and x's heads, the dim
     before the last where the positions come before it (check declines x sharded there otherwise)."""
     return {0, ndim - 2} if i == 0 and ndim >= 3 else {0}

@@ -351,12 +351,17 @@ def _split(params) -> L.Split:
                    functools.partial(relaunch, in_place=in_place), **vocab)
 
 
+def vocab_splits(one_hot: bool, smoothing: float, z_loss: float, ignores_a_class: bool = False) -> bool:
+    """Whether the kernels split along a sharded vocabulary (_vocab_fwd): not smoothed (its terms
+    read every class and the whole row's length), nor one-hot targets with a z-loss (a label out of
+    range would take a rule of its own in the backward kernel), nor an ignore_index that is a class
+    (a device's own index of its label could equal it)."""
+    return smoothing == 0.0 and not (one_hot and z_loss != 0.0) and not ignores_a_class
+
+
 def _vocab_splits(consts: dict) -> bool:
-    """Whether the kernels split along a sharded vocabulary: not one-hot targets or smoothing (their
-    row terms read every class and N_COLS), nor an ignore_index that is a class (a device's own
-    label index could then equal it)."""
     ignores_a_class = consts["HAS_IGNORE"] and 0 <= consts["IGNORE_INDEX"] < consts["N_COLS"]
-    return not consts["ONE_HOT"] and consts["SMOOTHING"] == 0.0 and not ignores_a_class
+    return vocab_splits(consts["ONE_HOT"], consts["SMOOTHING"], consts["Z_LOSS"], ignores_a_class)
 
 
 def _local_labels(labels, heads, n_local: int, consts: dict):
@@ -384,34 +389,57 @@ def _global_lse(lse, heads):
 def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_place=False, **_):
     """_launch_fwd on one device's classes: the kernel's logsumexp of them, combined across devices
     (two all-reduces of a float per row), the label's logit from the device that has it (a third),
-    then dx, if asked for, from the backward kernel at the whole row's logsumexp (one more pass over
-    the logits than the one-device kernel, which writes dx as it goes: it knows the row's lse)."""
+    each row's loss from those as the kernel computes it, then dx, if asked for, from the backward
+    kernel at the whole row's logsumexp (one more pass over the logits than the one-device kernel,
+    which writes dx as it goes: it knows the row's lse by then)."""
     consts, n_local = dict(constexprs), x2.shape[1]
     local, owned = _local_labels(labels, heads, n_local, consts)
-    part = {**consts, "N_COLS": n_local, "WRITE_DX": False}
+    part = {**consts, "N_COLS": n_local, "WRITE_DX": False, "ONE_HOT": False, "SELECTED": False}
     _, lse, _ = _launch_fwd(x2, local, row_scale, backend=backend, config=config, constexprs=part)
     lse = _global_lse(lse, heads)
     picked = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[:, None], 1)[:, 0]
-    picked = soft_capped(picked.astype(jnp.float32), consts["SOFT_CAP"] or None)
-    picked = jax.lax.psum(jnp.where(owned, picked, 0.0), heads)
-    in_range = (labels >= 0) & (labels < consts["N_COLS"])
-    total = lse[:, 0] + lse[:, 1]
-    loss = total - jnp.where(in_range, picked, jnp.nan) + consts["Z_LOSS"] * total * total
-    if consts["HAS_IGNORE"]:
-        loss = jnp.where(labels == consts["IGNORE_INDEX"], 0.0, loss)
+    picked = jax.lax.psum(jnp.where(owned, soft_capped(picked.astype(jnp.float32), consts["SOFT_CAP"] or None), 0.0),
+                          heads)
+    loss = _vocab_loss(x2, labels, local, owned, lse, picked, heads, consts)
     if not consts["WRITE_DX"]:
         return loss, lse, jnp.zeros((1,), x2.dtype)
-    bwd = {k: v for k, v in part.items() if k not in ("WRITE_DX", "SELECTED")}
-    (dx,) = _launch_bwd(x2, local, lse, row_scale, backend=backend, config=config, constexprs=bwd,
-                        in_place=in_place)
+    (dx,) = _vocab_bwd(x2, labels, lse, row_scale, heads=heads, backend=backend, config=config,
+                       constexprs={k: v for k, v in consts.items() if k not in ("WRITE_DX", "SELECTED")},
+                       in_place=in_place)
     return loss, lse, dx
 
 
+def _vocab_loss(x2, labels, local, owned, lse, picked, heads, consts):
+    """Each row's loss, as _fwd computes it, from the whole row's lse and the label's logit (NaN for
+    a label out of range); one-hot targets: 0 there, and NaN where the program's 0 * log_softmax is
+    (a row holding +inf or NaN, or, but for XLA's select, -inf outside the label's class)."""
+    in_range = (labels >= 0) & (labels < consts["N_COLS"])
+    total = lse[:, 0] + lse[:, 1]
+    if not consts["ONE_HOT"]:
+        loss = total - jnp.where(in_range, picked, jnp.nan) + consts["Z_LOSS"] * total * total
+        return jnp.where(labels == consts["IGNORE_INDEX"], 0.0, loss) if consts["HAS_IGNORE"] else loss
+    loss = jnp.where(in_range, total - picked, 0.0)  # (no z-loss: vocab_splits)
+    not_finite = jnp.isnan(lse[:, 1]) | (lse[:, 1] == jnp.inf)
+    if consts["SELECTED"]:
+        not_finite &= in_range
+    elif not consts["SOFT_CAP"]:  # (a cap maps -inf to -cap)
+        label_at_neg_inf = owned & (jnp.take_along_axis(x2, jnp.clip(local, 0, x2.shape[1] - 1)[:, None], 1)[:, 0]
+                                    == -jnp.inf)
+        others = jnp.sum(x2 == -jnp.inf, 1, dtype=jnp.int32) - label_at_neg_inf
+        not_finite |= jax.lax.psum(others, heads) > 0
+    return jnp.where(not_finite, jnp.nan, loss)
+
+
 def _vocab_bwd(x2, labels, lse, g, *, heads, backend, config, constexprs, in_place=False, **_):
-    """_launch_bwd on one device's classes, at the whole row's lse: no collective."""
-    local, _ = _local_labels(labels, heads, x2.shape[1], dict(constexprs))
+    """_launch_bwd on one device's classes, at the whole row's lse: no collective. One-hot targets:
+    the rule of integer labels (a label another device has: the softmax's part alone) where the
+    label is in range, and a cotangent of 0 where it is not (a target of 0: dx = softmax * 0)."""
+    consts = dict(constexprs)
+    local, _ = _local_labels(labels, heads, x2.shape[1], consts)
+    if consts["ONE_HOT"]:
+        g = jnp.where((labels >= 0) & (labels < consts["N_COLS"]), g, 0.0)
     return _launch_bwd(x2, local, lse, g, backend=backend, config=config,
-                       constexprs={**dict(constexprs), "N_COLS": x2.shape[1]}, in_place=in_place)
+                       constexprs={**consts, "N_COLS": x2.shape[1], "ONE_HOT": False}, in_place=in_place)
 
 
 L.def_split("cross_entropy_fwd", _split)

@@ -225,11 +225,46 @@ def _launch_bwd(saved2, dy2, *, backend, config, constexprs, out_shapes, **_):
                     constexprs=dict(constexprs))
 
 
+def _split(params) -> L.Split:
+    """Rows split across devices. So does a row sharded across them (logits sharded along the
+    vocabulary, as tensor parallelism leaves them, sampled from): there the kernels, which read
+    whole rows, give way to XLA on each device's share, the row's max and sum all-reduced, as jax.jit
+    computes it, where running them would gather every row onto every device first."""
+    fwd = params["kernel"].endswith("_fwd")
+    n = 1 if fwd else 2
+    return L.Split((L.ROWS,) * n, (L.ROWS,), _launch_fwd if fwd else _launch_bwd, heads_args=(1,) * n,
+                   heads_outs=(1,), heads_fits=lambda parts: True,
+                   heads_relaunch=_shares_fwd if fwd else _shares_bwd)
+
+
+def _shares_fwd(x2, *, heads, constexprs, out_shapes, **_):
+    """jax.nn's softmax or log_softmax of rows split across devices `heads`, on this one's share."""
+    x = x2.astype(jnp.float32)
+    shifted = x - jax.lax.pmax(jnp.max(x, 1, keepdims=True), heads)
+    total = jax.lax.psum(jnp.sum(jnp.exp(shifted), 1, keepdims=True), heads)
+    y = shifted - jnp.log(total) if dict(constexprs)["LOG"] else jnp.exp(shifted) / total
+    return [y.astype(out_shapes[0].dtype)]
+
+
+def _shares_bwd(saved2, dy2, *, heads, constexprs, out_shapes, **_):
+    """jax.nn's gradients, on this device's share: softmax's y * (dy - sum(dy * y)), log_softmax's
+    dy - softmax(x) * sum(dy), the row sums all-reduced."""
+    dy, row_sum = dy2.astype(jnp.float32), lambda v: jax.lax.psum(jnp.sum(v, 1, keepdims=True), heads)
+    if dict(constexprs)["LOG"]:
+        y = jnp.exp(_shares_fwd(saved2, heads=heads, constexprs=(("LOG", True),),
+                                out_shapes=[jax.ShapeDtypeStruct(saved2.shape, jnp.float32)])[0])
+        dx = dy - y * row_sum(dy)
+    else:
+        y = saved2.astype(jnp.float32)
+        dx = y * (dy - row_sum(dy * y))
+    return [dx.astype(out_shapes[0].dtype)]
+
+
 for _prefix in ("softmax", "log_softmax"):
     L.def_batching(f"{_prefix}_fwd", L.batch_rows(_launch_fwd))
     L.def_batching(f"{_prefix}_bwd", L.batch_rows(_launch_bwd))
-    L.def_split(f"{_prefix}_fwd", L.split_rows(_launch_fwd, 1, 1))
-    L.def_split(f"{_prefix}_bwd", L.split_rows(_launch_bwd, 2, 1))
+    L.def_split(f"{_prefix}_fwd", _split)
+    L.def_split(f"{_prefix}_bwd", _split)
 
 
 # --------------------------------------------------------------------------------------------------
