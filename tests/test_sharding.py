@@ -649,6 +649,26 @@ def test_a_loss_over_a_vocabulary_the_program_shards(spec, targets, taken, mesh2
     assert "all-gather" not in ours.lower(logits, labels).compile().as_text()
 
 
+def test_under_an_explicit_mesh_a_loss_over_logits_typed_sharded_along_the_vocabulary():
+    """Logits typed sharded along the vocabulary (one-hot targets: jax's take_along_axis cannot be
+    typed over such logits): the kernels split it, with jax.jit's values, gradients' types and no
+    gather."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(11)
+    loss = lambda x, y: optax.softmax_cross_entropy(x, jax.nn.one_hot(y, 32)).mean()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(_normal(rng, (4, 6, 32)), NamedSharding(mesh, P("data", None, "model")))
+        y = jax.device_put(jnp.asarray(rng.integers(0, 32, (4, 6)), jnp.int32), NamedSharding(mesh, P("data")))
+        ours, theirs = xkern.jit(jax.value_and_grad(loss)), jax.jit(jax.value_and_grad(loss))
+        assert "cross_entropy_fwd" in kernel_names(jax.make_jaxpr(ours)(x, y))
+        (got, dgot), (want, dwant) = jax.block_until_ready((ours(x, y), theirs(x, y)))
+        hlo = ours.lower(x, y).compile().as_text()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(dgot, dwant, rtol=1e-4, atol=1e-6)
+    assert dgot.sharding.is_equivalent_to(dwant.sharding, 3), (dgot.sharding, dwant.sharding)
+    assert "all-gather" not in hlo
+
+
 def _vocab_parallel_losses():
     """(name, loss of (h, w, labels, ce)) over logits h @ w, w sharded by column (tensor parallelism):
     XLA's propagation alone shards the logits along the vocabulary (no constraint). ce: for the
@@ -657,6 +677,9 @@ def _vocab_parallel_losses():
     return [
         ("optax, mean", lambda h, w, y, ce: take(h @ w, y).mean()),
         ("a z-loss (PaLM's)", lambda h, w, y, ce: _z_loss(h @ w, y)),
+        # (a generated logsumexp, x - max(x) inside it, on XLA per share: generated._on_shares)
+        ("a z-loss written out beside optax's loss", lambda h, w, y, ce: jnp.mean(
+            take(h @ w, y) + 1e-2 * jax.nn.logsumexp((h @ w).at[0, 1, :].set(-jnp.inf), -1) ** 2)),
         ("soft-capped logits", lambda h, w, y, ce: take(jnp.tanh((h @ w) / 3.0) * 3.0, y).mean()),
         ("each row weighted (the backward kernel)", lambda h, w, y, ce: jnp.sum(take(h @ w, y) * jnp.arange(6.0))),
         ("bfloat16 logits", lambda h, w, y, ce: take((h @ w).astype(jnp.bfloat16), y).astype(jnp.float32).mean()),
@@ -684,7 +707,7 @@ def _z_loss(logits, labels):
     return jnp.mean(lse - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0] + 1e-2 * lse ** 2)
 
 
-@pytest.mark.parametrize("case", range(14), ids=[c[0] for c in _vocab_parallel_losses()])
+@pytest.mark.parametrize("case", range(15), ids=[c[0] for c in _vocab_parallel_losses()])
 def test_a_loss_over_logits_xla_shards_along_the_vocabulary(case, mesh2d):
     """Without a constraint, XLA's propagation gives the loss kernels logits sharded along the
     vocabulary (h @ w, w sharded by column). Each device launches on its classes: the rows'
@@ -846,19 +869,23 @@ _AFTER_A_REDUCTION = {
 def test_a_value_computed_from_a_row_reduction_does_not_split_along_features(after, axis_type):
     """A generated group that computes from a row reduction inside it by more than a cast or a
     scale of a sum (a norm's sqrt; a max scaled by -2 is a min; x less its row max, full or summed):
-    each device would reduce only its own columns, so the columns are not split. Typed sharded along
-    them (Explicit axes), the group is left to XLA, saying so; on Auto axes the launch runs on the
-    gathered rows. Values as jax.jit's either way."""
+    each device would reduce only its own columns, so the kernel does not split them. Typed sharded
+    along them (Explicit axes), the group is left to XLA, saying so; on Auto axes, where XLA's
+    propagation gives the launch such columns, it gives way to XLA on each device's share, every row
+    reduction all-reduced (generated._on_shares), as jax.jit computes it: nothing is gathered (the
+    kernel launched on the gathered rows until 2026-12). Values as jax.jit's either way."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
     f = _AFTER_A_REDUCTION[after]
     with jax.set_mesh(mesh):
         h = jax.device_put(_normal(np.random.default_rng(40), (4, 6, 64)), NamedSharding(mesh, P("data", None, "model")))
         report = xkern.explain(f)(h)
         got, want = jax.block_until_ready((xkern.jit(f)(h), jax.jit(f)(h)))
+        hlo = xkern.jit(f).lower(h).compile().as_text()
     if axis_type == "Explicit":
         assert report.kernels == [] and any("sharded along its dim 2" in d.reason for d in report.declined), report
     else:
         assert report.kernels, report
+    assert "all-gather" not in hlo
     tol = 1e-2 if got.dtype == jnp.bfloat16 else 1e-6
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 

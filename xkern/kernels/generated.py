@@ -311,7 +311,7 @@ def _split(params) -> L.Split:
     fused: Any = params["info"]
     roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
     reduced = _row_reductions(fused.group, fused.eqns)
-    by_cols = reduced is not None
+    by_cols = reduced is not None or not fused.k  # (else: _on_shares, XLA's)
     cols_args = tuple(_COLS_DIM.get(k) for k in fused.input_kinds) if by_cols else ()
 
     def relaunch(*views, backend, config, aliases, **_):
@@ -323,7 +323,39 @@ def _split(params) -> L.Split:
     return L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch,
                    fits=lambda parts: L.ROWS in roles, heads_args=cols_args,
                    heads_outs=tuple(1 if k == "full" else None for k in fused.output_kinds) if by_cols else (),
-                   heads_fits=lambda parts: True, heads_reduced=reduced or ())
+                   heads_fits=lambda parts: True, heads_reduced=reduced or (),
+                   heads_relaunch=_on_shares if reduced is None else None)
+
+
+_ALL_REDUCED = {"reduce_sum": (jax.numpy.sum, jax.lax.psum), "reduce_max": (jax.numpy.max, jax.lax.pmax),
+                "reduce_min": (jax.numpy.min, jax.lax.pmin)}
+_AS_2D = {"full": lambda v: v, "row": lambda v: v[:, None], "col": lambda v: v[None, :], "scalar": lambda v: v.reshape(())}
+
+
+def _on_shares(*views, heads, info, **_):
+    """A group whose kernel cannot split its columns (it computes from a row reduction: x - max(x),
+    a hand-written logsumexp) on this device's share of rows and columns, by XLA, as jax.jit computes
+    it: its equations on [rows, cols] views (row values [rows, 1], column values [1, cols]), each
+    row reduction all-reduced across the devices (`heads`) before anything reads it. Launching the
+    kernel would gather every row onto every device first."""
+    fused: Fused = info
+    cols = next(v.shape[_COLS_DIM[k]] for v, k in zip(views, fused.input_kinds) if k in ("full", "col"))
+    rows = next(v.shape[0] for v, k in zip(views, fused.input_kinds) if k in ("full", "row"))
+    env = {var: _AS_2D[k](v) for var, v, k in zip(fused.input_vars, views, fused.input_kinds)}
+    read = lambda v: np.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
+    for eqn in fused.eqns:
+        args, name = [read(v) for v in eqn.invars], eqn.primitive.name
+        if name in _ALL_REDUCED:
+            local, across = _ALL_REDUCED[name]
+            out = across(local(jax.numpy.broadcast_to(args[0], (rows, cols)), 1, keepdims=True), heads)
+        elif name in ("broadcast_in_dim", "reshape", "squeeze", "expand_dims"):
+            out = args[0]  # (the same [rows, 1], [1, cols] or scalar view: broadcast where read)
+        else:
+            shape = np.broadcast_shapes(*(np.shape(a) for a in args))
+            out = _compat.run_equation(eqn, [jax.numpy.broadcast_to(a, shape) for a in args])[0]
+        env[eqn.outvars[0]] = out
+    return [jax.numpy.broadcast_to(env[v], (rows, cols)) if k == "full" else
+            jax.numpy.broadcast_to(env[v], (rows, 1)).reshape(rows) for v, k in fused.group.outputs]
 
 
 _COLS_DIM = {"full": 1, "col": 0, "b": 1}  # the dim of a kernel operand that holds the columns
