@@ -12,7 +12,10 @@ on its own rows. A family may name a second split, of heads (attention's and rop
 parallelism shards q's and k/v's heads over a "model" axis) or of columns (generated kernels' and
 GLUs': the features of x @ w1, w1 sharded by column): each device then launches on its examples and
 its heads or columns, and an output reduced along them (a generated row sum) is all-reduced.
-A launch that cannot split (no rule, the split dim not sharded, or not divisible by the device
+Where shares combine by more than that (cross-entropy over a sharded vocabulary: a logsumexp of
+the devices' logsumexps), the family's `heads_relaunch` runs its own collectives; softmax and
+generated groups that compute from a row reduction give way there to XLA on each share, the row
+statistics all-reduced, as jax.jit computes them. A launch that cannot split (no rule, the split dim not sharded, or not divisible by the device
 count) runs whole on every device, as before.
 """
 from __future__ import annotations
