@@ -861,7 +861,25 @@ _AFTER_A_REDUCTION = {
     "x less its row max": lambda h: jnp.tanh(h - jnp.max(h, -1, keepdims=True)) * 2.0,
     "the sum of x less its row max": lambda h: jnp.sum(jnp.tanh(h - jnp.max(h, -1, keepdims=True)) * 2.0, -1),
     # (each device's share would be rounded to bfloat16 before their sum: rounded twice)
-    "a bfloat16 mean": lambda h: jnp.mean(jnp.tanh(h).astype(jnp.bfloat16) * 2, -1)}
+    "a bfloat16 mean": lambda h: jnp.mean(jnp.tanh(h).astype(jnp.bfloat16) * 2, -1),
+    # (edge values, where a softmax written by hand, which the softmax kernels take, runs as XLA on
+    # each share: a row's max of +inf, -inf along one device's share of a row, NaN; the shares' min)
+    "a softmax by hand of inf, -inf and NaN": lambda h: _softmax_by_hand(_with_edge_values(h) * 2.0),
+    "x plus its row min": lambda h: jnp.tanh(h + jnp.min(h * 3.0, -1, keepdims=True))}
+
+
+def _with_edge_values(h):
+    """h [4, 6, 64] with +inf at [0, 0, 3], -inf along [1, 2, :32] (one device's share of the row)
+    and NaN at [2, 4, 40]: by where, as a scatter (.at[].set) would add XLA's own gathers."""
+    b, s, c = (jnp.arange(n).reshape(shape) for n, shape in ((4, (4, 1, 1)), (6, (1, 6, 1)), (64, (64,))))
+    h = jnp.where((b == 0) & (s == 0) & (c == 3), jnp.inf, h)
+    h = jnp.where((b == 1) & (s == 2) & (c < 32), -jnp.inf, h)
+    return jnp.where((b == 2) & (s == 4) & (c == 40), jnp.nan, h)
+
+
+def _softmax_by_hand(x):
+    e = jnp.exp(x - jnp.max(x, -1, keepdims=True))
+    return e / jnp.sum(e, -1, keepdims=True)
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
