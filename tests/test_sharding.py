@@ -908,6 +908,50 @@ def test_a_value_computed_from_a_row_reduction_does_not_split_along_features(aft
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
 
 
+def _norms_over_features():
+    """(name, loss of (x [4, 6, 64], r, x2 [24, 64], scale, bias), norm = xkern.ops' or its
+    definition, or None for a norm by hand that the patterns take)."""
+    from xkern.kernels.norms import reference
+    ln = lambda x, s, b: _layer_norm(x, s, b)
+    return [
+        ("an RMS norm by hand", lambda x, r, x2, s, b, norm: jnp.sum(jnp.sin(_rms_norm(x, s)))),
+        ("a layer norm by hand", lambda x, r, x2, s, b, norm: jnp.sum(jnp.sin(ln(x, s, b)))),
+        ("a layer norm by hand of rows [24, 64]", lambda x, r, x2, s, b, norm: jnp.sum(jnp.sin(ln(x2, s, b)))),
+        ("xkern.ops.layer_norm with a residual", lambda x, r, x2, s, b, norm: (
+            lambda y, h: jnp.sum(jnp.sin(y)) + jnp.sum(h * h))(*norm(x, s, b, residual=r))),
+        ("xkern.ops.rms_norm of bfloat16", lambda x, r, x2, s, b, norm: jnp.sum(
+            jnp.sin(norm(x.astype(jnp.bfloat16), s).astype(jnp.float32)))),
+    ], {"layer_norm": lambda x, s, b, residual: reference(x, s, b, 1e-6, residual, False),
+        "rms_norm": lambda x, s: reference(x, s, None, 1e-6, None, True)}
+
+
+@pytest.mark.parametrize("case", range(5), ids=[c[0] for c in _norms_over_features()[0]])
+def test_norms_over_features_xla_shards_run_as_xla_on_each_share(case, mesh2d):
+    """Features sharded by XLA's propagation alone (no constraint): the norm kernels read whole
+    rows, so there XLA computes each device's share, mean and variance all-reduced (norms
+    ._features_split), as jax.jit does, where the launch gathered every row and the scale first.
+    Values and gradients as jax.jit's (x, the residual, the scale, the bias), no all-gather."""
+    cases, references = _norms_over_features()
+    name, loss = cases[case]
+    rng = np.random.default_rng(60 + case)
+    put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh2d, P(*spec)))
+    args = (put(_normal(rng, (4, 6, 64)), "data", None, "model"), put(_normal(rng, (4, 6, 64)), "data", None, "model"),
+            put(_normal(rng, (24, 64)), "data", "model"), put(1 + 0.1 * _normal(rng, (64,)), "model"),
+            put(0.1 * _normal(rng, (64,)), "model"))
+    grads = lambda norm: jax.value_and_grad(lambda *a: loss(*a, norm), argnums=range(5))
+    if name.startswith("xkern.ops"):
+        op = name.split(".")[2].split(" ")[0]
+        ours, theirs = jax.jit(grads(getattr(xkern.ops, op))), jax.jit(grads(references[op]))
+    else:
+        ours, theirs = xkern.jit(grads(None)), jax.jit(grads(None))
+    assert any("norm" in k for k in kernel_names(jax.make_jaxpr(ours)(*args))), name
+    got, want = jax.block_until_ready(ours(*args)), jax.block_until_ready(theirs(*args))
+    tol = 3e-2 if "bfloat16" in name else 2e-5
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+    assert "all-gather" not in ours.lower(*args).compile().as_text(), name
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("name", ["softmax", "log_softmax", "standardize", "layer norm", "rms norm"])
 def test_row_ops_over_sharded_features_keep_jax_jits_values(name, axis_type):

@@ -749,7 +749,9 @@ class Split:
     ("sum", "max", "min": a generated kernel's row sums over its columns), all-reduced across them.
     `heads_relaunch`, where the devices' shares combine by more than an all-reduce of each output
     (cross-entropy over a sharded vocabulary: a logsumexp of logsumexps): called in relaunch's place
-    as heads_relaunch(*arrays, heads=<the mesh axes>, **params), it runs the collectives itself."""
+    as heads_relaunch(*arrays, heads=<the mesh axes>, rows=<the rows' axes>, **params), it runs the
+    collectives itself. `heads_else`: another Split of the same launch whose second split is along
+    other dims (norms: a sequence, else the features), tried where this one's dims are not sharded."""
     args: tuple
     outs: tuple
     relaunch: Any
@@ -759,6 +761,7 @@ class Split:
     heads_fits: Any = None
     heads_reduced: tuple = ()
     heads_relaunch: Any = None
+    heads_else: Any = None
 
 
 _SPLIT_RULES: dict[str, Any] = {}

@@ -469,20 +469,77 @@ def _split(params) -> L.Split:
     opt_along = along if flags["HAS_RESIDUAL"] else None
     seconds = lambda *dims: dict(heads_args=dims, heads_fits=lambda parts: True) if along else {}
     opt = lambda a, flag: a if flags[flag] else None
+    features = _features_split(params, flags, fwd)
     if fwd:
         def relaunch(x, r, scale, bias, **_):
             return _launch_fwd(x, opt(r, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), opt(bias, "HAS_BIAS"),
                                flags["EPS"], rms=flags["RMS"], backend=params["backend"],
                                config=params["config"], out_dtype=params["out_shapes"][0].dtype)
         return L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch,
-                       **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}))
+                       **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}),
+                       heads_else=features(relaunch))
 
     def relaunch(h, dy, dh_out, scale, **_):
         return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
                            rms=flags["RMS"], backend=params["backend"], config=params["config"])
     return L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
                    fits=lambda parts: params["grid"][1] == 1, **seconds(along, along, opt_along, None),
-                   **({"heads_outs": (along, None, None)} if along else {}))
+                   **({"heads_outs": (along, None, None)} if along else {}), heads_else=features(relaunch))
+
+
+def _features_split(params, flags, fwd):
+    """The second split along the normalized features, where a program shards them (Auto axes: XLA's
+    propagation; a constrained or typed input is left to XLA at the rewrite): the kernels read whole
+    rows, so there XLA computes each device's share, the row statistics all-reduced, as jax.jit
+    does, where the launch would gather every row first. A function of the rows' relaunch."""
+    last = len(params["out_shapes"][0].shape) - 1
+    opt = lambda dim, flag: dim if flags[flag] else None
+    if fwd:
+        dims = dict(heads_args=(last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE"), opt(0, "HAS_BIAS")),
+                    heads_outs=(last, opt(last, "HAS_RESIDUAL")), heads_relaunch=_features_fwd)
+        roles = (L.ROWS, L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED, L.SHARED, L.SHARED)
+        return lambda relaunch: L.Split(roles, roles[:2], relaunch, heads_fits=lambda parts: True, **dims)
+    dims = dict(heads_args=(last, last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE")), heads_outs=(last, 1, 1),
+                heads_relaunch=_features_bwd)
+    roles = (L.ROWS, L.ROWS, L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED, L.SHARED)
+    return lambda relaunch: L.Split(roles, (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
+                                    fits=lambda parts: params["grid"][1] == 1, heads_fits=lambda parts: True, **dims)
+
+
+def _shares_normalized(hf, flags, heads):
+    """(normalized h, rstd) of float32 rows whose features are split across devices `heads`."""
+    row_mean = lambda v: jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads) / flags["N_COLS"]
+    if not flags["RMS"]:
+        hf = hf - row_mean(hf)
+    rstd = jax.lax.rsqrt(row_mean(hf * hf) + flags["EPS"])
+    return hf * rstd, rstd
+
+
+def _features_fwd(x, r, scale, bias, *, heads, constexprs, out_shapes, **_):
+    """reference(), on this device's share of the features (see _features_split)."""
+    flags = dict(constexprs)
+    h = x + r if flags["HAS_RESIDUAL"] else x
+    y, _ = _shares_normalized(h.astype(jnp.float32), flags, heads)
+    y = y * scale.astype(jnp.float32) if flags["HAS_SCALE"] else y
+    y = y + bias.astype(jnp.float32) if flags["HAS_BIAS"] else y
+    return [y.astype(out_shapes[0].dtype), h if flags["HAS_RESIDUAL"] else jnp.zeros((1,), out_shapes[1].dtype)]
+
+
+def _features_bwd(h, dy, dh_out, scale, *, heads, rows, constexprs, out_shapes, **_):
+    """The backward kernel's outputs, on this device's share of the features: dh, and the scale's and
+    bias's gradients (their first partial row, summed over the rows' devices: launch.SUMMED)."""
+    flags = dict(constexprs)
+    xhat, rstd = _shares_normalized(h.astype(jnp.float32), flags, heads)
+    dy = dy.astype(jnp.float32)
+    dxhat = dy * scale.astype(jnp.float32) if flags["HAS_SCALE"] else dy
+    row_mean = lambda v: jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads) / flags["N_COLS"]
+    centered = dxhat if flags["RMS"] else dxhat - row_mean(dxhat)
+    dh = rstd * (centered - xhat * row_mean(dxhat * xhat))
+    dh = dh + dh_out.astype(jnp.float32) if flags["HAS_RESIDUAL"] else dh
+    over_rows = lambda v: jnp.sum(v.reshape(-1, v.shape[-1]), 0)
+    partials = lambda total: jnp.zeros((out_shapes[1].shape[0], total.shape[0]), jnp.float32).at[0].set(
+        jax.lax.psum(total, rows) if rows else total)
+    return [dh.astype(out_shapes[0].dtype), partials(over_rows(dy * xhat)), partials(over_rows(dy))]
 
 
 for _name in ("layer_norm_fwd", "rms_norm_fwd", "layer_norm_bwd", "rms_norm_bwd"):

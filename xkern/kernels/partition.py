@@ -63,30 +63,40 @@ def _whole(*arrays, params):
     return L.xkern_kernel_p.bind(*arrays, **params)
 
 
+def _alternatives(split) -> list:
+    """The launch's Split and those of its other second splits (Split.heads_else), in order."""
+    out = [split]
+    while out[-1].heads_else is not None:
+        out.append(out[-1].heads_else)
+    return out
+
+
 def _sharding_rule(params, in_avals, rule) -> SdyShardingRule:
     """For Shardy: dim 0 of every split operand and output is one factor ("rows"), each heads dim one
-    of a factor per size (q's heads, k's: GQA), and every other dim a factor of its own that must be
-    replicated (rows and heads are whole in each kernel)."""
-    split = rule(params)
+    of a factor per size (q's heads, k's: GQA; another second split's, factors of its own), and every
+    other dim a factor of its own that must be replicated (rows and heads are whole in each kernel)."""
+    splits = _alternatives(rule(params))
     own = []
 
-    def mapping(kind, roles, heads, shapes):
+    def mapping(kind, roles, heads_of, shapes):
         out = []
         for i, (role, shape) in enumerate(zip(roles, shapes)):
             dims = []
             for d in range(len(shape)):
+                heads = [k for k, h in enumerate(heads_of) if h and d == h[i]]
                 if d == 0 and role == L.ROWS:
                     dims.append("rows")
-                elif heads and d == heads[i]:
-                    dims.append(f"heads{shape[d]}")
+                elif heads:
+                    dims.append(f"heads{shape[d]}" if heads[0] == 0 else f"heads{heads[0]}_{shape[d]}")
                 else:
                     own.append(f"{kind}{i}d{d}")
                     dims.append(own[-1])
             out.append(tuple(dims))
         return tuple(out)
 
-    operands = mapping("in", split.args, split.heads_args, [a.shape for a in in_avals])
-    results = mapping("out", split.outs, split.heads_outs, [s.shape for s in params["out_shapes"]])
+    operands = mapping("in", splits[0].args, [s.heads_args for s in splits], [a.shape for a in in_avals])
+    results = mapping("out", splits[0].outs, [s.heads_outs for s in splits],
+                      [s.shape for s in params["out_shapes"]])
     return SdyShardingRule(operands, results, need_replication_factors=tuple(own))
 
 
@@ -145,17 +155,26 @@ def _shardings(mesh, split, axes, heads, out_shapes):
             [_sharding(mesh, axes, role, heads, d) for role, d in zip(split.outs, at(split.heads_outs, len(split.outs)))])
 
 
-def _partition(mesh, arg_shapes, result_shape, *, params, rule):
-    split = rule(params)
-    out_shapes = params["out_shapes"]
+def _chosen(mesh, split, arg_shapes, out_shapes) -> tuple:
+    """(the Split whose second split the operands' shardings take, or the first; rows' axes, heads'
+    axes)."""
     axes = _split_axes(mesh, split, arg_shapes, out_shapes)
-    heads = _heads_axes(mesh, split, arg_shapes, out_shapes, axes)
+    for alternative in _alternatives(split):
+        heads = _heads_axes(mesh, alternative, arg_shapes, out_shapes, axes)
+        if heads:
+            return alternative, axes, heads
+    return split, axes, ()
+
+
+def _partition(mesh, arg_shapes, result_shape, *, params, rule):
+    out_shapes = params["out_shapes"]
+    split, axes, heads = _chosen(mesh, rule(params), arg_shapes, out_shapes)
 
     def lower_fn(*local):
         if not axes and not heads:
             return _whole(*local, params=params)
         if heads and split.heads_relaunch:
-            return split.heads_relaunch(*local, heads=heads, **params)
+            return split.heads_relaunch(*local, heads=heads, rows=axes, **params)
         outs = split.relaunch(*local, **params)
         outs = [_summed(o, s.shape[0], axes + heads) if role == L.SUMMED and (axes or heads) else o
                 for o, s, role in zip(outs, out_shapes, split.outs)]
@@ -172,9 +191,7 @@ _ALL_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 def _infer(mesh, arg_shapes, result_shape, *, params, rule):
     """GSPMD's propagation (Shardy uses the sharding rule instead): outputs split as the operands."""
-    split = rule(params)
-    axes = _split_axes(mesh, split, arg_shapes, params["out_shapes"])
-    heads = _heads_axes(mesh, split, arg_shapes, params["out_shapes"], axes)
+    split, axes, heads = _chosen(mesh, rule(params), arg_shapes, params["out_shapes"])
     return _shardings(mesh, split, axes, heads, params["out_shapes"])[1]
 
 
