@@ -397,10 +397,10 @@ def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_
     part = {**consts, "N_COLS": n_local, "WRITE_DX": False, "ONE_HOT": False, "SELECTED": False}
     _, lse, _ = _launch_fwd(x2, local, row_scale, backend=backend, config=config, constexprs=part)
     lse = _global_lse(lse, heads)
-    picked = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[:, None], 1)[:, 0]
-    picked = jax.lax.psum(jnp.where(owned, soft_capped(picked.astype(jnp.float32), consts["SOFT_CAP"] or None), 0.0),
+    at_label = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[:, None], 1)[:, 0]
+    picked = jax.lax.psum(jnp.where(owned, soft_capped(at_label.astype(jnp.float32), consts["SOFT_CAP"] or None), 0.0),
                           heads)
-    loss = _vocab_loss(x2, labels, local, owned, lse, picked, heads, consts)
+    loss = _vocab_loss(x2, labels, owned & (at_label == -jnp.inf), lse, picked, heads, consts)
     if not consts["WRITE_DX"]:
         return loss, lse, jnp.zeros((1,), x2.dtype)
     (dx,) = _vocab_bwd(x2, labels, lse, row_scale, heads=heads, backend=backend, config=config,
@@ -409,10 +409,11 @@ def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_
     return loss, lse, dx
 
 
-def _vocab_loss(x2, labels, local, owned, lse, picked, heads, consts):
+def _vocab_loss(x2, labels, label_at_neg_inf, lse, picked, heads, consts):
     """Each row's loss, as _fwd computes it, from the whole row's lse and the label's logit (NaN for
     a label out of range); one-hot targets: 0 there, and NaN where the program's 0 * log_softmax is
-    (a row holding +inf or NaN, or, but for XLA's select, -inf outside the label's class)."""
+    (a row holding +inf or NaN, or, but for XLA's select, -inf outside the label's class: this
+    device's -infs less its label's own, label_at_neg_inf)."""
     in_range = (labels >= 0) & (labels < consts["N_COLS"])
     total = lse[:, 0] + lse[:, 1]
     if not consts["ONE_HOT"]:
@@ -423,8 +424,6 @@ def _vocab_loss(x2, labels, local, owned, lse, picked, heads, consts):
     if consts["SELECTED"]:
         not_finite &= in_range
     elif not consts["SOFT_CAP"]:  # (a cap maps -inf to -cap)
-        label_at_neg_inf = owned & (jnp.take_along_axis(x2, jnp.clip(local, 0, x2.shape[1] - 1)[:, None], 1)[:, 0]
-                                    == -jnp.inf)
         others = jnp.sum(x2 == -jnp.inf, 1, dtype=jnp.int32) - label_at_neg_inf
         not_finite |= jax.lax.psum(others, heads) > 0
     return jnp.where(not_finite, jnp.nan, loss)

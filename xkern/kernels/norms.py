@@ -18,6 +18,7 @@ The math the kernels must match (float32 inside), per row of n values, h = x (+ 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -462,56 +463,55 @@ def _split(params) -> L.Split:
     sums are SUMMED (jnp.sum reads them). A backward in segments (one per vmapped example) runs
     whole: its partials are summed per segment. A 3-D launch ([batch, sequence, cols], _norm's
     view of x) also splits along dim 1 (sequence parallelism; per-head norms' heads), the "heads"
-    split of launch.Split."""
+    split of launch.Split; else, where the features are sharded, along them (_features_split)."""
     flags, fwd = dict(params["constexprs"]), params["kernel"].endswith("_fwd")
     residual = L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED
     along = 1 if len(params["out_shapes"][0].shape) == 3 else None  # (y's / dh's shape is x's)
     opt_along = along if flags["HAS_RESIDUAL"] else None
     seconds = lambda *dims: dict(heads_args=dims, heads_fits=lambda parts: True) if along else {}
     opt = lambda a, flag: a if flags[flag] else None
-    features = _features_split(params, flags, fwd)
     if fwd:
         def relaunch(x, r, scale, bias, **_):
             return _launch_fwd(x, opt(r, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), opt(bias, "HAS_BIAS"),
                                flags["EPS"], rms=flags["RMS"], backend=params["backend"],
                                config=params["config"], out_dtype=params["out_shapes"][0].dtype)
-        return L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch,
-                       **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}),
-                       heads_else=features(relaunch))
+        split = L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch,
+                        **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}))
+    else:
+        def relaunch(h, dy, dh_out, scale, **_):
+            return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
+                               rms=flags["RMS"], backend=params["backend"], config=params["config"])
+        split = L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
+                        fits=lambda parts: params["grid"][1] == 1, **seconds(along, along, opt_along, None),
+                        **({"heads_outs": (along, None, None)} if along else {}))
+    return dataclasses.replace(split, heads_else=dataclasses.replace(split, **_features_split(params, flags, fwd)))
 
-    def relaunch(h, dy, dh_out, scale, **_):
-        return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
-                           rms=flags["RMS"], backend=params["backend"], config=params["config"])
-    return L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
-                   fits=lambda parts: params["grid"][1] == 1, **seconds(along, along, opt_along, None),
-                   **({"heads_outs": (along, None, None)} if along else {}), heads_else=features(relaunch))
 
-
-def _features_split(params, flags, fwd):
+def _features_split(params, flags, fwd) -> dict:
     """The second split along the normalized features, where a program shards them (Auto axes: XLA's
     propagation; a constrained or typed input is left to XLA at the rewrite): the kernels read whole
     rows, so there XLA computes each device's share, the row statistics all-reduced, as jax.jit
-    does, where the launch would gather every row first. A function of the rows' relaunch."""
+    does, where the launch would gather every row first."""
     last = len(params["out_shapes"][0].shape) - 1
     opt = lambda dim, flag: dim if flags[flag] else None
     if fwd:
-        dims = dict(heads_args=(last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE"), opt(0, "HAS_BIAS")),
-                    heads_outs=(last, opt(last, "HAS_RESIDUAL")), heads_relaunch=_features_fwd)
-        roles = (L.ROWS, L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED, L.SHARED, L.SHARED)
-        return lambda relaunch: L.Split(roles, roles[:2], relaunch, heads_fits=lambda parts: True, **dims)
-    dims = dict(heads_args=(last, last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE")), heads_outs=(last, 1, 1),
-                heads_relaunch=_features_bwd)
-    roles = (L.ROWS, L.ROWS, L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED, L.SHARED)
-    return lambda relaunch: L.Split(roles, (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
-                                    fits=lambda parts: params["grid"][1] == 1, heads_fits=lambda parts: True, **dims)
+        return dict(heads_args=(last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE"), opt(0, "HAS_BIAS")),
+                    heads_outs=(last, opt(last, "HAS_RESIDUAL")), heads_fits=lambda parts: True,
+                    heads_relaunch=_features_fwd)
+    return dict(heads_args=(last, last, opt(last, "HAS_RESIDUAL"), opt(0, "HAS_SCALE")), heads_outs=(last, 1, 1),
+                heads_fits=lambda parts: True, heads_relaunch=_features_bwd)
+
+
+def _row_mean(v, heads, n_cols: int):
+    """The mean of each row whose n_cols columns are split across devices `heads`."""
+    return jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads) / n_cols
 
 
 def _shares_normalized(hf, flags, heads):
     """(normalized h, rstd) of float32 rows whose features are split across devices `heads`."""
-    row_mean = lambda v: jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads) / flags["N_COLS"]
     if not flags["RMS"]:
-        hf = hf - row_mean(hf)
-    rstd = jax.lax.rsqrt(row_mean(hf * hf) + flags["EPS"])
+        hf = hf - _row_mean(hf, heads, flags["N_COLS"])
+    rstd = jax.lax.rsqrt(_row_mean(hf * hf, heads, flags["N_COLS"]) + flags["EPS"])
     return hf * rstd, rstd
 
 
@@ -532,7 +532,7 @@ def _features_bwd(h, dy, dh_out, scale, *, heads, rows, constexprs, out_shapes, 
     xhat, rstd = _shares_normalized(h.astype(jnp.float32), flags, heads)
     dy = dy.astype(jnp.float32)
     dxhat = dy * scale.astype(jnp.float32) if flags["HAS_SCALE"] else dy
-    row_mean = lambda v: jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads) / flags["N_COLS"]
+    row_mean = functools.partial(_row_mean, heads=heads, n_cols=flags["N_COLS"])
     centered = dxhat if flags["RMS"] else dxhat - row_mean(dxhat)
     dh = rstd * (centered - xhat * row_mean(dxhat * xhat))
     dh = dh + dh_out.astype(jnp.float32) if flags["HAS_RESIDUAL"] else dh
