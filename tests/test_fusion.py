@@ -515,10 +515,10 @@ def test_matmul_template_variants(dtype, tma, programs):
     f = lambda x, w, b: jnp.tanh(x @ w + b) * 2.0
     plan = pipeline.plan(jax.make_jaxpr(f)(x, w, b), "interpret")  # every group, no costing
     (fused,) = [m.fused for m in plan.fusions.values()]
-    views, n_rows = generated._views(fused, (x, w, b))
+    views, _ = generated._views(fused, (x, w, b))
     config = generated.matmul_configs(37, 24, 40, "interpret")[0].replace(BLOCK_M=16, BLOCK_N=16, TMA=tma,
                                                                           PROGRAMS=programs)
-    (got,) = generated._launch_views(views, n_rows, fused, backend, config)
+    (got,) = generated._launch_views(views, fused, backend, config)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(f(x, w, b), np.float32), rtol=tol, atol=tol)
 
@@ -541,13 +541,13 @@ def test_every_matmul_candidate_gives_xla_values(m, k, n):
     f = lambda x, w, b: jax.nn.gelu(x @ w + b)
     plan = pipeline.plan(jax.make_jaxpr(f)(x, w, b), "interpret")  # every group, no costing
     (fused,) = [match.fused for match in plan.fusions.values()]
-    views, n_rows = generated._views(fused, (x, w, b))
+    views, _ = generated._views(fused, (x, w, b))
     tma = backend == "triton" and L.tma_supported() and generated.tma_fits(k, n, 2)
     candidates = generated.matmul_configs(m, n, k, backend, L.vendor() if backend == "triton" else "cuda", tma,
                                           getattr(jax.devices()[0], "core_count", 0) if tma else 0)
     want = np.asarray(f(*(a.astype(jnp.float32) for a in (x, w, b))))
     for config in candidates:
-        (got,) = generated._launch_views(views, n_rows, fused, backend, config)
+        (got,) = generated._launch_views(views, fused, backend, config)
         err = float(np.max(np.abs(np.asarray(got, np.float32) - want)))
         assert err <= 2e-2 * max(np.abs(want).max(), 1.0), (config, err)
     assert backend == "interpret" or len(candidates) > 4
@@ -562,7 +562,7 @@ def test_the_matmul_tuners_measure_checks_results(monkeypatch):
     x, w, b = jnp.ones((37, 40), jnp.float32), jnp.ones((40, 24), jnp.float32), jnp.ones((24,), jnp.float32)
     plan = pipeline.plan(jax.make_jaxpr(lambda x, w, b: jnp.tanh(x @ w + b))(x, w, b), "interpret")
     (fused,) = [match.fused for match in plan.fusions.values()]
-    views, n_rows = generated._views(fused, (x, w, b))
+    views, _ = generated._views(fused, (x, w, b))
     calls = []
 
     def tuned(family, key, candidates, measure, backend, version=""):

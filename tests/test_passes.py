@@ -355,7 +355,8 @@ def test_canonical_form_takes_slices_that_cut_a_value_into_pieces_as_one_split()
         assert canonicalize(canonical) is canonical
         np.testing.assert_allclose(jax.core.eval_jaxpr(canonical.jaxpr, canonical.consts, x)[0], f(x), rtol=1e-6)
         loss = lambda x: jnp.sum(jnp.sin(f(x)))
-        np.testing.assert_allclose(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.grad(loss)(x), rtol=1e-5)
+        # (rtol: sin's derivative at values ~10 from float32 products and sums, in either order)
+        np.testing.assert_allclose(jax.jit(jax.grad(xkern.optimize(loss)))(x), jax.grad(loss)(x), rtol=1e-4, atol=1e-5)
 
 
 def test_canonical_form_makes_iotas_at_their_shape():

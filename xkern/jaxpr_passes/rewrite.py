@@ -300,7 +300,8 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
     kernels do not split (partition.py: the leading dim; attention's heads too): each device would
     gather it and compute the whole, where XLA computes in parallel (a vocabulary sharded under the
     loss, a sequence under a norm); and under Explicit axes the kernels' views of it as rows could
-    not be typed. splits(i, ndim): the dims of input i (of ndim dims) that may be sharded."""
+    not be typed. splits(i, ndim): the dims of input i (of ndim dims) that may be sharded, a set, or
+    a list of sets where the kernels split along the dims of any one of them but not of two."""
     for i, v in enumerate(inputs):
         eqn = _constraint_of(graph, v)
         sharding, how = (eqn.params.get("sharding"), "with_sharding_constraint") if eqn is not None else (
@@ -308,15 +309,30 @@ def unsplit_sharding(graph: Graph, inputs, splits) -> str | None:
         spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
         if spec is None or mesh is None:
             continue
-        for d, axes in enumerate(spec):
-            axes = (axes,) if isinstance(axes, str) else axes
-            if not isinstance(axes, tuple) or d in splits(i, v.aval.ndim):
-                continue
-            if math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
-                return (f"an input is sharded along its dim {d} over mesh axes {axes} "
-                        f"({how}), which the kernels do not split: each device would "
-                        f"gather it and compute the whole, where XLA computes its share")
+        sharded = _sharded_dims(spec, mesh)
+        allowed = splits(i, v.aval.ndim)
+        allowed = allowed if isinstance(allowed, list) else [allowed]
+        if any(sharded.keys() <= dims for dims in allowed):
+            continue
+        d = next((d for d in sharded if not any(d in dims for dims in allowed)), None)
+        if d is None:
+            return (f"an input is sharded along its dims {sorted(sharded)} ({how}), which the kernels "
+                    f"split one at a time: each device would gather it along one of them, where XLA "
+                    f"computes its share")
+        return (f"an input is sharded along its dim {d} over mesh axes {sharded[d]} "
+                f"({how}), which the kernels do not split: each device would "
+                f"gather it and compute the whole, where XLA computes its share")
     return None
+
+
+def _sharded_dims(spec, mesh) -> dict:
+    """{dim: its mesh axes} of the dims a PartitionSpec splits in more than one part."""
+    out = {}
+    for d, axes in enumerate(spec):
+        axes = (axes,) if isinstance(axes, str) else axes
+        if isinstance(axes, tuple) and math.prod(dict(mesh.shape).get(a, 1) for a in axes) > 1:
+            out[d] = axes
+    return out
 
 
 def _typed_sharding(v):

@@ -179,7 +179,7 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
 
     def measure(config):
         samples = _random_like(views)
-        step = jax.jit(lambda *v: _launch_views(v, n_rows, fused, backend, config))
+        step = jax.jit(lambda *v: _launch_views(v, fused, backend, config))
         autotune.agrees(first, step(*samples))
         return time_pipelined(step, *samples, min_seconds=0.02)
 
@@ -187,22 +187,36 @@ def _config(fused: Fused, views, n_rows: int, backend: str) -> L.Config:
                           version=autotune.version_of(*codegen.MATMUL_PROLOGUE))
 
 
+def _lead(fused: Fused) -> tuple:
+    """The group's rows as the kernel's views keep them: every leading dim (one of 1 where there are
+    none), so that a mesh sharding any of them splits the launch there (_split), where one merged
+    dim of rows could not stay sharded along a dim under another (heads under a batch)."""
+    return tuple(fused.group.rows) or (1,)
+
+
 def _views(fused: Fused, inputs) -> tuple[list, int]:
-    """Inputs as the kernel reads them: full [rows, cols], row [rows], col [cols], scalar [1];
-    a matmul's operands as [rows, K] and [K, cols]."""
-    n_cols = fused.n_cols
-    n_rows = int(np.prod(fused.group.rows, dtype=np.int64))
-    shaped = {"full": (n_rows, n_cols), "row": (n_rows,), "col": (n_cols,), "scalar": (1,),
-              "a": (n_rows, fused.k), "b": (fused.k, n_cols)}
+    """Inputs as the kernel reads them: full [*rows, cols], row [*rows], col [cols], scalar [1];
+    a matmul's operands as [*rows, K] and [K, cols]. The kernel reads them flat, rows by rows."""
+    n_cols, lead = fused.n_cols, _lead(fused)
+    shaped = {"full": (*lead, n_cols), "row": lead, "col": (n_cols,), "scalar": (1,),
+              "a": (*lead, fused.k), "b": (fused.k, n_cols)}
     # (asarray: a Python number differentiated eagerly reaches here as jax's TypedFloat, no array)
-    return [jax.numpy.asarray(x).reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)], n_rows
+    views = [jax.numpy.asarray(x).reshape(shaped[k]) for x, k in zip(inputs, fused.input_kinds)]
+    return views, int(np.prod(lead, dtype=np.int64))
 
 
-def _launch_views(views, n_rows: int, fused: Fused, backend: str, config: L.Config,
+def _rows_of(views, fused: Fused) -> tuple:
+    """The leading dims of this launch's rows (a device's share where they are split)."""
+    view, kind = next((v, k) for v, k in zip(views, fused.input_kinds) if k in ("full", "row", "a"))
+    return tuple(view.shape if kind == "row" else view.shape[:-1])
+
+
+def _launch_views(views, fused: Fused, backend: str, config: L.Config,
                   aliases: dict | None = None, n_cols: int | None = None) -> list:
     """n_cols: the columns of this launch (a device's share where they are split), else the group's."""
-    n_cols = n_cols or fused.n_cols
-    outs = [jax.ShapeDtypeStruct((n_rows, n_cols) if k == "full" else (n_rows,), a.dtype)
+    n_cols, lead = n_cols or fused.n_cols, _rows_of(views, fused)
+    n_rows = int(np.prod(lead, dtype=np.int64))
+    outs = [jax.ShapeDtypeStruct((*lead, n_cols) if k == "full" else lead, a.dtype)
             for k, a in zip(fused.output_kinds, fused.output_avals)]
     fn = codegen.load(fused.name, fused.source)
     constexprs, grid = {"N_COLS": n_cols}, L.cdiv(n_rows, config["BLOCK_M"])
@@ -220,7 +234,7 @@ def run(fused: Fused, inputs, backend: str, aliases: dict | None = None) -> list
     views, n_rows = _views(fused, inputs)
     if n_rows == 0:  # no program to launch; every output has the rows
         return [jax.numpy.zeros(a.shape, a.dtype) for a in fused.output_avals]
-    outs = _launch_views(views, n_rows, fused, backend, _config(fused, views, n_rows, backend), aliases)
+    outs = _launch_views(views, fused, backend, _config(fused, views, n_rows, backend), aliases)
     return [o.reshape(a.shape) for o, a in zip(outs, fused.output_avals)]
 
 
@@ -289,13 +303,13 @@ def _batch(args, dims, *, info, backend, config, **params):
                 a = jax.numpy.broadcast_to(a, (size, *a.shape)) if d is None else jax.numpy.moveaxis(a, d, 0)
                 a = a.reshape(size * a.shape[1], *a.shape[2:])
             folded.append(a)
-        n_rows = next(x.shape[0] for x, k in zip(folded, fused.input_kinds) if k in ("full", "row", "a"))
-        outs = _launch_views(folded, n_rows, fused, backend, config)
+        outs = _launch_views(folded, fused, backend, config)
         return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
     # Otherwise: the group's own equations, vmapped, on the views (XLA computes this launch).
     def on_views(*views):
         shaped = [v.reshape(x.aval.shape) for v, x in zip(views, fused.input_vars)]
-        return [o.reshape((-1, fused.n_cols) if k == "full" else (-1,))
+        lead = _lead(fused)
+        return [o.reshape((*lead, fused.n_cols) if k == "full" else lead)
                 for o, k in zip(fused.reference(*shaped), fused.output_kinds)]
     outs = jax.vmap(on_views, in_axes=list(arr_dims))(*arrays)
     return outs, [0] * len(outs)
@@ -303,33 +317,46 @@ def _batch(args, dims, *, info, backend, config, **params):
 
 def _split(params) -> L.Split:
     """Rows split across devices: full, row and matmul-operand (a) inputs and every output have
-    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared. The columns split
-    too, as tensor parallelism shards a hidden activation (the features of x @ w1, w1 sharded by
-    column), where the group's row outputs combine across devices (_row_reductions): full inputs
-    and outputs have them as dim 1, col inputs as dim 0, the weight b as dim 1; each device
-    launches on its columns, whose count N_COLS is then its share's."""
+    them as dim 0; col and scalar inputs and the matmul's weight (b) are shared. A second split
+    along the columns, as tensor parallelism shards a hidden activation (the features of x @ w1,
+    w1 sharded by column), where the group's row outputs combine across devices (_row_reductions):
+    full inputs and outputs have them as their last dim, col inputs as dim 0, the weight b as dim 1;
+    each device launches on its columns, whose count N_COLS is then its share's. Else along another
+    of the rows' dims (the views keep them all: _lead), as tensor parallelism shards heads
+    ([batch, seq, heads, head_dim]) or sequence parallelism a sequence: rows are independent, so
+    each device launches on its share of them."""
     fused: Any = params["info"]
     roles = tuple(L.ROWS if k in ("full", "row", "a") else L.SHARED for k in fused.input_kinds)
     reduced = _row_reductions(fused.group, fused.eqns)
     by_cols = reduced is not None or not fused.k  # (else: _on_shares, XLA's)
-    cols_args = tuple(_COLS_DIM.get(k) for k in fused.input_kinds) if by_cols else ()
+    n_lead = len(_lead(fused))
+    cols_dim = {"full": n_lead, "col": 0, "b": 1}  # the dim of a kernel operand that holds the columns
 
     def relaunch(*views, backend, config, aliases, **_):
-        n_cols = next((v.shape[d] for v, d in zip(views, cols_args) if d is not None), fused.n_cols)
+        n_cols = next((v.shape[cols_dim[k]] for v, k in zip(views, fused.input_kinds) if k in cols_dim),
+                      fused.n_cols)
         if fused.k and config["TMA"] and not tma_fits(fused.k, n_cols, np.dtype(views[1].dtype).itemsize):
             config = config.replace(TMA=False, PROGRAMS=0)  # a share's rows of b too short for TMA
-        return _launch_views(views, views[roles.index(L.ROWS)].shape[0], fused, backend, config,
-                             dict(aliases) or None, n_cols)
-    return L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch,
-                   fits=lambda parts: L.ROWS in roles, heads_args=cols_args,
-                   heads_outs=tuple(1 if k == "full" else None for k in fused.output_kinds) if by_cols else (),
-                   heads_fits=lambda parts: True, heads_reduced=reduced or (),
-                   heads_relaunch=_on_shares if reduced is None else None)
+        return _launch_views(views, fused, backend, config, dict(aliases) or None, n_cols)
+
+    rows_only = L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch, fits=lambda parts: L.ROWS in roles)
+    seconds = [dataclasses.replace(rows_only, heads_args=tuple(d if r == L.ROWS else None for r in roles),
+                                       heads_outs=(d,) * len(fused.output_kinds), heads_fits=lambda parts: True)
+                   for d in range(1, n_lead)]
+    if by_cols:
+        seconds.insert(0, dataclasses.replace(
+            rows_only, heads_args=tuple(cols_dim.get(k) for k in fused.input_kinds),
+            heads_outs=tuple(n_lead if k == "full" else None for k in fused.output_kinds),
+            heads_fits=lambda parts: True, heads_reduced=reduced or (),
+            heads_relaunch=_on_shares if reduced is None else None))
+    split = rows_only
+    for alternative in reversed(seconds):  # (each tried where the ones before it are not sharded)
+        split = dataclasses.replace(alternative, heads_else=split if split.heads_args else None)
+    return split
 
 
 _ALL_REDUCED = {"reduce_sum": (jax.numpy.sum, jax.lax.psum), "reduce_max": (jax.numpy.max, jax.lax.pmax),
                 "reduce_min": (jax.numpy.min, jax.lax.pmin)}
-_AS_2D = {"full": lambda v: v, "row": lambda v: v[:, None], "col": lambda v: v[None, :], "scalar": lambda v: v.reshape(())}
 
 
 def _on_shares(*views, heads, info, **_):
@@ -339,9 +366,12 @@ def _on_shares(*views, heads, info, **_):
     row reduction all-reduced across the devices (`heads`) before anything reads it. Launching the
     kernel would gather every row onto every device first."""
     fused: Fused = info
-    cols = next(v.shape[_COLS_DIM[k]] for v, k in zip(views, fused.input_kinds) if k in ("full", "col"))
-    rows = next(v.shape[0] for v, k in zip(views, fused.input_kinds) if k in ("full", "row"))
-    env = {var: _AS_2D[k](v) for var, v, k in zip(fused.input_vars, views, fused.input_kinds)}
+    lead = _rows_of(views, fused)
+    cols = next(v.shape[-1] for v, k in zip(views, fused.input_kinds) if k in ("full", "col"))
+    rows = int(np.prod(lead, dtype=np.int64))
+    as_2d = {"full": lambda v: v.reshape(rows, cols), "row": lambda v: v.reshape(rows, 1),
+             "col": lambda v: v[None, :], "scalar": lambda v: v.reshape(())}
+    env = {var: as_2d[k](v) for var, v, k in zip(fused.input_vars, views, fused.input_kinds)}
     read = lambda v: np.asarray(v.val, v.aval.dtype) if isinstance(v, Literal) else env[v]
     for eqn in fused.eqns:
         args, name = [read(v) for v in eqn.invars], eqn.primitive.name
@@ -354,11 +384,8 @@ def _on_shares(*views, heads, info, **_):
             shape = np.broadcast_shapes(*(np.shape(a) for a in args))
             out = _compat.run_equation(eqn, [jax.numpy.broadcast_to(a, shape) for a in args])[0]
         env[eqn.outvars[0]] = out
-    return [jax.numpy.broadcast_to(env[v], (rows, cols)) if k == "full" else
-            jax.numpy.broadcast_to(env[v], (rows, 1)).reshape(rows) for v, k in fused.group.outputs]
-
-
-_COLS_DIM = {"full": 1, "col": 0, "b": 1}  # the dim of a kernel operand that holds the columns
+    return [jax.numpy.broadcast_to(env[v], (rows, cols)).reshape(*lead, cols) if k == "full" else
+            jax.numpy.broadcast_to(env[v], (rows, 1)).reshape(lead) for v, k in fused.group.outputs]
 
 
 _COMBINED = {"reduce_sum": "sum", "reduce_max": "max", "reduce_min": "min"}
@@ -420,16 +447,21 @@ def _reduction_of(v, producers: dict, scalars: set) -> str | None:
 
 def split_dims(group: Group, eqns, dot: int | None = None):
     """For rewrite.unsplit_sharding: the dims of the kernel's input i (of ndim dims; with `dot`, a
-    matmul's index, its operands a and b first, as `inputs`) that its launches split: the rows'
-    leading dim and, where the columns split (_row_reductions), the last dim of full and col inputs
-    and of the weight b (never a contraction). eqns: the program's, which the indices name."""
+    matmul's index, its operands a and b first, as `inputs`) that its launches split, as _split's
+    alternatives: the rows' first dim and one more, either the columns, where they split
+    (_row_reductions: the last dim of full and col inputs and of the weight b, never a
+    contraction), or another of the rows' dims. eqns: the program's, which the indices name."""
     by_cols = _row_reductions(group, [eqns[i] for i in group.eqns]) is not None
     kinds = [kind for _, kind in inputs(group, eqns, dot)]
+    n_rows_dims = len(group.rows)
 
-    def dims(i: int, ndim: int) -> set:
-        if kinds[i] == "b":
-            return {ndim - 1} if by_cols else set()
-        return {0, ndim - 1} if by_cols and kinds[i] in ("full", "col") else {0}
+    def dims(i: int, ndim: int) -> list:
+        of_rows = kinds[i] in ("full", "row", "a")
+        first = {0} if of_rows and n_rows_dims else set()
+        alternatives = [first | {d} for d in range(1, n_rows_dims)] if of_rows else []
+        if by_cols:
+            alternatives.insert(0, first | ({ndim - 1} if kinds[i] in ("full", "col", "b") else set()))
+        return alternatives or [first]
     return dims
 
 
