@@ -159,12 +159,11 @@ def test_under_an_explicit_mesh_a_generated_kernel_selects_by_a_kernels_output()
 
 @pytest.mark.parametrize("name", ["softmax", "layer_norm", "cross_entropy", "generated"])
 def test_under_an_explicit_mesh_inputs_sharded_along_another_dim(name):
-    """Typed as sharded along the second of the rows' dims: the softmax and cross-entropy kernels
-    do not split there, so their patterns are declined, saying so (their views of such inputs as
-    rows could not even be typed); the norms and generated kernels split along any row dim
-    (sequence parallelism), so they are taken (also a generated kernel of the declined softmax's
-    equations), gathering nothing. Either way the program is jax.jit's, values, gradients and
-    shardings."""
+    """Typed as sharded along the second of the rows' dims: the cross-entropy kernels do not split
+    there, so their pattern is declined, saying so (their views of such inputs as rows could not
+    even be typed); the norms, softmax and generated kernels split along any row dim (sequence
+    parallelism), so they are taken, gathering nothing. Either way the program is jax.jit's,
+    values, gradients and shardings."""
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     rng = np.random.default_rng(5)
     f, args = {"softmax": (lambda x: jax.nn.softmax(x, -1), (_normal(rng, (2, 8, 33)),)),
@@ -176,11 +175,11 @@ def test_under_an_explicit_mesh_inputs_sharded_along_another_dim(name):
         sharded = [jax.device_put(a, NamedSharding(mesh, P(None, "data"))) for a in args]
         report = xkern.explain(f)(*sharded)
         named = [d for d in report.declined if not d.pattern.startswith("generated")]
-        if name in ("softmax", "cross_entropy"):
+        if name == "cross_entropy":
             assert named and all("sharded along its dim 1 over mesh axes ('data',) (its type, on a mesh of "
                                  "Explicit axes)" in d.reason for d in named), report
         if name != "cross_entropy":
-            assert report.kernels and all(k.startswith({"layer_norm": "layer_norm_fwd"}.get(name, "fused_"))
+            assert report.kernels and all(k.startswith({"layer_norm": "layer_norm_fwd", "softmax": "softmax_fwd"}.get(name, "fused_"))
                                           for k in report.kernels), report
         hlo = jax.jit(_value_and_grads(xkern.optimize(f))).lower(*sharded).compile().as_text()
         assert "all-gather" not in hlo
@@ -1020,27 +1019,34 @@ def test_under_an_explicit_mesh_a_matmul_epilogue_splits_along_a_sharded_sequenc
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
 
 
-_ROWS_DIM_CASES = {  # (function, x's shape, x's spec): a dim of the rows other than the first sharded
-    "heads, elementwise": (lambda q: jnp.tanh(q * 1.5) * q, (4, 6, 4, 16), P("data", None, "model")),
-    "heads, a row sum": (lambda q: jnp.sum(jnp.exp(q * 0.5) * q, -1), (4, 6, 4, 16), P("data", None, "model")),
+_ROWS_DIM_CASES = {  # (function, x's shape, x's spec, its kernels' prefix): a dim of the rows other than the first sharded
+    "heads, elementwise": (lambda q: jnp.tanh(q * 1.5) * q, (4, 6, 4, 16), P("data", None, "model"), "fused_"),
+    "heads, a row sum": (lambda q: jnp.sum(jnp.exp(q * 0.5) * q, -1), (4, 6, 4, 16), P("data", None, "model"),
+                         "fused_"),
     "heads, x less its row max": (lambda q: jnp.tanh(q - jnp.max(q, -1, keepdims=True)) * 2.0, (4, 6, 4, 16),
-                                  P("data", None, "model")),
+                                  P("data", None, "model"), "fused_"),
     "sequence under a batch": (lambda h: jnp.mean(jnp.tanh(h) * h, -1, keepdims=True) * h, (4, 6, 32),
-                               P("data", "model")),
-    "sequence alone, bfloat16": (lambda h: jnp.tanh(h * 2.0) * h + 1.0, (3, 8, 32), P(None, "model")),
+                               P("data", "model"), "fused_"),
+    "sequence alone, bfloat16": (lambda h: jnp.tanh(h * 2.0) * h + 1.0, (3, 8, 32), P(None, "model"), "fused_"),
+    # attention's probabilities by hand, [b, h, q, k], the heads sharded; a log_softmax over a sequence
+    "softmax, heads": (lambda s: jax.nn.softmax(s * 0.5, -1), (4, 4, 8, 16), P("data", "model"), "softmax_"),
+    "softmax, queries alone": (lambda s: jax.nn.softmax(s, -1), (2, 4, 8, 16), P(None, None, "model"), "softmax_"),
+    "log_softmax, sequence, bfloat16": (lambda x: jax.nn.log_softmax(x, -1), (4, 8, 32), P("data", "model"),
+                                        "log_softmax_"),
 }
 
 
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 @pytest.mark.parametrize("case", list(_ROWS_DIM_CASES))
-def test_generated_kernels_split_along_any_dim_of_their_rows(case, axis_type):
-    """A generated group over [batch, seq, heads, head_dim] with the heads sharded (tensor
-    parallelism), or over [batch, seq, hidden] with the sequence sharded (sequence parallelism):
-    its rows are independent, and the kernel's views keep their dims, so each device launches on its
-    share. Until 2026-12 the views merged the rows into one dim, which could not stay sharded along
-    an inner one: on Auto axes every device gathered the whole array; typed (Explicit) the group was
-    left to XLA. Values, gradients, shardings and collectives as jax.jit's."""
-    f, shape, spec = _ROWS_DIM_CASES[case]
+def test_row_kernels_split_along_any_dim_of_their_rows(case, axis_type):
+    """A generated group or a softmax over [batch, seq, heads, head_dim] or [batch, heads, q, k] with
+    the heads sharded (tensor parallelism), or over [batch, seq, hidden] with the sequence sharded
+    (sequence parallelism): its rows are independent, and the kernels' views keep their dims, so
+    each device launches on its share. Until 2026-12 the views merged the rows into one dim, which
+    could not stay sharded along an inner one: on Auto axes every device gathered the whole array;
+    typed (Explicit) the match was left to XLA. Values, gradients, shardings and collectives as
+    jax.jit's."""
+    f, shape, spec, prefix = _ROWS_DIM_CASES[case]
     dtype = jnp.bfloat16 if "bfloat16" in case else jnp.float32
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
     with jax.set_mesh(mesh):
@@ -1049,7 +1055,7 @@ def test_generated_kernels_split_along_any_dim_of_their_rows(case, axis_type):
         launched = kernel_names(jax.make_jaxpr(ours)(x))
         got, want = jax.block_until_ready((ours(x), theirs(x)))
         hlo, xla_hlo = (fn.lower(x).compile().as_text() for fn in (ours, theirs))
-    assert launched and all(k.startswith("fused_") for k in launched), launched
+    assert launched and all(k.startswith(prefix) for k in launched), launched
     assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], (hlo, xla_hlo)
     tol = 3e-2 if dtype == jnp.bfloat16 else 2e-5
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

@@ -77,8 +77,9 @@ class Pattern:
     # split_dims(i, ndim, params): the dims of input i (of ndim dims) that its kernels split across
     # devices (kernels/partition.py) at these params, in a program that shards them: where the
     # program constrains another dim to be sharded, the match is left to XLA
-    # (rewrite.unsplit_sharding). None: the leading dim only.
-    split_dims: Callable[[int, int, dict], set] | None = None
+    # (rewrite.unsplit_sharding). A list of sets: the kernels split the dims of any one of them,
+    # not of two. None: the leading dim only.
+    split_dims: Callable[[int, int, dict], set | list] | None = None
     # xla_when(perturbed, params): why a call runs the matched equations themselves (jax.jit's
     # program) rather than the replacement, or None; perturbed: whether each input is differentiated
     # (rewrite._per_differentiation; all False where the call is not differentiated). Only where the

@@ -62,12 +62,21 @@ def _check_dtype(match, params) -> str | None:
     return None
 
 
+def _split_dims(i: int, ndim: int, params: dict) -> list:
+    """Pattern.split_dims: the kernels split the rows' first dim and any one other (kernels/softmax's
+    views keep them: launch.with_row_dims), never the softmax axes (a sharded row is left to XLA
+    where constrained or typed so)."""
+    axes = {a % ndim for a in params["axis"]}
+    rows = [d for d in range(ndim) if d not in axes]
+    return [{rows[0], d} for d in rows[1:]] or [set(rows)]
+
+
 def _pattern(name, op, fn, dtypes, out_dtype=None):
     replace = kernels.log_softmax if op == "log_softmax" else kernels.softmax
     return Pattern(
         name=name, op=op, fn=fn, dtypes=dtypes,
         example=lambda dtype: (jax.ShapeDtypeStruct((4, 8), dtype),),
-        example_params={"axis": -1}, params_of=_axis, check=_check_dtype,
+        example_params={"axis": -1}, params_of=_axis, check=_check_dtype, split_dims=_split_dims,
         replace=lambda x, *, backend, axis: replace(x, axis=axis, out_dtype=out_dtype,
                                                     backend=backend))
 

@@ -339,20 +339,14 @@ def _split(params) -> L.Split:
             config = config.replace(TMA=False, PROGRAMS=0)  # a share's rows of b too short for TMA
         return _launch_views(views, fused, backend, config, dict(aliases) or None, n_cols)
 
-    rows_only = L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch, fits=lambda parts: L.ROWS in roles)
-    seconds = [dataclasses.replace(rows_only, heads_args=tuple(d if r == L.ROWS else None for r in roles),
-                                       heads_outs=(d,) * len(fused.output_kinds), heads_fits=lambda parts: True)
-                   for d in range(1, n_lead)]
+    split = L.Split(roles, (L.ROWS,) * len(fused.output_kinds), relaunch, fits=lambda parts: L.ROWS in roles)
     if by_cols:
-        seconds.insert(0, dataclasses.replace(
-            rows_only, heads_args=tuple(cols_dim.get(k) for k in fused.input_kinds),
+        split = dataclasses.replace(
+            split, heads_args=tuple(cols_dim.get(k) for k in fused.input_kinds),
             heads_outs=tuple(n_lead if k == "full" else None for k in fused.output_kinds),
             heads_fits=lambda parts: True, heads_reduced=reduced or (),
-            heads_relaunch=_on_shares if reduced is None else None))
-    split = rows_only
-    for alternative in reversed(seconds):  # (each tried where the ones before it are not sharded)
-        split = dataclasses.replace(alternative, heads_else=split if split.heads_args else None)
-    return split
+            heads_relaunch=_on_shares if reduced is None else None)
+    return L.with_row_dims(split, n_lead)
 
 
 _ALL_REDUCED = {"reduce_sum": (jax.numpy.sum, jax.lax.psum), "reduce_max": (jax.numpy.max, jax.lax.pmax),

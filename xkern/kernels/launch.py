@@ -764,6 +764,36 @@ class Split:
     heads_else: Any = None
 
 
+def with_row_dims(split: Split, n_dims: int) -> Split:
+    """`split`, and after its own second splits (Split.heads_else) one along each of dims
+    1..n_dims-1 of its ROWS operands and outputs: for kernels that read their rows flat, of views
+    that keep the rows' dims (the heads of [b, s, h, d] that tensor parallelism shards, a sequence
+    that sequence parallelism shards). Rows are independent, so each device launches on its share."""
+    own = [split] if split.heads_args else []
+    while own and own[-1].heads_else is not None:
+        own.append(own[-1].heads_else)
+    along = [dataclasses.replace(split, heads_args=tuple(d if r == ROWS else None for r in split.args),
+                                 heads_outs=tuple(d if r == ROWS else None for r in split.outs),
+                                 heads_fits=lambda parts: True, heads_reduced=(), heads_relaunch=None)
+             for d in range(1, n_dims)]
+    chained = None
+    for alternative in reversed(own + along):
+        chained = dataclasses.replace(alternative, heads_else=chained)
+    return chained or split
+
+
+def rows_view(x, n_cols_dims: int = 1):
+    """x as a row kernel's view [*rows, cols], its last n_cols_dims dims made the row: its leading
+    dims kept (with_row_dims), one row where there are none."""
+    lead, n_cols = x.shape[:x.ndim - n_cols_dims], int(np.prod(x.shape[x.ndim - n_cols_dims:]))
+    return x.reshape((*lead, n_cols) if lead else (1, n_cols))
+
+
+def n_rows(view) -> int:
+    """The rows of a row kernel's view [*rows, cols]."""
+    return int(np.prod(view.shape[:-1], dtype=np.int64))
+
+
 _SPLIT_RULES: dict[str, Any] = {}
 
 

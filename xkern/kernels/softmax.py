@@ -206,7 +206,7 @@ def _check_config(config: L.Config, n_cols: int) -> L.Config:
 
 def _launch_fwd(x2, *, backend, config, constexprs, out_shapes, **_):
     """y = softmax(x) rows, in out_shapes[0]'s dtype (the batching rule passes the equation's own)."""
-    n_rows, n_cols = x2.shape
+    n_rows, n_cols = L.n_rows(x2), x2.shape[-1]
     fn = _fwd_online if config["BLOCK_N"] < n_cols else _fwd_rows
     name = "log_softmax_fwd" if dict(constexprs)["LOG"] else "softmax_fwd"
     out = jax.ShapeDtypeStruct(x2.shape, out_shapes[0].dtype)
@@ -216,7 +216,7 @@ def _launch_fwd(x2, *, backend, config, constexprs, out_shapes, **_):
 
 def _launch_bwd(saved2, dy2, *, backend, config, constexprs, out_shapes, **_):
     """dx rows from dy and the saved y (softmax) or x (log_softmax), in out_shapes[0]'s dtype (x's)."""
-    n_rows, n_cols = saved2.shape
+    n_rows, n_cols = L.n_rows(saved2), saved2.shape[-1]
     fn = _bwd_online if config["BLOCK_N"] < n_cols else _bwd_rows
     name = "log_softmax_bwd" if dict(constexprs)["LOG"] else "softmax_bwd"
     out = jax.ShapeDtypeStruct(saved2.shape, out_shapes[0].dtype)
@@ -226,22 +226,23 @@ def _launch_bwd(saved2, dy2, *, backend, config, constexprs, out_shapes, **_):
 
 
 def _split(params) -> L.Split:
-    """Rows split across devices. So does a row sharded across them (logits sharded along the
-    vocabulary, as tensor parallelism leaves them, sampled from): there the kernels, which read
-    whole rows, give way to XLA on each device's share, the row's max and sum all-reduced, as jax.jit
-    computes it, where running them would gather every row onto every device first."""
-    fwd = params["kernel"].endswith("_fwd")
+    """Rows split across devices, along any of their dims (the views keep them: L.with_row_dims).
+    So does a row sharded across them (logits sharded along the vocabulary, as tensor parallelism
+    leaves them, sampled from): there the kernels, which read whole rows, give way to XLA on each
+    device's share, the row's max and sum all-reduced, as jax.jit computes it, where running them
+    would gather every row onto every device first."""
+    fwd, last = params["kernel"].endswith("_fwd"), len(params["out_shapes"][0].shape) - 1
     n = 1 if fwd else 2
-    return L.Split((L.ROWS,) * n, (L.ROWS,), _launch_fwd if fwd else _launch_bwd, heads_args=(1,) * n,
-                   heads_outs=(1,), heads_fits=lambda parts: True,
-                   heads_relaunch=_shares_fwd if fwd else _shares_bwd)
+    return L.with_row_dims(L.Split((L.ROWS,) * n, (L.ROWS,), _launch_fwd if fwd else _launch_bwd,
+                                   heads_args=(last,) * n, heads_outs=(last,), heads_fits=lambda parts: True,
+                                   heads_relaunch=_shares_fwd if fwd else _shares_bwd), last)
 
 
 def _shares_fwd(x2, *, heads, constexprs, out_shapes, **_):
     """jax.nn's softmax or log_softmax of rows split across devices `heads`, on this one's share."""
     x = x2.astype(jnp.float32)
-    shifted = x - jax.lax.pmax(jnp.max(x, 1, keepdims=True), heads)
-    total = jax.lax.psum(jnp.sum(jnp.exp(shifted), 1, keepdims=True), heads)
+    shifted = x - jax.lax.pmax(jnp.max(x, -1, keepdims=True), heads)
+    total = jax.lax.psum(jnp.sum(jnp.exp(shifted), -1, keepdims=True), heads)
     y = shifted - jnp.log(total) if dict(constexprs)["LOG"] else jnp.exp(shifted) / total
     return [y.astype(out_shapes[0].dtype)]
 
@@ -249,7 +250,7 @@ def _shares_fwd(x2, *, heads, constexprs, out_shapes, **_):
 def _shares_bwd(saved2, dy2, *, heads, constexprs, out_shapes, **_):
     """jax.nn's gradients, on this device's share: softmax's y * (dy - sum(dy * y)), log_softmax's
     dy - softmax(x) * sum(dy), the row sums all-reduced."""
-    dy, row_sum = dy2.astype(jnp.float32), lambda v: jax.lax.psum(jnp.sum(v, 1, keepdims=True), heads)
+    dy, row_sum = dy2.astype(jnp.float32), lambda v: jax.lax.psum(jnp.sum(v, -1, keepdims=True), heads)
     if dict(constexprs)["LOG"]:
         y = jnp.exp(_shares_fwd(saved2, heads=heads, constexprs=(("LOG", True),),
                                 out_shapes=[jax.ShapeDtypeStruct(saved2.shape, jnp.float32)])[0])
@@ -282,7 +283,7 @@ def _softmax_rows(x2, log, out_dtype, backend, fwd_config, bwd_config):
 
 
 def _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config):
-    y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=_constexprs(x2.shape[1], log),
+    y2 = _launch_fwd(x2, backend=backend, config=fwd_config, constexprs=_constexprs(x2.shape[-1], log),
                      out_shapes=[jax.ShapeDtypeStruct(x2.shape, out_dtype)])[0]
     # log_softmax saves x (its backward recomputes softmax(x)), softmax its output
     return y2, (x2 if log else y2, jnp.zeros((0,), x2.dtype))  # the empty array carries x's dtype
@@ -291,7 +292,7 @@ def _softmax_rows_fwd(x2, log, out_dtype, backend, fwd_config, bwd_config):
 def _softmax_rows_bwd(log, out_dtype, backend, fwd_config, bwd_config, residuals, dy2):
     saved, x_dtype = residuals[0], residuals[1].dtype
     return (_launch_bwd(saved, dy2.astype(out_dtype), backend=backend, config=bwd_config,
-                        constexprs=_constexprs(saved.shape[1], log),
+                        constexprs=_constexprs(saved.shape[-1], log),
                         out_shapes=[jax.ShapeDtypeStruct(saved.shape, x_dtype)])[0],)
 
 
@@ -354,14 +355,14 @@ def _softmax_any(x, axis, out_dtype, backend, config, log: bool):
         if out_dtype is None:
             return reference(x, axis=axes, log=log)
         return reference(x.astype(jnp.float32), axis=axes, log=log).astype(out_dtype)
-    # Bring the softmax axes to the end and flatten to [rows, cols]: the kernels see rows only.
+    # Bring the softmax axes to the end and make them one: the kernels see rows [*rows, cols].
     order = [a for a in range(x.ndim) if a not in axes] + list(axes)
     moved = x if order == sorted(order) else jnp.transpose(x, order)
-    n_cols = int(np.prod([x.shape[a] for a in axes]))
-    x2 = moved.reshape(-1, n_cols)
+    x2 = L.rows_view(moved, len(axes))
+    n_cols = x2.shape[-1]
     if config is None:
-        fwd_config = default_config(x2.shape[0], n_cols, backend, "fwd")
-        bwd_config = default_config(x2.shape[0], n_cols, backend, "bwd")
+        fwd_config = default_config(L.n_rows(x2), n_cols, backend, "fwd")
+        bwd_config = default_config(L.n_rows(x2), n_cols, backend, "bwd")
     else:
         fwd_config = bwd_config = _check_config(config, n_cols)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
