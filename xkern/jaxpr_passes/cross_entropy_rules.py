@@ -293,14 +293,21 @@ def _requires(labels_as: str) -> frozenset:
 
 
 def _split_dims(labels_as: str, vocab_of=None):
-    """Pattern.split_dims: the rows, and, where the kernels split it (kernels.vocab_splits), the
-    vocabulary that tensor parallelism shards: the logits' last dim (input 0), or the LM head's
-    (vocab_of(i): input i's vocabulary dim, None for an input without one)."""
-    def split_dims(i: int, ndim: int, params: dict) -> set:
-        if not kernels.vocab_splits(labels_as == ONE_HOT, params.get("smoothing", 0.0), params.get("z_loss", 0.0)):
-            return {0}
-        vocab = (ndim - 1 if i == 0 else None) if vocab_of is None else vocab_of(i)
-        return {0} | ({vocab} - {None})
+    """Pattern.split_dims: the rows' first dim, and one more (kernels/cross_entropy's split): where
+    the kernels split it (kernels.vocab_splits), the vocabulary that tensor parallelism shards,
+    the logits' last dim (input 0; one-hot targets' too), else any other of the rows' dims (the
+    kernels' views keep them). The LM head's (vocab_of(i): input i's vocabulary dim, None for an
+    input without one) launches on chunks of rows made one dim: the first only, and its
+    vocabulary."""
+    def split_dims(i: int, ndim: int, params: dict) -> list:
+        splits = kernels.vocab_splits(labels_as == ONE_HOT, params.get("smoothing", 0.0), params.get("z_loss", 0.0))
+        if vocab_of is not None:
+            return [{0} | ({vocab_of(i)} - {None} if splits else set())]
+        has_vocab = i == 0 or i == 1 and labels_as == ONE_HOT
+        n_rows_dims = ndim - 1 if has_vocab else ndim
+        first = {0} if n_rows_dims else set()
+        along = [first | {d} for d in range(1, n_rows_dims)]
+        return ([first | {ndim - 1}] if splits and has_vocab else [first]) + along
     return split_dims
 
 

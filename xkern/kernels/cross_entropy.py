@@ -282,12 +282,12 @@ PROGRAMS_PER_SM = 64
 def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=False, **_):
     """in_place: dx overwrites the logits (each row's dx pass reads a chunk before writing it), for
     callers whose logits are a temporary (linear_cross_entropy)."""
-    n_rows, n_cols = x2.shape
+    n_rows, n_cols, lead = L.n_rows(x2), x2.shape[-1], x2.shape[:-1]
     consts = _with_tanh(constexprs, x2.dtype, backend)
     aliases = {0: 2} if in_place and consts["WRITE_DX"] else None
     if backend == "triton" and cross_entropy_hopper.applies(n_cols, x2.dtype.itemsize, consts) and L.hopper():
         return cross_entropy_hopper.launch_fwd(x2, labels, row_scale, uncapped(consts), backend, aliases)
-    outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
+    outs = [jax.ShapeDtypeStruct(lead, jnp.float32), jax.ShapeDtypeStruct((*lead, 2), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape if consts["WRITE_DX"] else (1,), x2.dtype)]
     return L.launch(_fwd, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
                     grid=(programs(n_rows, backend),), config=config, backend=backend, constexprs=consts,
@@ -296,8 +296,8 @@ def _launch_fwd(x2, labels, row_scale, *, backend, config, constexprs, in_place=
 
 def _launch_bwd(x2, labels, lse, g, *, backend, config, constexprs, in_place=False, **_):
     out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
-    return L.launch(_bwd, x2, labels, lse, g, x2.shape[0], kernel="cross_entropy_bwd", out_shapes=[out],
-                    grid=(programs(x2.shape[0], backend),), config=config, backend=backend,
+    return L.launch(_bwd, x2, labels, lse, g, L.n_rows(x2), kernel="cross_entropy_bwd", out_shapes=[out],
+                    grid=(programs(L.n_rows(x2), backend),), config=config, backend=backend,
                     constexprs=_with_tanh(constexprs, x2.dtype, backend), aliases={0: 0} if in_place else None)
 
 
@@ -332,23 +332,24 @@ L.def_batching("cross_entropy_bwd", L.batch_rows(_launch_bwd))
 
 
 def _split(params) -> L.Split:
-    """Rows split across devices (the mean's 1 / valid rows is computed outside, over all rows);
-    the [1] dx placeholder of a forward that does not write dx is shared. A vocabulary sharded
+    """Rows split across devices, along any of their dims (the views keep them: _rows_views), the
+    mean's 1 / valid rows computed outside, over all rows; the [1] dx placeholder of a forward that
+    does not write dx is shared. A vocabulary sharded
     across devices (tensor parallelism's logits, x @ w with w sharded by column) splits too, where
     _vocab_splits: each device launches on its own classes (_vocab_fwd, _vocab_bwd)."""
     in_place = bool(params["aliases"])
     consts = dict(params["constexprs"])
     fwd = params["kernel"].endswith("_fwd")
     dx = L.ROWS if not fwd or consts["WRITE_DX"] else L.SHARED
-    vocab = {}
+    vocab, last = {}, len(params["out_shapes"][0].shape) - (0 if fwd else 1)  # (the rows' dims: loss's, dx's less one)
     if _vocab_splits(consts):
-        vocab = dict(heads_args=(1, None, None) if fwd else (1, None, None, None),
-                     heads_outs=(None, None, 1 if dx == L.ROWS else None) if fwd else (1,),
+        vocab = dict(heads_args=(last, None, None) if fwd else (last, None, None, None),
+                     heads_outs=(None, None, last if dx == L.ROWS else None) if fwd else (last,),
                      heads_fits=lambda parts: True,
                      heads_relaunch=functools.partial(_vocab_fwd if fwd else _vocab_bwd, in_place=in_place))
     relaunch = _launch_fwd if fwd else _launch_bwd
-    return L.Split((L.ROWS,) * (3 if fwd else 4), (L.ROWS, L.ROWS, dx) if fwd else (L.ROWS,),
-                   functools.partial(relaunch, in_place=in_place), **vocab)
+    return L.with_row_dims(L.Split((L.ROWS,) * (3 if fwd else 4), (L.ROWS, L.ROWS, dx) if fwd else (L.ROWS,),
+                                   functools.partial(relaunch, in_place=in_place), **vocab), last)
 
 
 def vocab_splits(one_hot: bool, smoothing: float, z_loss: float, ignores_a_class: bool = False) -> bool:
@@ -379,11 +380,11 @@ def _global_lse(lse, heads):
     """Each row's (shift, log_sum) over every device's classes from each device's own: a logsumexp
     of logsumexps, shifted by the largest finite max (a device's share of -inf logits has none;
     one holding +inf or NaN has log_sum +inf or NaN, which carries through)."""
-    shift, log_sum = lse[:, 0], lse[:, 1]
+    shift, log_sum = lse[..., 0], lse[..., 1]
     top = jax.lax.pmax(jnp.where(jnp.isfinite(log_sum), shift, -jnp.inf), heads)
     top = jnp.where(top == -jnp.inf, 0.0, top)
     log_sum = jnp.log(jax.lax.psum(jnp.exp(shift - top + log_sum), heads))
-    return jnp.stack([top, log_sum], 1)
+    return jnp.stack([top, log_sum], -1)
 
 
 def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_place=False, **_):
@@ -392,12 +393,12 @@ def _vocab_fwd(x2, labels, row_scale, *, heads, backend, config, constexprs, in_
     each row's loss from those as the kernel computes it, then dx, if asked for, from the backward
     kernel at the whole row's logsumexp (one more pass over the logits than the one-device kernel,
     which writes dx as it goes: it knows the row's lse by then)."""
-    consts, n_local = dict(constexprs), x2.shape[1]
+    consts, n_local = dict(constexprs), x2.shape[-1]
     local, owned = _local_labels(labels, heads, n_local, consts)
     part = {**consts, "N_COLS": n_local, "WRITE_DX": False, "ONE_HOT": False, "SELECTED": False}
     _, lse, _ = _launch_fwd(x2, local, row_scale, backend=backend, config=config, constexprs=part)
     lse = _global_lse(lse, heads)
-    at_label = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[:, None], 1)[:, 0]
+    at_label = jnp.take_along_axis(x2, jnp.clip(local, 0, n_local - 1)[..., None], -1)[..., 0]
     picked = jax.lax.psum(jnp.where(owned, soft_capped(at_label.astype(jnp.float32), consts["SOFT_CAP"] or None), 0.0),
                           heads)
     loss = _vocab_loss(x2, labels, owned & (at_label == -jnp.inf), lse, picked, heads, consts)
@@ -415,16 +416,16 @@ def _vocab_loss(x2, labels, label_at_neg_inf, lse, picked, heads, consts):
     (a row holding +inf or NaN, or, but for XLA's select, -inf outside the label's class: this
     device's -infs less its label's own, label_at_neg_inf)."""
     in_range = (labels >= 0) & (labels < consts["N_COLS"])
-    total = lse[:, 0] + lse[:, 1]
+    total = lse[..., 0] + lse[..., 1]
     if not consts["ONE_HOT"]:
         loss = total - jnp.where(in_range, picked, jnp.nan) + consts["Z_LOSS"] * total * total
         return jnp.where(labels == consts["IGNORE_INDEX"], 0.0, loss) if consts["HAS_IGNORE"] else loss
     loss = jnp.where(in_range, total - picked, 0.0)  # (no z-loss: vocab_splits)
-    not_finite = jnp.isnan(lse[:, 1]) | (lse[:, 1] == jnp.inf)
+    not_finite = jnp.isnan(lse[..., 1]) | (lse[..., 1] == jnp.inf)
     if consts["SELECTED"]:
         not_finite &= in_range
     elif not consts["SOFT_CAP"]:  # (a cap maps -inf to -cap)
-        others = jnp.sum(x2 == -jnp.inf, 1, dtype=jnp.int32) - label_at_neg_inf
+        others = jnp.sum(x2 == -jnp.inf, -1, dtype=jnp.int32) - label_at_neg_inf
         not_finite |= jax.lax.psum(others, heads) > 0
     return jnp.where(not_finite, jnp.nan, loss)
 
@@ -434,11 +435,11 @@ def _vocab_bwd(x2, labels, lse, g, *, heads, backend, config, constexprs, in_pla
     the rule of integer labels (a label another device has: the softmax's part alone) where the
     label is in range, and a cotangent of 0 where it is not (a target of 0: dx = softmax * 0)."""
     consts = dict(constexprs)
-    local, _ = _local_labels(labels, heads, x2.shape[1], consts)
+    local, _ = _local_labels(labels, heads, x2.shape[-1], consts)
     if consts["ONE_HOT"]:
         g = jnp.where((labels >= 0) & (labels < consts["N_COLS"]), g, 0.0)
     return _launch_bwd(x2, local, lse, g, backend=backend, config=config,
-                       constexprs={**consts, "N_COLS": x2.shape[1], "ONE_HOT": False}, in_place=in_place)
+                       constexprs={**consts, "N_COLS": x2.shape[-1], "ONE_HOT": False}, in_place=in_place)
 
 
 L.def_split("cross_entropy_fwd", _split)
@@ -480,15 +481,15 @@ def _reduce(loss, labels, ignore_index, reduction):
 def _ce(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
     """(The loss reduced, each row's (shift, log_sum): its logsumexp's two parts, each row's loss; the
     last two's cotangents are not read: loss_rows gives them their gradients.)"""
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
-    scale = jnp.zeros((x2.shape[0],), jnp.float32)
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
+    scale = jnp.zeros(labels.shape, jnp.float32)
     loss, lse, _ = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
     return _reduce(loss, labels, ignore_index, reduction), lse, loss
 
 
 def _ce_fwd(x2, labels, ignore_index, smoothing, z_loss, reduction, backend, config, one_hot=False, soft_cap=None):
     write_dx = reduction != "none"
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=write_dx, one_hot=one_hot,
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, write_dx=write_dx, one_hot=one_hot,
                      soft_cap=soft_cap)
     _, scale = _row_scale(labels, ignore_index, reduction)
     loss, lse, dx = _launch_fwd(x2, labels, scale, backend=backend, config=config, constexprs=consts)
@@ -506,7 +507,7 @@ def _ce_bwd(ignore_index, smoothing, z_loss, reduction, backend, config, one_hot
         # the constant 1 of jax.grad, which XLA folds away).
         return (dx * g.astype(dx.dtype)).astype(dx.dtype), None
     x2, labels, lse = residuals
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
     (dx,) = _launch_bwd(x2, labels, lse, g.astype(jnp.float32), backend=backend, config=config,
                         constexprs=consts)
     return dx, None
@@ -549,14 +550,14 @@ def _weighted_sum(x2, labels, weights, ignore_index, smoothing, z_loss, backend,
     """(sum(loss * weights) over the rows (see _sum), each row's lse pair and loss as _ce's); differentiated,
     the forward also writes dx (scaled by each row's weight: NaN * 0 where a row of weight 0 is not
     finite, as jax.jit's gradient of either form), and the weights' gradient is the rows' losses."""
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, write_dx=False, one_hot=one_hot, soft_cap=soft_cap)
     loss, lse, _ = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return _sum(loss, weights, zero_where_unweighted), lse, loss
 
 
 def _weighted_sum_fwd(x2, labels, weights, ignore_index, smoothing, z_loss, backend, config,
                       zero_where_unweighted=False, one_hot=False, soft_cap=None):
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot, soft_cap=soft_cap)
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, write_dx=True, one_hot=one_hot, soft_cap=soft_cap)
     loss, lse, dx = _launch_fwd(x2, labels, weights, backend=backend, config=config, constexprs=consts)
     return (_sum(loss, weights, zero_where_unweighted), lse, loss), (dx, loss)
 
@@ -586,7 +587,7 @@ def _loss_rows_fwd(x2, labels, lse, rows, ignore_index, smoothing, z_loss, one_h
 
 def _loss_rows_bwd(ignore_index, smoothing, z_loss, one_hot, soft_cap, backend, config, residuals, g):
     x2, labels, lse = residuals
-    consts = _consts(x2.shape[1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
+    consts = _consts(x2.shape[-1], ignore_index, smoothing, z_loss, one_hot=one_hot, soft_cap=soft_cap)
     (dx,) = _launch_bwd(x2, labels, lse, g.astype(jnp.float32), backend=backend, config=config, constexprs=consts)
     return dx, None, jnp.zeros_like(lse), jnp.zeros_like(g)
 
@@ -602,7 +603,7 @@ def _outputs(out, lse, rows, x2, labels1, shape, options: tuple, backend, config
     lse, extra = jax.lax.stop_gradient(lse), []
     if return_lse:
         no_target = jnp.full(labels1.shape, -1, jnp.int32)
-        extra.append(loss_rows(x2, no_target, lse, lse[:, 0] + lse[:, 1], None, 0.0, 0.0, False, options[-1],
+        extra.append(loss_rows(x2, no_target, lse, lse[..., 0] + lse[..., 1], None, 0.0, 0.0, False, options[-1],
                                backend, config).reshape(shape))
     if return_rows:
         extra.append(loss_rows(x2, labels1, lse, jax.lax.stop_gradient(rows), *options, backend, config).reshape(shape))
@@ -620,6 +621,13 @@ def _reference_outputs(out, rows, logits, soft_cap, return_lse: bool, return_row
 # --------------------------------------------------------------------------------------------------
 
 INT32 = np.iinfo(np.int32)
+
+
+def _rows_views(logits, labels):
+    """The kernels' views: logits [*rows, V], labels [*rows], the rows' dims kept, so that a mesh
+    sharding any of them splits the launches there (launch.with_row_dims)."""
+    x2 = L.rows_view(logits)
+    return x2, labels.reshape(x2.shape[:-1])
 
 
 def int32_labels(labels, ignore_index=None):
@@ -740,9 +748,9 @@ def cross_entropy(logits, labels, *, ignore_index: int | None = None, label_smoo
             out = out if weights is None else out * weights  # (reduction "none")
         return _reference_outputs(out, rows, logits, soft_cap, **asked)
     n_cols = logits.shape[-1]
-    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    (x2, labels1), config = _rows_views(logits, labels), default_config(n_cols, backend)
     if weights is not None and reduction != "none":
-        out, lse, rows = _weighted_sum(x2, labels1, row_weights(labels, ignore_index, reduction, weights).reshape(-1),
+        out, lse, rows = _weighted_sum(x2, labels1, row_weights(labels, ignore_index, reduction, weights).reshape(labels1.shape),
                                        ignore_index, label_smoothing, z_loss, backend, config, False, False, soft_cap)
     else:
         out, lse, rows = _ce(x2, labels1, ignore_index, label_smoothing, z_loss, reduction, backend, config, False,
@@ -773,8 +781,8 @@ def where_masked_sum(logits, labels, mask, *, scale=1.0, z_loss: float = 0.0, so
         rows = reference(logits, labels, z_loss=z_loss, reduction="none", soft_cap=soft_cap)
         return _reference_outputs(jnp.sum(jnp.where(mask, rows * weights, 0.0)), rows, logits, soft_cap, **asked)
     n_cols = logits.shape[-1]
-    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
-    out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1), None, 0.0, float(z_loss), backend, config,
+    (x2, labels1), config = _rows_views(logits, labels), default_config(n_cols, backend)
+    out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(labels1.shape), None, 0.0, float(z_loss), backend, config,
                                    True, False, soft_cap)
     options = (None, 0.0, float(z_loss), False, soft_cap)
     return _outputs(out, lse, rows, x2, labels1, labels.shape, options, backend, config, **asked)
@@ -819,10 +827,10 @@ def one_hot_cross_entropy(logits, labels, *, label_smoothing: float = 0.0, z_los
         out = rows if weights is None else _sum(rows, weights.astype(jnp.float32).reshape(rows.shape),
                                                  mask is not None)
         return _reference_outputs(out, rows, logits, soft_cap, **asked)
-    x2, labels1, config = logits.reshape(-1, n_cols), labels.reshape(-1), default_config(n_cols, backend)
+    (x2, labels1), config = _rows_views(logits, labels), default_config(n_cols, backend)
     one_hot = SELECTED if selected else True
     if weights is not None:
-        out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(-1).astype(jnp.float32), None, label_smoothing,
+        out, lse, rows = _weighted_sum(x2, labels1, weights.reshape(labels1.shape).astype(jnp.float32), None, label_smoothing,
                                        z_loss, backend, config, mask is not None, one_hot, soft_cap)
     else:
         out, lse, rows = _ce(x2, labels1, None, label_smoothing, z_loss, "none", backend, config, one_hot, soft_cap)

@@ -360,8 +360,8 @@ def launch_fwd(x2, labels, row_scale, consts: dict, backend: str, aliases=None):
     import jax
     import jax.numpy as jnp
 
-    n_rows, n_cols = x2.shape
-    outs = [jax.ShapeDtypeStruct((n_rows,), jnp.float32), jax.ShapeDtypeStruct((n_rows, 2), jnp.float32),
+    n_rows, n_cols, lead = L.n_rows(x2), x2.shape[-1], x2.shape[:-1]
+    outs = [jax.ShapeDtypeStruct(lead, jnp.float32), jax.ShapeDtypeStruct((*lead, 2), jnp.float32),
             jax.ShapeDtypeStruct(x2.shape, x2.dtype)]
     programs = min(n_rows, getattr(jax.devices()[0], "core_count", 132))
     return L.launch(lse_dx, x2, labels, row_scale, n_rows, kernel="cross_entropy_fwd", out_shapes=outs,
