@@ -562,7 +562,7 @@ def test_the_matmul_tuners_measure_checks_results(monkeypatch):
     x, w, b = jnp.ones((37, 40), jnp.float32), jnp.ones((40, 24), jnp.float32), jnp.ones((24,), jnp.float32)
     plan = pipeline.plan(jax.make_jaxpr(lambda x, w, b: jnp.tanh(x @ w + b))(x, w, b), "interpret")
     (fused,) = [match.fused for match in plan.fusions.values()]
-    views, _ = generated._views(fused, (x, w, b))
+    views, n_rows = generated._views(fused, (x, w, b))
     calls = []
 
     def tuned(family, key, candidates, measure, backend, version=""):

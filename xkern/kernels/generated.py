@@ -206,9 +206,12 @@ def _views(fused: Fused, inputs) -> tuple[list, int]:
 
 
 def _rows_of(views, fused: Fused) -> tuple:
-    """The leading dims of this launch's rows (a device's share where they are split)."""
-    view, kind = next((v, k) for v, k in zip(views, fused.input_kinds) if k in ("full", "row", "a"))
-    return tuple(view.shape if kind == "row" else view.shape[:-1])
+    """The leading dims of this launch's rows (a device's share where they are split); the group's
+    where no input has them (a group of column values broadcast to rows, which never splits them)."""
+    for view, kind in zip(views, fused.input_kinds):
+        if kind in ("full", "row", "a"):
+            return tuple(view.shape if kind == "row" else view.shape[:-1])
+    return _lead(fused)
 
 
 def _launch_views(views, fused: Fused, backend: str, config: L.Config,
