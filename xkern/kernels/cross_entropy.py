@@ -334,9 +334,9 @@ L.def_batching("cross_entropy_bwd", L.batch_rows(_launch_bwd))
 def _split(params) -> L.Split:
     """Rows split across devices, along any of their dims (the views keep them: _rows_views), the
     mean's 1 / valid rows computed outside, over all rows; the [1] dx placeholder of a forward that
-    does not write dx is shared. A vocabulary sharded
-    across devices (tensor parallelism's logits, x @ w with w sharded by column) splits too, where
-    _vocab_splits: each device launches on its own classes (_vocab_fwd, _vocab_bwd)."""
+    does not write dx is shared. A vocabulary sharded across devices (tensor parallelism's logits,
+    x @ w with w sharded by column) splits too, where _vocab_splits: each device launches on its
+    own classes (_vocab_fwd, _vocab_bwd)."""
     in_place = bool(params["aliases"])
     consts = dict(params["constexprs"])
     fwd = params["kernel"].endswith("_fwd")
