@@ -1061,6 +1061,39 @@ def test_row_kernels_split_along_any_dim_of_their_rows(case, axis_type):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
 
 
+_NORM_ROWS_DIM_CASES = {  # (function, its arrays' shapes, x's (and r's) spec): norms over [b, s, h, d] or [b, s, d]
+    "layer norm, sequence under a batch": (_layer_norm, [(4, 6, 2, 16), (16,), (16,)], P("data", "model")),
+    "layer norm, sequence alone": (_layer_norm, [(2, 6, 2, 16), (16,), (16,)], P(None, "model")),
+    "rms norm of a sum, heads": (_rms_of_sum, [(2, 3, 4, 16), (2, 3, 4, 16), (16,)], P("data", None, "model")),
+    "rms norm of a sum, a sequence of 3-D rows": (_rms_of_sum, [(3, 4, 16), (3, 4, 16), (16,)], P(None, "data")),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("case", list(_NORM_ROWS_DIM_CASES))
+def test_norms_split_along_any_dim_of_their_rows(case, axis_type):
+    """A norm over [b, s, h, d] (per-head norms: qk-norm) or [b, s, d] with the sequence sharded,
+    under a batch or alone, or the heads: the launch's view keeps x's leading dims, so each device
+    normalizes its rows, the scale's and bias's partial sums added across every device. Until
+    2026-12 the view merged b and s into one dim, and a sequence sharded under a batch was gathered
+    (Auto) or left to XLA (Explicit). Values, every gradient, shardings and collectives as jax.jit's."""
+    f, shapes, spec = _NORM_ROWS_DIM_CASES[case]
+    rng = np.random.default_rng(47)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(_normal(rng, shape), NamedSharding(mesh, spec if len(shape) > 1 else P()))
+                for shape in shapes]
+        ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+        launched = kernel_names(jax.make_jaxpr(ours)(*args))
+        got, want = jax.block_until_ready((ours(*args), theirs(*args)))
+        hlo, xla_hlo = (fn.lower(*args).compile().as_text() for fn in (ours, theirs))
+    assert launched and all("_norm_" in k for k in launched), launched
+    assert [c for c in COLLECTIVES if c in hlo] == [c for c in COLLECTIVES if c in xla_hlo], (hlo, xla_hlo)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), (g.sharding, w.sharding)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
+
+
 def test_under_an_explicit_mesh_a_generated_group_of_two_inner_row_dims_sharded_is_left_to_xla():
     """The kernels split the rows' first dim and one other: typed sharded along two others (a
     sequence and heads, the batch whole), the group is left to XLA, saying so, where launching it

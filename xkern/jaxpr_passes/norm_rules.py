@@ -232,11 +232,11 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
                    facts_of=_residual_sum, folds_residual_add=True, split_dims=_split_dims)
 
 
-def _split_dims(i: int, ndim: int, params: dict) -> set:
-    """The dims the norm kernels split (kernels/norms._split): the first, and the one before the
-    normalized dim (a sequence, per-head norms' heads) of x and of a residual of 3 dims or more; of a
-    vector (a scale, a bias: read whole by every program), none."""
-    return {0, ndim - 2} if ndim >= 3 else {0} if ndim == 2 else set()
+def _split_dims(i: int, ndim: int, params: dict) -> list | set:
+    """The dims the norm kernels split (kernels/norms._split): the first, and any one other but the
+    normalized dim (a sequence, per-head norms' heads: the launch's view keeps them) of x and of a
+    residual; of a vector (a scale, a bias: read whole by every program), none."""
+    return [{0, d} for d in range(1, ndim - 1)] or ({0} if ndim == 2 else set())
 
 
 def _rounds_params(fn, x, params, eps) -> bool:

@@ -764,11 +764,12 @@ class Split:
     heads_else: Any = None
 
 
-def with_row_dims(split: Split, n_dims: int) -> Split:
+def with_row_dims(split: Split, n_dims: int, then: Split | None = None) -> Split:
     """`split`, and after its own second splits (Split.heads_else) one along each of dims
     1..n_dims-1 of its ROWS operands and outputs: for kernels that read their rows flat, of views
     that keep the rows' dims (the heads of [b, s, h, d] that tensor parallelism shards, a sequence
-    that sequence parallelism shards). Rows are independent, so each device launches on its share."""
+    that sequence parallelism shards). Rows are independent, so each device launches on its share.
+    `then`: a split tried after the rows' dims (norms: along the features)."""
     own = [split] if split.heads_args else []
     while own and own[-1].heads_else is not None:
         own.append(own[-1].heads_else)
@@ -777,7 +778,7 @@ def with_row_dims(split: Split, n_dims: int) -> Split:
                                  heads_fits=lambda parts: True, heads_reduced=(), heads_relaunch=None)
              for d in range(1, n_dims)]
     chained = None
-    for alternative in reversed(own + along):
+    for alternative in reversed(own + along + ([then] if then else [])):
         chained = dataclasses.replace(alternative, heads_else=chained)
     return chained or split
 

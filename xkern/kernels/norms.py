@@ -461,30 +461,27 @@ def _batched_params_bwd(h, dy, dh_out, scale, flags, out_shapes):
 def _split(params) -> L.Split:
     """Rows split across devices; scale and bias are shared, and the backward's scale/bias partial
     sums are SUMMED (jnp.sum reads them). A backward in segments (one per vmapped example) runs
-    whole: its partials are summed per segment. A 3-D launch ([batch, sequence, cols], _norm's
-    view of x) also splits along dim 1 (sequence parallelism; per-head norms' heads), the "heads"
-    split of launch.Split; else, where the features are sharded, along them (_features_split)."""
+    whole: its partials are summed per segment. The launch's view keeps x's leading dims (_norm), so
+    it also splits along any one of them (L.with_row_dims: a sequence that sequence parallelism
+    shards, under a batch or not; per-head norms' heads); else, where the features are sharded,
+    along them (_features_split)."""
     flags, fwd = dict(params["constexprs"]), params["kernel"].endswith("_fwd")
     residual = L.ROWS if flags["HAS_RESIDUAL"] else L.SHARED
-    along = 1 if len(params["out_shapes"][0].shape) == 3 else None  # (y's / dh's shape is x's)
-    opt_along = along if flags["HAS_RESIDUAL"] else None
-    seconds = lambda *dims: dict(heads_args=dims, heads_fits=lambda parts: True) if along else {}
     opt = lambda a, flag: a if flags[flag] else None
     if fwd:
         def relaunch(x, r, scale, bias, **_):
             return _launch_fwd(x, opt(r, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), opt(bias, "HAS_BIAS"),
                                flags["EPS"], rms=flags["RMS"], backend=params["backend"],
                                config=params["config"], out_dtype=params["out_shapes"][0].dtype)
-        split = L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch,
-                        **seconds(along, opt_along, None, None), **({"heads_outs": (along, opt_along)} if along else {}))
+        split = L.Split((L.ROWS, residual, L.SHARED, L.SHARED), (L.ROWS, residual), relaunch)
     else:
         def relaunch(h, dy, dh_out, scale, **_):
             return _launch_bwd(h, dy, opt(dh_out, "HAS_RESIDUAL"), opt(scale, "HAS_SCALE"), flags["EPS"],
                                rms=flags["RMS"], backend=params["backend"], config=params["config"])
         split = L.Split((L.ROWS, L.ROWS, residual, L.SHARED), (L.ROWS, L.SUMMED, L.SUMMED), relaunch,
-                        fits=lambda parts: params["grid"][1] == 1, **seconds(along, along, opt_along, None),
-                        **({"heads_outs": (along, None, None)} if along else {}))
-    return dataclasses.replace(split, heads_else=dataclasses.replace(split, **_features_split(params, flags, fwd)))
+                        fits=lambda parts: params["grid"][1] == 1)
+    last = len(params["out_shapes"][0].shape) - 1  # (y's / dh's shape is x's view)
+    return L.with_row_dims(split, last, then=dataclasses.replace(split, **_features_split(params, flags, fwd)))
 
 
 def _features_split(params, flags, fwd) -> dict:
@@ -591,12 +588,10 @@ def _norm(op, x, scale, bias, eps, residual, backend, rms, out_dtype):
     n_cols = x.shape[-1]
     if backend == "xla" or x.size == 0 or n_cols > MAX_COLS:
         return reference(x, scale, bias, eps, residual, rms, out_dtype)
-    # Launched on [rows, cols], or on [batch, sequence, cols] (leading dims merged into the first),
-    # which a mesh may shard along either of its first two dims (_split): merged into one, a
-    # sequence sharded under a batch could not stay sharded.
-    view = (-1, n_cols) if x.ndim < 3 else (-1, x.shape[-2], n_cols)
-    x2 = jnp.asarray(x).reshape(view)
-    r2 = None if residual is None else jnp.asarray(residual).reshape(view)
+    # Launched on a view that keeps x's leading dims, which a mesh may shard along any one of them
+    # (_split): merged into one, a sequence sharded under a batch could not stay sharded.
+    x2 = L.rows_view(jnp.asarray(x))
+    r2 = None if residual is None else L.rows_view(jnp.asarray(residual))
     configs = [default_config(_rows(x2), n_cols, backend, kernel) for kernel in ("fwd", "bwd")]
     outs = _norm_rows(x2, r2, scale, bias, eps, rms, backend, *configs, out_dtype)
     y = outs[0].reshape(x.shape)
