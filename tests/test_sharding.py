@@ -1026,6 +1026,11 @@ _ROWS_DIM_CASES = {  # (function, x's shape, x's spec, its kernels' prefix): a d
     "sequence under a batch": (lambda h: jnp.mean(jnp.tanh(h) * h, -1, keepdims=True) * h, (4, 6, 32),
                                P("data", "model"), "fused_"),
     "sequence alone, bfloat16": (lambda h: jnp.tanh(h * 2.0) * h + 1.0, (3, 8, 32), P(None, "model"), "fused_"),
+    # two of the rows' dims at once (context and tensor parallelism: a sequence and heads)
+    "sequence and heads, a row sum": (lambda q: jnp.sum(jnp.tanh(q * 1.5) * q, -1), (4, 6, 4, 16),
+                                      P(None, "data", "model"), "fused_"),
+    "softmax, heads and queries": (lambda s: jax.nn.softmax(s, -1), (2, 4, 8, 16), P(None, "data", "model"),
+                                   "softmax_"),
     # attention's probabilities by hand, [b, h, q, k], the heads sharded; a log_softmax over a sequence
     "softmax, heads": (lambda s: jax.nn.softmax(s * 0.5, -1), (4, 4, 8, 16), P("data", "model"), "softmax_"),
     "softmax, queries alone": (lambda s: jax.nn.softmax(s, -1), (2, 4, 8, 16), P(None, None, "model"), "softmax_"),
@@ -1039,10 +1044,11 @@ _ROWS_DIM_CASES = {  # (function, x's shape, x's spec, its kernels' prefix): a d
 def test_row_kernels_split_along_any_dim_of_their_rows(case, axis_type):
     """A generated group or a softmax over [batch, seq, heads, head_dim] or [batch, heads, q, k] with
     the heads sharded (tensor parallelism), or over [batch, seq, hidden] with the sequence sharded
-    (sequence parallelism): its rows are independent, and the kernels' views keep their dims, so
-    each device launches on its share. Until 2026-12 the views merged the rows into one dim, which
-    could not stay sharded along an inner one: on Auto axes every device gathered the whole array;
-    typed (Explicit) the match was left to XLA. Values, gradients, shardings and collectives as
+    (sequence parallelism), or two such dims at once: its rows are independent, and the kernels'
+    views keep their dims, so each device launches on its share. Until 2026-12 the views merged the
+    rows into one dim, which could not stay sharded along an inner one: on Auto axes every device
+    gathered the whole array; typed (Explicit) the match was left to XLA. (Two inner dims at once:
+    one was gathered, or the match left to XLA.) Values, gradients, shardings and collectives as
     jax.jit's."""
     f, shape, spec, prefix = _ROWS_DIM_CASES[case]
     dtype = jnp.bfloat16 if "bfloat16" in case else jnp.float32
@@ -1066,6 +1072,7 @@ _NORM_ROWS_DIM_CASES = {  # (function, its arrays' shapes, x's (and r's) spec): 
     "layer norm, sequence alone": (_layer_norm, [(2, 6, 2, 16), (16,), (16,)], P(None, "model")),
     "rms norm of a sum, heads": (_rms_of_sum, [(2, 3, 4, 16), (2, 3, 4, 16), (16,)], P("data", None, "model")),
     "rms norm of a sum, a sequence of 3-D rows": (_rms_of_sum, [(3, 4, 16), (3, 4, 16), (16,)], P(None, "data")),
+    "layer norm, sequence and heads": (_layer_norm, [(2, 4, 6, 16), (16,), (16,)], P(None, "data", "model")),
 }
 
 
@@ -1073,7 +1080,7 @@ _NORM_ROWS_DIM_CASES = {  # (function, its arrays' shapes, x's (and r's) spec): 
 @pytest.mark.parametrize("case", list(_NORM_ROWS_DIM_CASES))
 def test_norms_split_along_any_dim_of_their_rows(case, axis_type):
     """A norm over [b, s, h, d] (per-head norms: qk-norm) or [b, s, d] with the sequence sharded,
-    under a batch or alone, or the heads: the launch's view keeps x's leading dims, so each device
+    under a batch or alone, or the heads, or both: the launch's view keeps x's leading dims, so each device
     normalizes its rows, the scale's and bias's partial sums added across every device. Until
     2026-12 the view merged b and s into one dim, and a sequence sharded under a batch was gathered
     (Auto) or left to XLA (Explicit). Values, every gradient, shardings and collectives as jax.jit's."""
@@ -1094,14 +1101,14 @@ def test_norms_split_along_any_dim_of_their_rows(case, axis_type):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
-def test_under_an_explicit_mesh_a_generated_group_of_two_inner_row_dims_sharded_is_left_to_xla():
-    """The kernels split the rows' first dim and one other: typed sharded along two others (a
-    sequence and heads, the batch whole), the group is left to XLA, saying so, where launching it
-    would gather one of them; values as jax.jit's."""
+def test_under_an_explicit_mesh_a_generated_group_sharded_along_rows_and_columns_is_left_to_xla():
+    """The kernels split the rows' dims, or the first and the columns, but not another of the rows'
+    and the columns at once: typed so (a sequence and the features, the batch whole), the group is
+    left to XLA, saying so, where launching it would gather one of them; values as jax.jit's."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     f = lambda q: jnp.sum(jnp.tanh(q * 1.5) * q, -1)
     with jax.set_mesh(mesh):
-        q = jax.device_put(_normal(np.random.default_rng(45), (4, 6, 4, 16)), NamedSharding(mesh, P(None, "data", "model")))
+        q = jax.device_put(_normal(np.random.default_rng(45), (4, 6, 16)), NamedSharding(mesh, P(None, "data", "model")))
         report = xkern.explain(f)(q)
         got, want = jax.block_until_ready((xkern.jit(f)(q), jax.jit(f)(q)))
     assert report.kernels == [] and any("sharded along its dims [1, 2]" in d.reason and "one at a time" in d.reason

@@ -293,9 +293,9 @@ def _requires(labels_as: str) -> frozenset:
 
 
 def _split_dims(labels_as: str, vocab_of=None):
-    """Pattern.split_dims: the rows' first dim, and one more (kernels/cross_entropy's split): where
-    the kernels split it (kernels.vocab_splits), the vocabulary that tensor parallelism shards,
-    the logits' last dim (input 0; one-hot targets' too), else any other of the rows' dims (the
+    """Pattern.split_dims: the rows' first dim, and (kernels/cross_entropy's split) either the
+    vocabulary that tensor parallelism shards, where the kernels split it (kernels.vocab_splits),
+    the logits' last dim (input 0; one-hot targets' too), or any of the rows' other dims (the
     kernels' views keep them). The LM head's (vocab_of(i): input i's vocabulary dim, None for an
     input without one) launches on chunks of rows made one dim: the first only, and its
     vocabulary."""
@@ -306,7 +306,7 @@ def _split_dims(labels_as: str, vocab_of=None):
         has_vocab = i == 0 or i == 1 and labels_as == ONE_HOT
         n_rows_dims = ndim - 1 if has_vocab else ndim
         first = {0} if n_rows_dims else set()
-        along = [first | {d} for d in range(1, n_rows_dims)]
+        along = [first | set(range(1, n_rows_dims))] if n_rows_dims > 1 else []
         return ([first | {ndim - 1}] if splits and has_vocab else [first]) + along
     return split_dims
 

@@ -233,10 +233,10 @@ def _pattern(name, op, fn, n_params, dtypes, affine="", round_params=False):
 
 
 def _split_dims(i: int, ndim: int, params: dict) -> list | set:
-    """The dims the norm kernels split (kernels/norms._split): the first, and any one other but the
-    normalized dim (a sequence, per-head norms' heads: the launch's view keeps them) of x and of a
-    residual; of a vector (a scale, a bias: read whole by every program), none."""
-    return [{0, d} for d in range(1, ndim - 1)] or ({0} if ndim == 2 else set())
+    """The dims the norm kernels split (kernels/norms._split): any but the normalized dim (a batch,
+    a sequence, per-head norms' heads: the launch's view keeps them) of x and of a residual; of a
+    vector (a scale, a bias: read whole by every program), none."""
+    return set(range(ndim - 1))
 
 
 def _rounds_params(fn, x, params, eps) -> bool:

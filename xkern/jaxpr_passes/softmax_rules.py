@@ -63,12 +63,11 @@ def _check_dtype(match, params) -> str | None:
 
 
 def _split_dims(i: int, ndim: int, params: dict) -> list:
-    """Pattern.split_dims: the kernels split the rows' first dim and any one other (kernels/softmax's
-    views keep them: launch.with_row_dims), never the softmax axes (a sharded row is left to XLA
-    where constrained or typed so)."""
+    """Pattern.split_dims: the kernels split any of the rows' dims (kernels/softmax's views keep them:
+    launch.with_row_dims), never the softmax axes (a sharded row is left to XLA where constrained or
+    typed so)."""
     axes = {a % ndim for a in params["axis"]}
-    rows = [d for d in range(ndim) if d not in axes]
-    return [{rows[0], d} for d in rows[1:]] or [set(rows)]
+    return {d for d in range(ndim) if d not in axes}
 
 
 def _pattern(name, op, fn, dtypes, out_dtype=None):

@@ -445,9 +445,9 @@ def _reduction_of(v, producers: dict, scalars: set) -> str | None:
 def split_dims(group: Group, eqns, dot: int | None = None):
     """For rewrite.unsplit_sharding: the dims of the kernel's input i (of ndim dims; with `dot`, a
     matmul's index, its operands a and b first, as `inputs`) that its launches split, as _split's
-    alternatives: the rows' first dim and one more, either the columns, where they split
-    (_row_reductions: the last dim of full and col inputs and of the weight b, never a
-    contraction), or another of the rows' dims. eqns: the program's, which the indices name."""
+    alternatives: the rows' first dim and either the columns, where they split (_row_reductions:
+    the last dim of full and col inputs and of the weight b, never a contraction), or any of the
+    rows' other dims. eqns: the program's, which the indices name."""
     by_cols = _row_reductions(group, [eqns[i] for i in group.eqns]) is not None
     kinds = [kind for _, kind in inputs(group, eqns, dot)]
     n_rows_dims = len(group.rows)
@@ -455,7 +455,7 @@ def split_dims(group: Group, eqns, dot: int | None = None):
     def dims(i: int, ndim: int) -> list:
         of_rows = kinds[i] in ("full", "row", "a")
         first = {0} if of_rows and n_rows_dims else set()
-        alternatives = [first | {d} for d in range(1, n_rows_dims)] if of_rows else []
+        alternatives = [first | set(range(1, n_rows_dims))] if of_rows and n_rows_dims > 1 else []
         if by_cols:
             alternatives.insert(0, first | ({ndim - 1} if kinds[i] in ("full", "col", "b") else set()))
         return alternatives or [first]

@@ -751,7 +751,9 @@ class Split:
     (cross-entropy over a sharded vocabulary: a logsumexp of logsumexps): called in relaunch's place
     as heads_relaunch(*arrays, heads=<the mesh axes>, rows=<the rows' axes>, **params), it runs the
     collectives itself. `heads_else`: another Split of the same launch whose second split is along
-    other dims (norms: a sequence, else the features), tried where this one's dims are not sharded."""
+    other dims (norms: a sequence, else the features), tried where this one's dims are not sharded.
+    `heads_rows`: this second split is along a dim of independent rows (with_row_dims), so it
+    combines with the launch's other such splits: any of the rows' dims may be sharded at once."""
     args: tuple
     outs: tuple
     relaunch: Any
@@ -762,20 +764,23 @@ class Split:
     heads_reduced: tuple = ()
     heads_relaunch: Any = None
     heads_else: Any = None
+    heads_rows: bool = False
 
 
 def with_row_dims(split: Split, n_dims: int, then: Split | None = None) -> Split:
     """`split`, and after its own second splits (Split.heads_else) one along each of dims
     1..n_dims-1 of its ROWS operands and outputs: for kernels that read their rows flat, of views
     that keep the rows' dims (the heads of [b, s, h, d] that tensor parallelism shards, a sequence
-    that sequence parallelism shards). Rows are independent, so each device launches on its share.
+    that sequence parallelism shards), or along several of them at once (Split.heads_rows: a
+    sequence and heads both sharded). Rows are independent, so each device launches on its share.
     `then`: a split tried after the rows' dims (norms: along the features)."""
     own = [split] if split.heads_args else []
     while own and own[-1].heads_else is not None:
         own.append(own[-1].heads_else)
     along = [dataclasses.replace(split, heads_args=tuple(d if r == ROWS else None for r in split.args),
                                  heads_outs=tuple(d if r == ROWS else None for r in split.outs),
-                                 heads_fits=lambda parts: True, heads_reduced=(), heads_relaunch=None)
+                                 heads_fits=lambda parts: True, heads_reduced=(), heads_relaunch=None,
+                                 heads_rows=True)
              for d in range(1, n_dims)]
     chained = None
     for alternative in reversed(own + along + ([then] if then else [])):

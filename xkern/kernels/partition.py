@@ -137,38 +137,47 @@ def _heads_axes(mesh, split, arg_shapes, out_shapes, rows: tuple) -> tuple:
     return axes
 
 
-def _sharding(mesh, axes, role, heads=(), heads_dim=None):
+def _sharding(mesh, axes, role, cut_dims=()):
     """An operand's or output's sharding: dim 0 over the rows' axes (SUMMED outputs come back whole:
-    _summed), its heads dim over the heads' axes."""
+    _summed), each second split's dim over its axes (cut_dims: (dim or None, axes) per cut)."""
     by_dim = {}
     if role == L.ROWS and axes:
         by_dim[0] = axes if len(axes) > 1 else axes[0]
-    if heads and heads_dim is not None:
-        by_dim[heads_dim] = heads if len(heads) > 1 else heads[0]
+    for dim, heads in cut_dims:
+        if dim is not None:
+            by_dim[dim] = heads if len(heads) > 1 else heads[0]
     return NamedSharding(mesh, PartitionSpec(*(by_dim.get(d) for d in range(max(by_dim, default=-1) + 1))))
 
 
-def _shardings(mesh, split, axes, heads, out_shapes):
-    """(operands', outputs') shardings of a launch split over these rows' and heads' axes."""
-    at = lambda dims, n: dims or (None,) * n
-    return (tuple(_sharding(mesh, axes, role, heads, d) for role, d in zip(split.args, at(split.heads_args, len(split.args)))),
-            [_sharding(mesh, axes, role, heads, d) for role, d in zip(split.outs, at(split.heads_outs, len(split.outs)))])
+def _shardings(mesh, split, axes, cuts, out_shapes):
+    """(operands', outputs') shardings of a launch split over these rows' axes and these cuts."""
+    at = lambda dims, i: dims[i] if dims else None
+    return (tuple(_sharding(mesh, axes, role, [(at(c.heads_args, i), h) for c, h in cuts])
+                  for i, role in enumerate(split.args)),
+            [_sharding(mesh, axes, role, [(at(c.heads_outs, i), h) for c, h in cuts])
+             for i, role in enumerate(split.outs)])
 
 
 def _chosen(mesh, split, arg_shapes, out_shapes) -> tuple:
-    """(the Split whose second split the operands' shardings take, or the first; rows' axes, heads'
-    axes)."""
+    """(the Split whose second split the operands' shardings take, or the first; the rows' axes; the
+    cuts, [(Split, its heads' axes)]): the first alternative whose dims are sharded, and where it
+    splits along a dim of the rows (Split.heads_rows), every later such one sharded over other axes."""
     axes = _split_axes(mesh, split, arg_shapes, out_shapes)
+    cuts = []
     for alternative in _alternatives(split):
-        heads = _heads_axes(mesh, alternative, arg_shapes, out_shapes, axes)
+        if cuts and not (cuts[0][0].heads_rows and alternative.heads_rows):
+            continue
+        taken = axes + tuple(a for _, heads in cuts for a in heads)
+        heads = _heads_axes(mesh, alternative, arg_shapes, out_shapes, taken)
         if heads:
-            return alternative, axes, heads
-    return split, axes, ()
+            cuts.append((alternative, heads))
+    return (cuts[0][0] if cuts else split), axes, cuts
 
 
 def _partition(mesh, arg_shapes, result_shape, *, params, rule):
     out_shapes = params["out_shapes"]
-    split, axes, heads = _chosen(mesh, rule(params), arg_shapes, out_shapes)
+    split, axes, cuts = _chosen(mesh, rule(params), arg_shapes, out_shapes)
+    heads = tuple(a for _, cut_axes in cuts for a in cut_axes)
 
     def lower_fn(*local):
         if not axes and not heads:
@@ -182,7 +191,7 @@ def _partition(mesh, arg_shapes, result_shape, *, params, rule):
             outs = [_ALL_REDUCE[how](o, heads) if how else o for o, how in zip(outs, split.heads_reduced)]
         return outs
 
-    arg_shardings, out_shardings = _shardings(mesh, split, axes, heads, out_shapes)
+    arg_shardings, out_shardings = _shardings(mesh, split, axes, cuts, out_shapes)
     return mesh, lower_fn, out_shardings, arg_shardings
 
 
@@ -191,8 +200,8 @@ _ALL_REDUCE = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
 def _infer(mesh, arg_shapes, result_shape, *, params, rule):
     """GSPMD's propagation (Shardy uses the sharding rule instead): outputs split as the operands."""
-    split, axes, heads = _chosen(mesh, rule(params), arg_shapes, params["out_shapes"])
-    return _shardings(mesh, split, axes, heads, params["out_shapes"])[1]
+    split, axes, cuts = _chosen(mesh, rule(params), arg_shapes, params["out_shapes"])
+    return _shardings(mesh, split, axes, cuts, params["out_shapes"])[1]
 
 
 def typed_shardings(avals, params) -> list:
