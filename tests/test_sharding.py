@@ -453,6 +453,62 @@ def test_a_linear_cross_entropy_differentiated_inside_shard_map(case, mesh):
         np.testing.assert_allclose(g, x, rtol=2e-5, atol=2e-5)
 
 
+_LM_HEAD_SPECS = {  # (h's and labels' spec, w's): data parallelism, tensor parallelism's vocabulary, both
+    "rows": (P("data"), P()), "vocabulary": (P(), P(None, "model")), "rows and vocabulary": (P("data"), P(None, "model")),
+}
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("specs", list(_LM_HEAD_SPECS))
+def test_an_lm_head_of_many_chunks_splits_along_sharded_rows(specs, reduction, axis_type):
+    """linear_cross_entropy over rows sharded across devices (data parallelism), in more chunks than
+    one: each device runs the chunks of its own rows, its vocabulary's share where w is split by
+    column, and dw's partial sums are added across devices. Until 2026-12 the chunks' scan gathered
+    every row onto every device, each computing every chunk (Auto axes), and under Explicit axes
+    tracing failed (a sharded contraction). Values, gradients and shardings as the XLA program's,
+    and no all-gather where it has none."""
+    rng = np.random.default_rng(48)
+    h, w = _normal(rng, (32, 16)), _normal(rng, (16, 40)) / 4
+    labels = jnp.asarray(rng.integers(0, 40, (32,)), jnp.int32)
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+    rows_spec, w_spec = _LM_HEAD_SPECS[specs]
+    rows = {"ours": lambda h, w, y: xkern.ops.linear_cross_entropy(h, w, y, reduction="none", chunk_rows=4),
+            "theirs": lambda h, w, y: -jnp.sum(jax.nn.one_hot(y, 40) * jax.nn.log_softmax(h @ w), -1)}
+    loss = {"none": lambda f: lambda h, w, y: jnp.sum(jnp.sin(rows[f](h, w, y))),
+            "mean": lambda f: (lambda h, w, y: jnp.mean(rows[f](h, w, y))) if f == "theirs" else
+            (lambda h, w, y: xkern.ops.linear_cross_entropy(h, w, y, chunk_rows=4))}[reduction]
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, spec)) for a, spec in ((h, rows_spec), (w, w_spec),
+                                                                             (labels, rows_spec))]
+        ours, theirs = (jax.jit(jax.value_and_grad(loss(f), argnums=(0, 1))) for f in ("ours", "theirs"))
+        hlo, xla_hlo = (fn.lower(*args).compile().as_text() for fn in (ours, theirs))
+        got, want = jax.block_until_ready((ours(*args), theirs(*args)))
+    assert ("all-gather" in hlo) == ("all-gather" in xla_hlo), hlo
+    for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(x.sharding, g.ndim), (g.sharding, x.sharding)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-5, atol=2e-5)
+
+
+def test_under_an_explicit_mesh_the_lm_head_pattern_of_sharded_rows_is_taken():
+    """A training step's LM head and mean loss, h typed sharded along its batch (data parallelism):
+    the pattern is taken and runs on each device's rows (until 2026-12 its tracing failed)."""
+    f = lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
+    rng = np.random.default_rng(49)
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        h, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in
+                (_normal(rng, (8, 6, 32)), jnp.asarray(rng.integers(0, 40, (8, 6)), jnp.int32)))
+        w = jax.device_put(_normal(rng, (32, 40)) / 6, NamedSharding(mesh, P()))
+        report = xkern.explain(f)(h, w, y)
+        ours, theirs = (jax.jit(jax.value_and_grad(g, argnums=(0, 1))) for g in (xkern.optimize(f), f))
+        got, want = jax.block_until_ready((ours(h, w, y), theirs(h, w, y)))
+    assert any(k.startswith("cross_entropy") for k in report.kernels) and not report.declined, report
+    for g, x in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.sharding.is_equivalent_to(x.sharding, g.ndim), (g.sharding, x.sharding)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-5, atol=2e-5)
+
+
 def _capped_attention(q, k, v, bias):
     s = 5.0 * jnp.tanh(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0 / 5.0) + bias
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)

@@ -29,6 +29,7 @@ import numpy as np
 
 from xkern.kernels import cross_entropy as ce
 from xkern.kernels import launch as L
+from xkern.kernels import partition
 
 # Rows per chunk, measured on an H100 (bf16 forward+backward, h100-lm-head-session53.json; python -m
 # benchmarks.sweep_lm_head_chunks): the time that small chunks lose is in dh = dlogits @ w.T, whose
@@ -92,10 +93,12 @@ def _logits(h_c, w, options: Options):
     return jax.lax.dot_general(h_c, w, (((1,), (1 if options.transpose_w else 0,)), ((), ())))
 
 
-def _grads(h_c, w, dlogits, dw, options: Options):
-    """dh of the chunk's rows, and dw with the chunk's part added (no transposes materialized)."""
+def _grads(h_c, w, dlogits, dw, options: Options, vocab=()):
+    """dh of the chunk's rows, and dw with the chunk's part added (no transposes materialized).
+    vocab: the mesh axes w's vocabulary is split over (_split_rows), dh's partial sums added across."""
     vocab_axis = 0 if options.transpose_w else 1
     dh = jax.lax.dot_general(dlogits, w, (((1,), (vocab_axis,)), ((), ())), preferred_element_type=jnp.float32)
+    dh = jax.lax.psum(dh, vocab) if vocab else dh
     if options.transpose_w:
         dw_c = jax.lax.dot_general(dlogits, h_c, (((0,), (0,)), ((), ())))
     else:
@@ -119,18 +122,34 @@ def _consts(options: Options, write_dx=None) -> dict:
                       options.one_hot, options.soft_cap)
 
 
+def _split_rows(fn, args, out_roles, options: Options, consts):
+    """fn(*args, vocab) on each device's rows (partition.rows_call: the chunks' scan would gather
+    rows that a mesh shards), w (args[1]) whole, or split along its vocabulary where the kernels
+    split it (tensor parallelism: fn then combines across `vocab`, as cross-entropy's own split)."""
+    cols = (1, 0 if options.transpose_w else 1) if ce._vocab_splits(consts) else None
+    return partition.rows_call(lambda *a, cols_axes: fn(*a, vocab=cols_axes), args,
+                               [L.ROWS, L.SHARED] + [L.ROWS] * (len(args) - 2), out_roles, cols)
+
+
+def _launch_fwd(logits, y_c, wt_c, backend, config, consts, vocab, in_place=False):
+    """The forward kernel on a chunk's logits, on this device's classes where `vocab` split them."""
+    launch = functools.partial(ce._vocab_fwd, heads=vocab) if vocab else ce._launch_fwd
+    return launch(logits, y_c, wt_c, backend=backend, config=config, constexprs=consts, in_place=in_place)
+
+
 def _losses(h2, w, labels, options, chunk, backend, config):
     """Per-row losses and logsumexps, chunk by chunk (no gradients)."""
     consts = _consts(options, write_dx=False)
 
-    def step(_, xs):
-        h_c, y_c = xs
-        loss, lse, _ = ce._launch_fwd(_logits(h_c, w, options), y_c, jnp.zeros(y_c.shape, jnp.float32),
-                                      backend=backend, config=config, constexprs=consts)
-        return None, (loss, lse)
-
-    _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h2, chunk), _chunks(labels, chunk)))
-    return _unchunk(loss, h2.shape[0]), _unchunk(lse, h2.shape[0])
+    def chunks(h2, w, labels, vocab):
+        def step(_, xs):
+            h_c, y_c = xs
+            loss, lse, _ = _launch_fwd(_logits(h_c, w, options), y_c, jnp.zeros(y_c.shape, jnp.float32),
+                                       backend, config, consts, vocab)
+            return None, (loss, lse)
+        _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h2, chunk), _chunks(labels, chunk)))
+        return _unchunk(loss, h2.shape[0]), _unchunk(lse, h2.shape[0])
+    return tuple(_split_rows(chunks, (h2, w, labels), [L.ROWS, L.ROWS], options, consts))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -148,17 +167,21 @@ def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
 def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
     consts = _consts(options, write_dx=True)
 
-    def step(dw, xs):
-        h_c, y_c, wt_c = xs
-        loss, lse, dlogits = ce._launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend=backend, config=config,
-                                            constexprs=consts, in_place=True)
-        dh_c, dw = _grads(h_c, w, dlogits, dw, options)
-        return dw, (loss, lse, dh_c)
+    def chunks(h2, w, labels, weights, vocab):
+        def step(dw, xs):
+            h_c, y_c, wt_c = xs
+            loss, lse, dlogits = _launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend, config, consts, vocab,
+                                             in_place=True)
+            dh_c, dw = _grads(h_c, w, dlogits, dw, options, vocab)
+            return dw, (loss, lse, dh_c)
 
-    xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
-    # (zeros_like: inside shard_map the carry varies over the mesh axes w does, as the chunks' dw)
-    dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros_like(w), xs)
-    loss, lse, dh = (_unchunk(a, h2.shape[0]) for a in (loss, lse, dh))
+        xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
+        # (zeros_like: inside shard_map the carry varies over the mesh axes w does, as the chunks' dw)
+        dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros_like(w), xs)
+        return (*(_unchunk(a, h2.shape[0]) for a in (loss, lse, dh)), dw)
+
+    loss, lse, dh, dw = _split_rows(chunks, (h2, w, labels, weights),
+                                    [L.ROWS] * 3 + [(L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
     return (ce._sum(loss, weights, options.masked), lse, loss), (dh, dw, loss)
 
 
@@ -201,16 +224,21 @@ def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
     the backward kernel over them."""
     consts = _consts(options)
 
-    def step(dw, xs):
-        h_c, y_c, g_c, lse_c = xs
-        (dlogits,) = ce._launch_bwd(_logits(h_c, w, options), y_c, lse_c, g_c, backend=backend, config=config,
-                                    constexprs=consts, in_place=True)
-        dh_c, dw = _grads(h_c, w, dlogits, dw, options)
-        return dw, dh_c
+    def chunks(h2, w, labels, g, lse, vocab):
+        def step(dw, xs):
+            h_c, y_c, g_c, lse_c = xs
+            launch = functools.partial(ce._vocab_bwd, heads=vocab) if vocab else ce._launch_bwd
+            (dlogits,) = launch(_logits(h_c, w, options), y_c, lse_c, g_c, backend=backend, config=config,
+                                constexprs=consts, in_place=True)
+            dh_c, dw = _grads(h_c, w, dlogits, dw, options, vocab)
+            return dw, dh_c
 
-    xs = tuple(_chunks(a, chunk) for a in (h2, labels, g.astype(jnp.float32), lse))
-    dw, dh = jax.lax.scan(step, jnp.zeros_like(w), xs)  # (zeros_like: as above)
-    return _unchunk(dh, h2.shape[0]), dw
+        xs = tuple(_chunks(a, chunk) for a in (h2, labels, g, lse))
+        dw, dh = jax.lax.scan(step, jnp.zeros_like(w), xs)  # (zeros_like: as above)
+        return _unchunk(dh, h2.shape[0]), dw
+    dh, dw = _split_rows(chunks, (h2, w, labels, g.astype(jnp.float32), lse),
+                         [L.ROWS, (L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
+    return dh, dw
 
 
 @L.varying_alike

@@ -225,6 +225,126 @@ def _summed(partials, rows: int, axes):
 
 
 # --------------------------------------------------------------------------------------------------
+# Functions of many launches split along their rows: the LM head's scan over chunks
+# --------------------------------------------------------------------------------------------------
+# linear_cross_entropy runs its chunks of rows through a scan. Left to XLA, a scan over rows sharded
+# across devices gathers them onto every device, and each computes every chunk (data parallelism
+# lost, N times the work). rows_call runs such a function on each device's rows instead.
+
+def rows_call(fn, args, roles, out_roles, cols=None):
+    """fn(*args, cols_axes) -> outputs, on each device's rows where a mesh shards them: dim 0 of the
+    ROWS operands and outputs is the rows; SHARED operands are whole on every device; SUMMED outputs
+    are each device's partial sums, added across the rows' devices. cols = (operand, dim): a dim
+    of a SHARED operand (the LM head's vocabulary) that may stay sharded, as may the same dim of
+    each output whose out_roles entry is (role, dim); then fn gets those mesh axes as cols_axes
+    and combines across them itself, else (). On a mesh of Explicit axes (types give the
+    shardings) through shard_map; else through custom_partitioning, which sees them after
+    propagation (under vmap: fn as written)."""
+    mesh = _compat.explicit_mesh([jax.typeof(a) for a in args])
+    if mesh is not None:
+        specs = [_compat.spec_of(jax.typeof(a).sharding, mesh) for a in args]
+        return _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs)
+    call = custom_partitioning(lambda *a: tuple(fn(*a, cols_axes=())))
+    call.def_partition(
+        partition=lambda mesh, arg_shapes, result_shape: _rows_partition(
+            mesh, arg_shapes, fn, roles, out_roles, cols),
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _rows_shardings(
+            mesh, _rows_axes(mesh, arg_shapes, roles, cols), roles, out_roles, cols)[1],
+        propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
+        sharding_rule=_rows_rule(args, roles, out_roles, cols, jax.eval_shape(lambda *a: fn(*a, cols_axes=()), *args)),
+        decode_shardings=False)
+    batched = jax.custom_batching.custom_vmap(lambda *a: call(*a))
+    batched.def_vmap(lambda size, in_batched, *a: (
+        jax.vmap(lambda *b: tuple(fn(*b, cols_axes=())), in_axes=[0 if b else None for b in in_batched])(*a),
+        (True,) * len(out_roles)))
+    return list(batched(*args))
+
+
+def _role(role):
+    return role[0] if isinstance(role, tuple) else role
+
+
+def _rows_axes(mesh, arg_shapes, roles, cols) -> tuple:
+    """(the rows' mesh axes, the cols' mesh axes): those dim 0 of the first ROWS operand is sharded
+    over, where every ROWS operand's dim 0 divides evenly; those of the cols dim, likewise."""
+    specs = [_compat.spec_of(a.sharding, mesh) for a in arg_shapes]
+    along = lambda spec, d: (spec[d] if isinstance(spec[d], tuple) else (spec[d],)) \
+        if spec is not None and len(spec) > d and spec[d] is not None else ()
+    first = next(i for i, r in enumerate(roles) if r == L.ROWS)
+    rows = along(specs[first], 0)
+    n = math.prod(mesh.shape[a] for a in rows)
+    rows = rows if all(a.shape[0] % n == 0 for a, r in zip(arg_shapes, roles) if r == L.ROWS) else ()
+    vocab = along(specs[cols[0]], cols[1]) if cols else ()
+    vocab = () if set(vocab) & set(rows) else vocab
+    return rows, vocab
+
+
+def _rows_shardings(mesh, axes, roles, out_roles, cols):
+    """(operands', outputs') shardings for these (rows', cols') axes."""
+    rows, vocab = axes
+    entry = lambda a: None if not a else a if len(a) > 1 else a[0]
+
+    def sharding(role, cols_dim):
+        by_dim = {0: entry(rows)} if _role(role) == L.ROWS else {}
+        if cols_dim is not None and vocab:
+            by_dim[cols_dim] = entry(vocab)
+        return NamedSharding(mesh, PartitionSpec(*(by_dim.get(d) for d in range(max(by_dim, default=-1) + 1))))
+    args = tuple(sharding(r, cols[1] if cols and i == cols[0] else None) for i, r in enumerate(roles))
+    outs = tuple(sharding(r, r[1] if isinstance(r, tuple) else None) for r in out_roles)
+    return args, outs
+
+
+def _rows_local(fn, out_roles, rows, vocab):
+    """fn on one device's share: SUMMED outputs added across the rows' devices."""
+    def local(*arrays):
+        outs = fn(*arrays, cols_axes=vocab)
+        return tuple(jax.lax.psum(o, rows) if _role(r) == L.SUMMED and rows else o for o, r in zip(outs, out_roles))
+    return local
+
+
+def _rows_partition(mesh, arg_shapes, fn, roles, out_roles, cols):
+    axes = _rows_axes(mesh, arg_shapes, roles, cols)
+    arg_shardings, out_shardings = _rows_shardings(mesh, axes, roles, out_roles, cols)
+    return mesh, _rows_local(fn, out_roles, *axes), out_shardings, arg_shardings
+
+
+def _rows_rule(args, roles, out_roles, cols, out_avals) -> SdyShardingRule:
+    """For Shardy: dim 0 of the ROWS operands and outputs one factor, the cols dims another, every
+    other dim a factor of its own that must be replicated."""
+    own = []
+
+    def factors(kind, i, role, cols_dim, ndim):
+        dims = []
+        for d in range(ndim):
+            if d == 0 and _role(role) == L.ROWS:
+                dims.append("rows")
+            elif d == cols_dim:
+                dims.append("cols")
+            else:
+                own.append(f"{kind}{i}d{d}")
+                dims.append(own[-1])
+        return tuple(dims)
+    operands = tuple(factors("in", i, r, cols[1] if cols and i == cols[0] else None, jnp.ndim(a))
+                     for i, (r, a) in enumerate(zip(roles, args)))
+    results = tuple(factors("out", i, r, r[1] if isinstance(r, tuple) else None, len(a.shape))
+                    for i, (r, a) in enumerate(zip(out_roles, out_avals)))
+    return SdyShardingRule(operands, results, need_replication_factors=tuple(own))
+
+
+def _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs):
+    """rows_call on a mesh of Explicit axes: the shardings are the operands' types."""
+    first = next(i for i, r in enumerate(roles) if r == L.ROWS)
+    spec = lambda i, d: specs[i][d] if specs[i] is not None and len(specs[i]) > d else None
+    flat = lambda entry: () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+    rows, vocab = flat(spec(first, 0)), flat(spec(*cols)) if cols else ()
+    arg_shardings, out_shardings = _rows_shardings(mesh, (rows, vocab), roles, out_roles, cols)
+    args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]  # (rows' others: weights, labels)
+    return list(jax.shard_map(_rows_local(fn, out_roles, rows, vocab), mesh=mesh,
+                              in_specs=tuple(s.spec for s in arg_shardings),
+                              out_specs=tuple(s.spec for s in out_shardings), check_vma=False)(*args))
+
+
+# --------------------------------------------------------------------------------------------------
 # The interpreter inside a partitioned program (CPU)
 # --------------------------------------------------------------------------------------------------
 # A host callback (jax.pure_callback) is registered with the module being lowered, and the module of
