@@ -453,8 +453,9 @@ def test_a_linear_cross_entropy_differentiated_inside_shard_map(case, mesh):
         np.testing.assert_allclose(g, x, rtol=2e-5, atol=2e-5)
 
 
-_LM_HEAD_SPECS = {  # (h's and labels' spec, w's): data parallelism, tensor parallelism's vocabulary, both
-    "rows": (P("data"), P()), "vocabulary": (P(), P(None, "model")), "rows and vocabulary": (P("data"), P(None, "model")),
+_LM_HEAD_SPECS = {  # (h's and labels' spec, w's): data, sequence (context) and tensor parallelism
+    "batch": (P("data"), P()), "sequence": (P(None, "model"), P()), "batch and sequence": (P("data", "model"), P()),
+    "vocabulary": (P(), P(None, "model")), "batch and vocabulary": (P("data"), P(None, "model")),
 }
 
 
@@ -462,15 +463,15 @@ _LM_HEAD_SPECS = {  # (h's and labels' spec, w's): data parallelism, tensor para
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("specs", list(_LM_HEAD_SPECS))
 def test_an_lm_head_of_many_chunks_splits_along_sharded_rows(specs, reduction, axis_type):
-    """linear_cross_entropy over rows sharded across devices (data parallelism), in more chunks than
-    one: each device runs the chunks of its own rows, its vocabulary's share where w is split by
-    column, and dw's partial sums are added across devices. Until 2026-12 the chunks' scan gathered
-    every row onto every device, each computing every chunk (Auto axes), and under Explicit axes
-    tracing failed (a sharded contraction). Values, gradients and shardings as the XLA program's,
-    and no all-gather where it has none."""
+    """linear_cross_entropy over h [b, s, d] whose batch or sequence or both are sharded (data and
+    context parallelism), in more chunks than one: each device runs the chunks of its own rows, its
+    vocabulary's share where w is split by column, and dw's partial sums are added across devices.
+    Until 2026-12 the chunks' scan gathered every row onto every device, each computing every chunk
+    (Auto axes), and under Explicit axes tracing failed (a sharded contraction). Values, gradients
+    and shardings as the XLA program's, and no all-gather where it has none."""
     rng = np.random.default_rng(48)
-    h, w = _normal(rng, (32, 16)), _normal(rng, (16, 40)) / 4
-    labels = jnp.asarray(rng.integers(0, 40, (32,)), jnp.int32)
+    h, w = _normal(rng, (4, 8, 16)), _normal(rng, (16, 40)) / 4
+    labels = jnp.asarray(rng.integers(0, 40, (4, 8)), jnp.int32)
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
     rows_spec, w_spec = _LM_HEAD_SPECS[specs]
     rows = {"ours": lambda h, w, y: xkern.ops.linear_cross_entropy(h, w, y, reduction="none", chunk_rows=4),
@@ -490,15 +491,17 @@ def test_an_lm_head_of_many_chunks_splits_along_sharded_rows(specs, reduction, a
         np.testing.assert_allclose(np.asarray(g), np.asarray(x), rtol=2e-5, atol=2e-5)
 
 
-def test_under_an_explicit_mesh_the_lm_head_pattern_of_sharded_rows_is_taken():
-    """A training step's LM head and mean loss, h typed sharded along its batch (data parallelism):
-    the pattern is taken and runs on each device's rows (until 2026-12 its tracing failed)."""
+@pytest.mark.parametrize("spec", [P("data"), P(None, "data")], ids=["batch", "sequence"])
+def test_under_an_explicit_mesh_the_lm_head_pattern_of_sharded_rows_is_taken(spec):
+    """A training step's LM head and mean loss, h typed sharded along its batch or its sequence:
+    the pattern is taken and runs on each device's rows (until 2026-12 its tracing failed, or, along
+    the sequence, it was left to XLA)."""
     f = lambda h, w, y: optax.softmax_cross_entropy_with_integer_labels(h @ w, y).mean()
     rng = np.random.default_rng(49)
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(mesh):
-        h, y = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in
-                (_normal(rng, (8, 6, 32)), jnp.asarray(rng.integers(0, 40, (8, 6)), jnp.int32)))
+        h, y = (jax.device_put(a, NamedSharding(mesh, spec)) for a in
+                (_normal(rng, (8, 8, 32)), jnp.asarray(rng.integers(0, 40, (8, 8)), jnp.int32)))
         w = jax.device_put(_normal(rng, (32, 40)) / 6, NamedSharding(mesh, P()))
         report = xkern.explain(f)(h, w, y)
         ours, theirs = (jax.jit(jax.value_and_grad(g, argnums=(0, 1))) for g in (xkern.optimize(f), f))

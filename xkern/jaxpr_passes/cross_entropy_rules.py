@@ -297,12 +297,13 @@ def _split_dims(labels_as: str, vocab_of=None):
     vocabulary that tensor parallelism shards, where the kernels split it (kernels.vocab_splits),
     the logits' last dim (input 0; one-hot targets' too), or any of the rows' other dims (the
     kernels' views keep them). The LM head's (vocab_of(i): input i's vocabulary dim, None for an
-    input without one) launches on chunks of rows made one dim: the first only, and its
-    vocabulary."""
+    input without one; kernels/linear_cross_entropy._split_rows): h's rows' dims (input 0, all but
+    the features) and labels' and weights' (all), and w's first dim and its vocabulary."""
     def split_dims(i: int, ndim: int, params: dict) -> list:
         splits = kernels.vocab_splits(labels_as == ONE_HOT, params.get("smoothing", 0.0), params.get("z_loss", 0.0))
         if vocab_of is not None:
-            return [{0} | ({vocab_of(i)} - {None} if splits else set())]
+            rows = set(range(ndim - 1 if i == 0 else ndim))
+            return [{0} | ({vocab_of(i)} - {None} if splits else set())] if vocab_of(i) is not None else [rows]
         has_vocab = i == 0 or i == 1 and labels_as == ONE_HOT
         n_rows_dims = ndim - 1 if has_vocab else ndim
         first = {0} if n_rows_dims else set()

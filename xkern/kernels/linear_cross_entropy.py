@@ -124,11 +124,17 @@ def _consts(options: Options, write_dx=None) -> dict:
 
 def _split_rows(fn, args, out_roles, options: Options, consts):
     """fn(*args, vocab) on each device's rows (partition.rows_call: the chunks' scan would gather
-    rows that a mesh shards), w (args[1]) whole, or split along its vocabulary where the kernels
-    split it (tensor parallelism: fn then combines across `vocab`, as cross-entropy's own split)."""
+    rows that a mesh shards), the rows' dims kept (labels', args[2]: a batch and a sequence), w
+    (args[1]) whole, or split along its vocabulary where the kernels split it (tensor parallelism:
+    fn then combines across `vocab`, as cross-entropy's own split)."""
     cols = (1, 0 if options.transpose_w else 1) if ce._vocab_splits(consts) else None
     return partition.rows_call(lambda *a, cols_axes: fn(*a, vocab=cols_axes), args,
-                               [L.ROWS, L.SHARED] + [L.ROWS] * (len(args) - 2), out_roles, cols)
+                               [L.ROWS, L.SHARED] + [L.ROWS] * (len(args) - 2), out_roles, cols, args[2].ndim)
+
+
+def _flat(a, n_lead: int):
+    """a [*rows, ...] as [rows, ...]: the chunks' view."""
+    return a.reshape(-1, *a.shape[n_lead:])
 
 
 def _launch_fwd(logits, y_c, wt_c, backend, config, consts, vocab, in_place=False):
@@ -141,14 +147,17 @@ def _losses(h2, w, labels, options, chunk, backend, config):
     """Per-row losses and logsumexps, chunk by chunk (no gradients)."""
     consts = _consts(options, write_dx=False)
 
-    def chunks(h2, w, labels, vocab):
+    def chunks(h, w, labels, vocab):
+        lead, n = labels.shape, labels.ndim
+        h2, labels = _flat(h, n), _flat(labels, n)
+
         def step(_, xs):
             h_c, y_c = xs
             loss, lse, _ = _launch_fwd(_logits(h_c, w, options), y_c, jnp.zeros(y_c.shape, jnp.float32),
                                        backend, config, consts, vocab)
             return None, (loss, lse)
         _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h2, chunk), _chunks(labels, chunk)))
-        return _unchunk(loss, h2.shape[0]), _unchunk(lse, h2.shape[0])
+        return _unchunk(loss, h2.shape[0]).reshape(lead), _unchunk(lse, h2.shape[0]).reshape(*lead, 2)
     return tuple(_split_rows(chunks, (h2, w, labels), [L.ROWS, L.ROWS], options, consts))
 
 
@@ -167,7 +176,10 @@ def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
 def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
     consts = _consts(options, write_dx=True)
 
-    def chunks(h2, w, labels, weights, vocab):
+    def chunks(h, w, labels, weights, vocab):
+        lead, n = labels.shape, labels.ndim
+        h2, labels, weights = _flat(h, n), _flat(labels, n), _flat(weights, n)
+
         def step(dw, xs):
             h_c, y_c, wt_c = xs
             loss, lse, dlogits = _launch_fwd(_logits(h_c, w, options), y_c, wt_c, backend, config, consts, vocab,
@@ -178,7 +190,7 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
         xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
         # (zeros_like: inside shard_map the carry varies over the mesh axes w does, as the chunks' dw)
         dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros_like(w), xs)
-        return (*(_unchunk(a, h2.shape[0]) for a in (loss, lse, dh)), dw)
+        return (*(_unchunk(a, h2.shape[0]).reshape(*lead, *a.shape[2:]) for a in (loss, lse, dh)), dw)
 
     loss, lse, dh, dw = _split_rows(chunks, (h2, w, labels, weights),
                                     [L.ROWS] * 3 + [(L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
@@ -224,7 +236,10 @@ def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
     the backward kernel over them."""
     consts = _consts(options)
 
-    def chunks(h2, w, labels, g, lse, vocab):
+    def chunks(h, w, labels, g, lse, vocab):
+        lead, n = labels.shape, labels.ndim
+        h2, labels, g, lse = _flat(h, n), _flat(labels, n), _flat(g, n), _flat(lse, n)
+
         def step(dw, xs):
             h_c, y_c, g_c, lse_c = xs
             launch = functools.partial(ce._vocab_bwd, heads=vocab) if vocab else ce._launch_bwd
@@ -235,7 +250,7 @@ def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
 
         xs = tuple(_chunks(a, chunk) for a in (h2, labels, g, lse))
         dw, dh = jax.lax.scan(step, jnp.zeros_like(w), xs)  # (zeros_like: as above)
-        return _unchunk(dh, h2.shape[0]), dw
+        return _unchunk(dh, h2.shape[0]).reshape(*lead, -1), dw
     dh, dw = _split_rows(chunks, (h2, w, labels, g.astype(jnp.float32), lse),
                          [L.ROWS, (L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
     return dh, dw
@@ -271,7 +286,7 @@ def _outputs(out, lse, rows, h2, w, labels1, shape, options: Options, statics, r
     if return_lse:
         plain = Options(None, 0.0, 0.0, options.n_cols, False, options.transpose_w, options.soft_cap)
         no_target = jnp.full(labels1.shape, -1, jnp.int32)
-        extra.append(_given(h2, w, no_target, lse, lse[:, 0] + lse[:, 1], plain, *statics[1:]).reshape(shape))
+        extra.append(_given(h2, w, no_target, lse, lse[..., 0] + lse[..., 1], plain, *statics[1:]).reshape(shape))
     if return_rows:
         extra.append(_given(h2, w, labels1, lse, jax.lax.stop_gradient(rows), options, *statics[1:]).reshape(shape))
     return (out, *extra) if extra else out
@@ -402,8 +417,9 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
             out = ce._sum(rows, _row_weights(labels, options, reduction, weights), options.masked)
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
         return ce._reference_outputs(out, rows, logits, options.soft_cap, return_lse, return_rows)
-    h2, y = h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-    chunk = chunk_rows or default_chunk_rows(h2.shape[0], options.n_cols, h.dtype.itemsize)
+    # The rows' dims kept (a batch and a sequence, which a mesh may shard: _split_rows); one row made of none.
+    h2, y = (h, labels) if labels.ndim else (h.reshape(1, -1), labels.reshape(1))
+    chunk = chunk_rows or default_chunk_rows(y.size, options.n_cols, h.dtype.itemsize)
     statics = (options, int(chunk), backend, ce.default_config(options.n_cols, backend))
     if reduction == "none":
         rows, lse = _rows(h2, w, y, *statics)

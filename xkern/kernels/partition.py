@@ -231,10 +231,11 @@ def _summed(partials, rows: int, axes):
 # across devices gathers them onto every device, and each computes every chunk (data parallelism
 # lost, N times the work). rows_call runs such a function on each device's rows instead.
 
-def rows_call(fn, args, roles, out_roles, cols=None):
-    """fn(*args, cols_axes) -> outputs, on each device's rows where a mesh shards them: dim 0 of the
-    ROWS operands and outputs is the rows; SHARED operands are whole on every device; SUMMED outputs
-    are each device's partial sums, added across the rows' devices. cols = (operand, dim): a dim
+def rows_call(fn, args, roles, out_roles, cols=None, n_lead: int = 1):
+    """fn(*args, cols_axes) -> outputs, on each device's rows where a mesh shards them: the first
+    n_lead dims of the ROWS operands and outputs are the rows' (a batch and a sequence: any of them
+    may be sharded); SHARED operands are whole on every device; SUMMED outputs are each device's
+    partial sums, added across the rows' devices. cols = (operand, dim): a dim
     of a SHARED operand (the LM head's vocabulary) that may stay sharded, as may the same dim of
     each output whose out_roles entry is (role, dim); then fn gets those mesh axes as cols_axes
     and combines across them itself, else (). On a mesh of Explicit axes (types give the
@@ -243,15 +244,16 @@ def rows_call(fn, args, roles, out_roles, cols=None):
     mesh = _compat.explicit_mesh([jax.typeof(a) for a in args])
     if mesh is not None:
         specs = [_compat.spec_of(jax.typeof(a).sharding, mesh) for a in args]
-        return _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs)
+        return _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs, n_lead)
     call = custom_partitioning(lambda *a: tuple(fn(*a, cols_axes=())))
     call.def_partition(
         partition=lambda mesh, arg_shapes, result_shape: _rows_partition(
-            mesh, arg_shapes, fn, roles, out_roles, cols),
+            mesh, arg_shapes, fn, roles, out_roles, cols, n_lead),
         infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: _rows_shardings(
-            mesh, _rows_axes(mesh, arg_shapes, roles, cols), roles, out_roles, cols)[1],
+            mesh, _rows_axes(mesh, arg_shapes, roles, cols, n_lead), roles, out_roles, cols)[1],
         propagate_user_sharding=lambda mesh, user_shape: user_shape.sharding,
-        sharding_rule=_rows_rule(args, roles, out_roles, cols, jax.eval_shape(lambda *a: fn(*a, cols_axes=()), *args)),
+        sharding_rule=_rows_rule(args, roles, out_roles, cols, jax.eval_shape(lambda *a: fn(*a, cols_axes=()), *args),
+                                 n_lead),
         decode_shardings=False)
     batched = jax.custom_batching.custom_vmap(lambda *a: call(*a))
     batched.def_vmap(lambda size, in_batched, *a: (
@@ -264,18 +266,18 @@ def _role(role):
     return role[0] if isinstance(role, tuple) else role
 
 
-def _rows_axes(mesh, arg_shapes, roles, cols) -> tuple:
-    """(the rows' mesh axes, the cols' mesh axes): those dim 0 of the first ROWS operand is sharded
-    over, where every ROWS operand's dim 0 divides evenly; those of the cols dim, likewise."""
+def _rows_axes(mesh, arg_shapes, roles, cols, n_lead) -> tuple:
+    """(the rows' mesh axes, one tuple per leading dim; the cols' mesh axes): those each leading dim
+    of the first ROWS operand is sharded over, where it divides evenly; those of the cols dim."""
     specs = [_compat.spec_of(a.sharding, mesh) for a in arg_shapes]
     along = lambda spec, d: (spec[d] if isinstance(spec[d], tuple) else (spec[d],)) \
         if spec is not None and len(spec) > d and spec[d] is not None else ()
     first = next(i for i, r in enumerate(roles) if r == L.ROWS)
-    rows = along(specs[first], 0)
-    n = math.prod(mesh.shape[a] for a in rows)
-    rows = rows if all(a.shape[0] % n == 0 for a, r in zip(arg_shapes, roles) if r == L.ROWS) else ()
+    rows = [along(specs[first], d) for d in range(n_lead)]
+    rows = tuple(axes if arg_shapes[first].shape[d] % math.prod(mesh.shape[a] for a in axes) == 0 else ()
+                 for d, axes in enumerate(rows))
     vocab = along(specs[cols[0]], cols[1]) if cols else ()
-    vocab = () if set(vocab) & set(rows) else vocab
+    vocab = () if set(vocab) & {a for axes in rows for a in axes} else vocab
     return rows, vocab
 
 
@@ -285,7 +287,7 @@ def _rows_shardings(mesh, axes, roles, out_roles, cols):
     entry = lambda a: None if not a else a if len(a) > 1 else a[0]
 
     def sharding(role, cols_dim):
-        by_dim = {0: entry(rows)} if _role(role) == L.ROWS else {}
+        by_dim = dict(enumerate(entry(a) for a in rows)) if _role(role) == L.ROWS else {}
         if cols_dim is not None and vocab:
             by_dim[cols_dim] = entry(vocab)
         return NamedSharding(mesh, PartitionSpec(*(by_dim.get(d) for d in range(max(by_dim, default=-1) + 1))))
@@ -294,30 +296,32 @@ def _rows_shardings(mesh, axes, roles, out_roles, cols):
     return args, outs
 
 
-def _rows_local(fn, out_roles, rows, vocab):
+def _rows_local(fn, out_roles, lead, vocab):
     """fn on one device's share: SUMMED outputs added across the rows' devices."""
+    rows = tuple(a for axes in lead for a in axes)
+
     def local(*arrays):
         outs = fn(*arrays, cols_axes=vocab)
         return tuple(jax.lax.psum(o, rows) if _role(r) == L.SUMMED and rows else o for o, r in zip(outs, out_roles))
     return local
 
 
-def _rows_partition(mesh, arg_shapes, fn, roles, out_roles, cols):
-    axes = _rows_axes(mesh, arg_shapes, roles, cols)
+def _rows_partition(mesh, arg_shapes, fn, roles, out_roles, cols, n_lead):
+    axes = _rows_axes(mesh, arg_shapes, roles, cols, n_lead)
     arg_shardings, out_shardings = _rows_shardings(mesh, axes, roles, out_roles, cols)
     return mesh, _rows_local(fn, out_roles, *axes), out_shardings, arg_shardings
 
 
-def _rows_rule(args, roles, out_roles, cols, out_avals) -> SdyShardingRule:
-    """For Shardy: dim 0 of the ROWS operands and outputs one factor, the cols dims another, every
-    other dim a factor of its own that must be replicated."""
+def _rows_rule(args, roles, out_roles, cols, out_avals, n_lead) -> SdyShardingRule:
+    """For Shardy: each leading dim of the ROWS operands and outputs one factor, the cols dims
+    another, every other dim a factor of its own that must be replicated."""
     own = []
 
     def factors(kind, i, role, cols_dim, ndim):
         dims = []
         for d in range(ndim):
-            if d == 0 and _role(role) == L.ROWS:
-                dims.append("rows")
+            if d < n_lead and _role(role) == L.ROWS:
+                dims.append(f"rows{d}")
             elif d == cols_dim:
                 dims.append("cols")
             else:
@@ -331,12 +335,12 @@ def _rows_rule(args, roles, out_roles, cols, out_avals) -> SdyShardingRule:
     return SdyShardingRule(operands, results, need_replication_factors=tuple(own))
 
 
-def _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs):
+def _rows_shard_map(fn, args, roles, out_roles, cols, mesh, specs, n_lead):
     """rows_call on a mesh of Explicit axes: the shardings are the operands' types."""
     first = next(i for i, r in enumerate(roles) if r == L.ROWS)
     spec = lambda i, d: specs[i][d] if specs[i] is not None and len(specs[i]) > d else None
     flat = lambda entry: () if entry is None else entry if isinstance(entry, tuple) else (entry,)
-    rows, vocab = flat(spec(first, 0)), flat(spec(*cols)) if cols else ()
+    rows, vocab = tuple(flat(spec(first, d)) for d in range(n_lead)), flat(spec(*cols)) if cols else ()
     arg_shardings, out_shardings = _rows_shardings(mesh, (rows, vocab), roles, out_roles, cols)
     args = [jax.sharding.reshard(a, s) for a, s in zip(args, arg_shardings)]  # (rows' others: weights, labels)
     return list(jax.shard_map(_rows_local(fn, out_roles, rows, vocab), mesh=mesh,
