@@ -143,22 +143,22 @@ def _launch_fwd(logits, y_c, wt_c, backend, config, consts, vocab, in_place=Fals
     return launch(logits, y_c, wt_c, backend=backend, config=config, constexprs=consts, in_place=in_place)
 
 
-def _losses(h2, w, labels, options, chunk, backend, config):
+def _losses(h, w, labels, options, chunk, backend, config):
     """Per-row losses and logsumexps, chunk by chunk (no gradients)."""
     consts = _consts(options, write_dx=False)
 
     def chunks(h, w, labels, vocab):
         lead, n = labels.shape, labels.ndim
-        h2, labels = _flat(h, n), _flat(labels, n)
+        h, labels = _flat(h, n), _flat(labels, n)
 
         def step(_, xs):
             h_c, y_c = xs
             loss, lse, _ = _launch_fwd(_logits(h_c, w, options), y_c, jnp.zeros(y_c.shape, jnp.float32),
                                        backend, config, consts, vocab)
             return None, (loss, lse)
-        _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h2, chunk), _chunks(labels, chunk)))
-        return _unchunk(loss, h2.shape[0]).reshape(lead), _unchunk(lse, h2.shape[0]).reshape(*lead, 2)
-    return tuple(_split_rows(chunks, (h2, w, labels), [L.ROWS, L.ROWS], options, consts))
+        _, (loss, lse) = jax.lax.scan(step, None, (_chunks(h, chunk), _chunks(labels, chunk)))
+        return _unchunk(loss, h.shape[0]).reshape(lead), _unchunk(lse, h.shape[0]).reshape(*lead, 2)
+    return tuple(_split_rows(chunks, (h, w, labels), [L.ROWS, L.ROWS], options, consts))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,18 +167,18 @@ def _losses(h2, w, labels, options, chunk, backend, config):
 
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _weighted_sum(h2, w, labels, weights, options, chunk, backend, config):
+def _weighted_sum(h, w, labels, weights, options, chunk, backend, config):
     """(sum(weights * loss), each row's lse pair and loss: their cotangents are not read, see _given.)"""
-    loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
+    loss, lse = _losses(h, w, labels, options, chunk, backend, config)
     return ce._sum(loss, weights, options.masked), lse, loss
 
 
-def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
+def _weighted_sum_fwd(h, w, labels, weights, options, chunk, backend, config):
     consts = _consts(options, write_dx=True)
 
     def chunks(h, w, labels, weights, vocab):
         lead, n = labels.shape, labels.ndim
-        h2, labels, weights = _flat(h, n), _flat(labels, n), _flat(weights, n)
+        h, labels, weights = _flat(h, n), _flat(labels, n), _flat(weights, n)
 
         def step(dw, xs):
             h_c, y_c, wt_c = xs
@@ -187,12 +187,12 @@ def _weighted_sum_fwd(h2, w, labels, weights, options, chunk, backend, config):
             dh_c, dw = _grads(h_c, w, dlogits, dw, options, vocab)
             return dw, (loss, lse, dh_c)
 
-        xs = tuple(_chunks(a, chunk) for a in (h2, labels, weights))
+        xs = tuple(_chunks(a, chunk) for a in (h, labels, weights))
         # (zeros_like: inside shard_map the carry varies over the mesh axes w does, as the chunks' dw)
         dw, (loss, lse, dh) = jax.lax.scan(step, jnp.zeros_like(w), xs)
-        return (*(_unchunk(a, h2.shape[0]).reshape(*lead, *a.shape[2:]) for a in (loss, lse, dh)), dw)
+        return (*(_unchunk(a, h.shape[0]).reshape(*lead, *a.shape[2:]) for a in (loss, lse, dh)), dw)
 
-    loss, lse, dh, dw = _split_rows(chunks, (h2, w, labels, weights),
+    loss, lse, dh, dw = _split_rows(chunks, (h, w, labels, weights),
                                     [L.ROWS] * 3 + [(L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
     return (ce._sum(loss, weights, options.masked), lse, loss), (dh, dw, loss)
 
@@ -213,32 +213,32 @@ _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _rows(h2, w, labels, options, chunk, backend, config):
+def _rows(h, w, labels, options, chunk, backend, config):
     """(Each row's loss, its lse pair: the pair's cotangent is not read, see _given.)"""
-    return _losses(h2, w, labels, options, chunk, backend, config)
+    return _losses(h, w, labels, options, chunk, backend, config)
 
 
-def _rows_fwd(h2, w, labels, options, chunk, backend, config):
-    loss, lse = _losses(h2, w, labels, options, chunk, backend, config)
-    return (loss, lse), (h2, w, labels, lse)
+def _rows_fwd(h, w, labels, options, chunk, backend, config):
+    loss, lse = _losses(h, w, labels, options, chunk, backend, config)
+    return (loss, lse), (h, w, labels, lse)
 
 
 def _rows_bwd(options, chunk, backend, config, residuals, g):
-    h2, w, labels, lse = residuals
-    return (*_recomputed_grads(h2, w, labels, lse, g[0], options, chunk, backend, config), None)
+    h, w, labels, lse = residuals
+    return (*_recomputed_grads(h, w, labels, lse, g[0], options, chunk, backend, config), None)
 
 
 _rows.defvjp(_rows_fwd, _rows_bwd)
 
 
-def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
+def _recomputed_grads(h, w, labels, lse, g, options, chunk, backend, config):
     """(dh, dw) of the rows' losses times their cotangents g: the logits recomputed chunk by chunk,
     the backward kernel over them."""
     consts = _consts(options)
 
     def chunks(h, w, labels, g, lse, vocab):
         lead, n = labels.shape, labels.ndim
-        h2, labels, g, lse = _flat(h, n), _flat(labels, n), _flat(g, n), _flat(lse, n)
+        h, labels, g, lse = _flat(h, n), _flat(labels, n), _flat(g, n), _flat(lse, n)
 
         def step(dw, xs):
             h_c, y_c, g_c, lse_c = xs
@@ -248,37 +248,37 @@ def _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config):
             dh_c, dw = _grads(h_c, w, dlogits, dw, options, vocab)
             return dw, dh_c
 
-        xs = tuple(_chunks(a, chunk) for a in (h2, labels, g, lse))
+        xs = tuple(_chunks(a, chunk) for a in (h, labels, g, lse))
         dw, dh = jax.lax.scan(step, jnp.zeros_like(w), xs)  # (zeros_like: as above)
-        return _unchunk(dh, h2.shape[0]).reshape(*lead, -1), dw
-    dh, dw = _split_rows(chunks, (h2, w, labels, g.astype(jnp.float32), lse),
+        return _unchunk(dh, h.shape[0]).reshape(*lead, -1), dw
+    dh, dw = _split_rows(chunks, (h, w, labels, g.astype(jnp.float32), lse),
                          [L.ROWS, (L.SUMMED, 0 if options.transpose_w else 1)], options, consts)
     return dh, dw
 
 
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _given(h2, w, labels, lse, value, options, chunk, backend, config):
+def _given(h, w, labels, lse, value, options, chunk, backend, config):
     """`value`, each row's loss (as `options` say) or, for the options of none (labels -1: no
     target), each row's logsumexp, from the forward's pass: its gradient, where it has one,
     recomputed as reduction "none"'s."""
     return value
 
 
-def _given_fwd(h2, w, labels, lse, value, options, chunk, backend, config):
-    return value, (h2, w, labels, lse)
+def _given_fwd(h, w, labels, lse, value, options, chunk, backend, config):
+    return value, (h, w, labels, lse)
 
 
 def _given_bwd(options, chunk, backend, config, residuals, g):
-    h2, w, labels, lse = residuals
-    dh, dw = _recomputed_grads(h2, w, labels, lse, g, options, chunk, backend, config)
+    h, w, labels, lse = residuals
+    dh, dw = _recomputed_grads(h, w, labels, lse, g, options, chunk, backend, config)
     return dh, dw, None, jnp.zeros_like(lse), jnp.zeros_like(g)
 
 
 _given.defvjp(_given_fwd, _given_bwd)
 
 
-def _outputs(out, lse, rows, h2, w, labels1, shape, options: Options, statics, return_lse: bool, return_rows: bool):
+def _outputs(out, lse, rows, h, w, labels1, shape, options: Options, statics, return_lse: bool, return_rows: bool):
     """out, or (out, what was asked for beside it): each row's logsumexp of the (capped) logits and
     each row's loss, float32 of the labels' `shape`, each with its gradient (see _given)."""
     lse = jax.lax.stop_gradient(lse)
@@ -286,9 +286,9 @@ def _outputs(out, lse, rows, h2, w, labels1, shape, options: Options, statics, r
     if return_lse:
         plain = Options(None, 0.0, 0.0, options.n_cols, False, options.transpose_w, options.soft_cap)
         no_target = jnp.full(labels1.shape, -1, jnp.int32)
-        extra.append(_given(h2, w, no_target, lse, lse[..., 0] + lse[..., 1], plain, *statics[1:]).reshape(shape))
+        extra.append(_given(h, w, no_target, lse, lse[..., 0] + lse[..., 1], plain, *statics[1:]).reshape(shape))
     if return_rows:
-        extra.append(_given(h2, w, labels1, lse, jax.lax.stop_gradient(rows), options, *statics[1:]).reshape(shape))
+        extra.append(_given(h, w, labels1, lse, jax.lax.stop_gradient(rows), options, *statics[1:]).reshape(shape))
     return (out, *extra) if extra else out
 
 
@@ -418,13 +418,13 @@ def _apply(h, w, labels, options: Options, reduction, chunk_rows, backend, weigh
         logits = jnp.matmul(h, w.T if options.transpose_w else w)
         return ce._reference_outputs(out, rows, logits, options.soft_cap, return_lse, return_rows)
     # The rows' dims kept (a batch and a sequence, which a mesh may shard: _split_rows); one row made of none.
-    h2, y = (h, labels) if labels.ndim else (h.reshape(1, -1), labels.reshape(1))
+    h, y = (h, labels) if labels.ndim else (h.reshape(1, -1), labels.reshape(1))
     chunk = chunk_rows or default_chunk_rows(y.size, options.n_cols, h.dtype.itemsize)
     statics = (options, int(chunk), backend, ce.default_config(options.n_cols, backend))
     if reduction == "none":
-        rows, lse = _rows(h2, w, y, *statics)
+        rows, lse = _rows(h, w, y, *statics)
         out = rows.reshape(labels.shape)
         out = out if weights is None else ce.weighted_rows(out, weights, options.masked)
     else:  # the kernel zeroes ignored rows; the weights' own gradient, if asked for, flows through _row_weights
-        out, lse, rows = _weighted_sum(h2, w, y, _row_weights(y, options, reduction, weights), *statics)
-    return _outputs(out, lse, rows, h2, w, y, labels.shape, options, statics, return_lse, return_rows)
+        out, lse, rows = _weighted_sum(h, w, y, _row_weights(y, options, reduction, weights), *statics)
+    return _outputs(out, lse, rows, h, w, y, labels.shape, options, statics, return_lse, return_rows)
