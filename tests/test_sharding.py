@@ -803,16 +803,18 @@ def _heads_first_attention(q, k, v):
     return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(scores, axis=-1), v)
 
 
-@pytest.mark.parametrize("layout, spec, taken", [
-    ("bshd", P(None, "model"), False), ("bshd", P("data", None, "model"), True),
-    ("bhsd", P(None, None, "model"), False), ("bhsd", P("data", "model"), True)])
-def test_attention_over_a_sharded_sequence_is_left_to_xla(layout, spec, taken, mesh2d):
-    """q, k, v constrained along their sequence (sequence or context parallelism), which the
-    attention kernels do not split: left to XLA; along the heads (tensor parallelism): taken. In
-    either layout ([b, s, h, d] or [b, h, s, d]: the heads' dim is the layout's)."""
+@pytest.mark.parametrize("layout, causal, spec, taken", [
+    ("bshd", True, P(None, "model"), False), ("bshd", True, P("data", None, "model"), True),
+    ("bshd", False, P(None, "model"), True), ("bhsd", False, P(None, None, "model"), True),
+    ("bhsd", False, P("data", "model"), True)])
+def test_attention_over_a_sharded_sequence_is_left_to_xla(layout, causal, spec, taken, mesh2d):
+    """q, k, v constrained along their sequence (sequence or context parallelism): causal attention,
+    whose kernels do not split it, is left to XLA; attention with no mask is taken (its queries
+    split, k and v gathered). Along the heads (tensor parallelism): taken. In either layout ([b, s,
+    h, d] or [b, h, s, d]: the heads' dim is the layout's)."""
     rng = np.random.default_rng(8)
     q, k, v = (_normal(rng, (4, 16, 4, 16), jnp.bfloat16) for _ in range(3))
-    attention = (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)) if layout == "bshd" \
+    attention = (lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)) if layout == "bshd" \
         else _heads_first_attention
 
     def attend(q, k, v):
@@ -825,6 +827,86 @@ def test_attention_over_a_sharded_sequence_is_left_to_xla(layout, spec, taken, m
                         if d.pattern.startswith("attention/"))
     np.testing.assert_allclose(np.asarray(jax.block_until_ready(xkern.jit(attend)(q, k, v)), np.float32),
                                np.asarray(attention(q, k, v), np.float32), rtol=3e-2, atol=3e-2)
+
+
+def _context_parallel_cases(rng):
+    """(name, attention of (q, k, v, extra), extra, extra's spec): non-causal attention, q, k and v
+    [b, s, h, d] sharded along their sequence over "model" and their batch over "data"."""
+    bias = _normal(rng, (4, 4, 16, 16))
+    keep = jnp.asarray(rng.random((4, 4, 16, 16)) < 0.8, jnp.float32) / 0.8
+    return [
+        ("jax.nn, GQA", lambda q, k, v, n: xkern.optimize(jax.nn.dot_product_attention)(q, k, v), None, None),
+        ("bias per example and head", lambda q, k, v, b: xkern.ops.attention(q, k, v, bias=b), bias,
+         P("data", None, "model")),
+        ("dropout multiplier, kv_lengths", lambda q, k, v, m: xkern.ops.attention(
+            q, k, v, dropout_multiplier=m, kv_lengths=jnp.asarray([16, 9, 3, 16], jnp.int32)), keep, P("data")),
+        ("by hand", lambda q, k, v, n: xkern.optimize(_repeated_kv_by_hand)(q, k, v), None, None),
+    ]
+
+
+def _repeated_kv_by_hand(q, k, v):
+    k, v = (jnp.repeat(x, q.shape[2] // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(q.dtype), v)
+
+
+def _context_parallel_reference(name, q, k, v, extra):
+    if name == "bias per example and head":
+        return jax.nn.dot_product_attention(q, k, v, bias=extra.astype(q.dtype))
+    if name == "dropout multiplier, kv_lengths":
+        lengths = jnp.asarray([16, 9, 3, 16], jnp.int32)
+        visible = jnp.arange(16) < lengths[:, None, None, None]
+        k, v = (jnp.repeat(x, 2, axis=2).astype(jnp.float32) for x in (k, v))
+        s = jnp.where(visible, jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k) / 4.0, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1) * extra, v).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("case", range(4), ids=[c[0] for c in _context_parallel_cases(np.random.default_rng(0))])
+def test_attention_splits_its_queries_along_a_sharded_sequence(case, mesh2d):
+    """Context parallelism, Auto axes: each device launches on its queries against every key (k and
+    v gathered, as jax.jit gathers them; dk and dv summed across devices), where every device
+    gathered q too and computed the whole attention. Values and gradients as on one device and as
+    XLA's (float32: dk and dv are sums of each device's share, rounded to their dtype as jax.jit's
+    are); outputs sharded as jax.jit's; no more gathers than its."""
+    rng = np.random.default_rng(20 + case)
+    name, f, extra, spec = _context_parallel_cases(rng)[case]
+    q = _normal(rng, (4, 16, 4, 16))
+    k, v = _normal(rng, (4, 16, 2, 16)), _normal(rng, (4, 16, 2, 16))
+    sequence = NamedSharding(mesh2d, P("data", "model"))
+    args = [jax.device_put(a, sequence) for a in (q, k, v)]
+    extra = jax.device_put(extra, NamedSharding(mesh2d, spec)) if extra is not None else None
+    run = lambda fn: jax.jit(_value_and_grads(lambda q, k, v: fn(q, k, v, extra)))
+    ours, reference = run(f), run(lambda q, k, v, e: _context_parallel_reference(name, q, k, v, e))
+    got, want = jax.block_until_ready(ours(*args)), jax.block_until_ready(reference(*args))
+    one_device = jax.block_until_ready(run(f)(q, k, v))
+    for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(one_device)):
+        np.testing.assert_allclose(g, o, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    assert got[0].sharding.spec == want[0].sharding.spec == P("data", "model"), name
+    forward = lambda fn: jax.jit(lambda q, k, v: fn(q, k, v, extra)).lower(*args).compile().as_text()
+    gathers = lambda fn: len(re.findall(r"all-gather(?:-start)?\(", forward(fn)))
+    assert 0 < gathers(f) <= gathers(lambda q, k, v, e: _context_parallel_reference(name, q, k, v, e)), name
+    assert "attention_fwd" in xkern.explain(lambda q, k, v: f(q, k, v, extra))(*args).kernels
+
+
+def test_under_an_explicit_mesh_attention_of_queries_typed_sharded_along_the_sequence_is_taken():
+    """q typed sharded along its sequence, k and v whole (the program jax accepts under Explicit
+    axes): the kernels split the queries, and the outputs and gradients are typed as jax.jit's."""
+    mesh = jax.make_mesh((2, 2), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(30)
+    q = _normal(rng, (2, 32, 4, 16))
+    k, v = _normal(rng, (2, 32, 2, 16)), _normal(rng, (2, 32, 2, 16))
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.3)
+    with jax.sharding.set_mesh(mesh):
+        q = jax.device_put(q, NamedSharding(mesh, P("data", "seq")))
+        k, v = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (k, v))
+        assert xkern.explain(f)(q, k, v).kernels == ["attention_fwd"]
+        got = jax.block_until_ready(jax.jit(_value_and_grads(xkern.optimize(f)))(q, k, v))
+        want = jax.block_until_ready(jax.jit(_value_and_grads(f))(q, k, v))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+        assert g.sharding.spec == w.sharding.spec
 
 
 def _rms_norm(x, s):

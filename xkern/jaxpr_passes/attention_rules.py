@@ -739,7 +739,7 @@ def _pattern(fn, dtypes, *, layout="bshd", causal=False, with_bias=False, with_m
                                            {3 + bool(with_mask), 4 + bool(with_mask)} if window else set()),
                    constants=2 if window else 0,
                    requires=SOFTMAX_AND_PRODUCTS | ({"random_bits"} if dropout else set()),
-                   split_dims=_split_dims(layout),
+                   split_dims=_split_dims(layout, causal or bool(with_mask) or window),
                    xla_when=functools.partial(_bias_trained, biases=2 if second_bias else 1) if with_bias else None,
                    substitutes=_substitutes(None if getattr(fn, "grouped", False) or layout == FOLDED
                                             else _unrepeated_kv(layout)))
@@ -840,17 +840,26 @@ def _unrepeated_kv(layout: str):
         return {i: (source, adapt) for i, (source, _, _) in zip((1, 2), found)}
     return substitutes
 
-def _split_dims(layout: str):
+def _split_dims(layout: str, positional: bool):
     """The dims of each input the kernels split across devices: batch and heads (kernels/attention's
     split rule), of q, k, v in the layout's order and of [b, h, q, k] masks and biases ([b, q, h, k]
     where the scores are ordered so). Of a batch of several dims (ANY_RANK), its first; of one
     example, the heads. Of a vector, its one dim (key_value_seq_lengths: one per example; any other
-    is small, gathered where the kernels do not split it)."""
-    def split_dims(i: int, ndim: int, params: dict) -> set:
+    is small, gathered where the kernels do not split it). Or else, for attention of 4-D q where no
+    key's visibility depends on the query's position (not `positional`: no causal mask, window or
+    mask, nor a bias read as one), the batch and the sequence of q, k and v (context parallelism:
+    kernels/attention._queries_split splits q's queries, and k and v are gathered, as jax.jit
+    gathers them)."""
+    def split_dims(i: int, ndim: int, params: dict) -> set | list:
         if layout == MQA and i in (1, 2) or layout == FOLDED or ndim == 1:
-            return {0}
-        heads = ndim - (3 if layout.startswith("bhsd") or i >= 3 and not layout.startswith("bqhk") else 2)
-        return ({0} if ndim > 3 else set()) | ({heads} if heads >= 0 else set())
+            dims = {0}
+        else:
+            heads = ndim - (3 if layout.startswith("bhsd") or i >= 3 and not layout.startswith("bqhk") else 2)
+            dims = ({0} if ndim > 3 else set()) | ({heads} if heads >= 0 else set())
+        masked = positional or {"mask_kind", "bias_kind", "mask_bias", "bias_split"} & params.keys()
+        if masked or i > 2 or layout == FOLDED or (ndim != 4 and not (layout == MQA and i and ndim == 3)):
+            return dims
+        return [dims, {0, ndim - (2 if layout.startswith("bhsd") else 3)}]  # (MQA's k, v: [b, s, d])
     return split_dims
 
 

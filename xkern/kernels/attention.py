@@ -1681,7 +1681,41 @@ def _split(params) -> L.Split:
     return L.Split(tuple(roles), (L.ROWS,) * len(params["out_shapes"]), _relaunch,
                    heads_args=tuple(_heads_dim(name, consts) for name in names),
                    heads_outs=tuple(_heads_out_dim(params["kernel"], s) for s in params["out_shapes"]),
-                   heads_fits=heads_fits)
+                   heads_fits=heads_fits, heads_else=_queries_split(params, tuple(roles), names, consts))
+
+
+def _queries_split(params, roles: tuple, names: tuple, consts: dict) -> L.Split | None:
+    """Context parallelism, where heads are not split: q's sequence splits across devices (k and v
+    whole on each, as jax.jit gathers them), and each device launches on its queries against every
+    key: the forward and dq on its query blocks; dk/dv on every key block, from its queries, summed
+    across devices. Only where no query's keys depend on its position (causal masks and windows
+    would need each device's offset) and no mask's tile lists (made per query block) are read; and
+    where each device's queries keep the divisibility by the query block that the backward's
+    unmasked configs (warp-specialized, Gluon) were chosen for."""
+    kernel, config = params["kernel"], params["config"]
+    if (kernel not in _QUERY_OUT_DIMS or consts["CAUSAL"] or consts["WINDOW_L"] >= 0 or consts["WINDOW_R"] >= 0
+            or consts.get("HAS_MASK")):
+        return None
+    sq, meta = _query_count(params["scalars"]), dict(config.meta)
+    block = config["BLOCK_M"] if kernel != "attention_fwd" and (meta.get("WS") or meta.get("GLUON")) else 1
+    dims = _QUERY_OUT_DIMS[kernel][:len(params["out_shapes"])]
+    return L.Split(roles, (L.ROWS,) * len(dims), _relaunch,
+                   heads_args=tuple(None if _absent(name, consts) else _QUERY_DIM.get(name) for name in names),
+                   heads_outs=dims, heads_reduced=tuple("sum" if d is None else None for d in dims),
+                   heads_fits=lambda parts: sq % parts == 0 and sq // parts % block == 0)
+
+
+# Which dim of each operand holds the queries (q, do [batch, sq, heads, d]; lse, delta, sinks
+# [batch, heads, sq]; biases and dropout multipliers [batch | 1, heads | 1, sq, sk]), and of each
+# output of the kernels that split along them (dk and dv: whole, each device's share summed)
+_QUERY_DIM = {"q": 1, "do": 1, "lse": 2, "delta": 2, "sink": 2, "bias": 2, "drop": 2}
+_QUERY_OUT_DIMS = {"attention_fwd": (1, 2), "attention_bwd_dq": (1,),
+                   "attention_bwd_dkdv": (None, None, 1)}  # (the Gluon backward's third output: dq)
+
+
+def _query_count(scalars) -> int:
+    """The launch's query count: the first of its scalars (sq, sk), as every attention kernel takes them."""
+    return sorted(scalars)[0][1]
 
 
 # Which dim of each operand holds the heads: [batch, seq, heads, d] arrays, [batch, heads, sq]
@@ -1708,19 +1742,27 @@ def _heads_out_dim(kernel: str, out) -> int:
 
 
 def _relaunch(*arrays, kernel, fn, scalars, out_shapes, grid, config, constexprs, backend, aliases, zeroed, **_):
+    """The launch on one device's examples, and its heads or its queries (_queries_split), as q's
+    shape says: o, lse and dq as many queries, the grid's query blocks fewer."""
     consts = dict(constexprs)
     batch_parts = out_shapes[0].shape[0] // arrays[0].shape[0]
     heads_parts = consts["HEADS"] // arrays[0].shape[2]  # (q's heads, whole or this device's)
+    sq = _query_count(scalars)
+    queries = arrays[0].shape[1]  # (q's, all or this device's)
     consts.update(HEADS=consts["HEADS"] // heads_parts, KV_HEADS=consts["KV_HEADS"] // heads_parts)
     args = list(arrays)
-    for i, value in scalars:
-        args.insert(i, value)
+    for i, value in sorted(scalars):  # (sq first, then sk)
+        args.insert(i, queries if i == min(scalars)[0] else value)
     outs = []
-    for s in out_shapes:
+    for n, s in enumerate(out_shapes):
         shape = [s.shape[0] // batch_parts, *s.shape[1:]]
         shape[_heads_out_dim(kernel, s)] //= heads_parts
+        dim = _QUERY_OUT_DIMS.get(kernel, ())[n:n + 1]
+        if queries != sq and dim and dim[0] is not None:
+            shape[dim[0]] = queries
         outs.append(jax.ShapeDtypeStruct(tuple(shape), s.dtype))
-    return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(grid[0], grid[1] // batch_parts // heads_parts),
+    blocks = L.cdiv(queries, config["BLOCK_M"]) if queries != sq and kernel != "attention_bwd_dkdv" else grid[0]
+    return L.launch(fn, *args, kernel=kernel, out_shapes=outs, grid=(blocks, grid[1] // batch_parts // heads_parts),
                     config=config, backend=backend, constexprs=consts, aliases=dict(aliases),
                     zeroed=zeroed)
 

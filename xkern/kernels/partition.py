@@ -11,7 +11,8 @@ has (data parallelism: the batch), every other dim is gathered, and each device 
 on its own rows. A family may name a second split, of heads (attention's and rope's: tensor
 parallelism shards q's and k/v's heads over a "model" axis) or of columns (generated kernels' and
 GLUs': the features of x @ w1, w1 sharded by column): each device then launches on its examples and
-its heads or columns, and an output reduced along them (a generated row sum) is all-reduced.
+its heads or columns, and an output reduced along them (a generated row sum; attention's dk and dv
+where its queries split along a sharded sequence) is all-reduced.
 Where shares combine by more than that (cross-entropy over a sharded vocabulary: a logsumexp of
 the devices' logsumexps), the family's `heads_relaunch` runs its own collectives; softmax and
 generated groups that compute from a row reduction give way there to XLA on each share, the row
