@@ -354,14 +354,55 @@ def test_the_split_decision(mesh):
     assert partition._split_axes(mesh, never, [spec("data"), spec()], out) == ()
 
 
-def test_rope_splits_in_whole_sequences(mesh):
-    """Rows of one shared table split only where each device's rows start a sequence."""
+def test_rope_splits_in_whole_tables_and_sequences_of_whole_positions(mesh):
+    """x's batch (dim 0 of its [batch, seq, heads, d] view) splits with one shared table whole on
+    every device, or with per-example tables only where each device's rows hold whole tables; its
+    sequence (the second split, with the tables') where the positions divide evenly."""
     rule = L._SPLIT_RULES["rope_fwd"]
     params = lambda n_rows, seq, per_table: {"scalars": ((3, n_rows), (4, seq), (5, per_table)),
                                              "constexprs": (), "out_shapes": (), "backend": "interpret",
                                              "config": None}
-    assert rule(params(32, 8, 32)).fits(4) and not rule(params(32, 16, 32)).fits(4)
+    assert rule(params(32, 8, 32)).args == (L.ROWS, L.SHARED, L.SHARED) and rule(params(32, 8, 32)).fits is None
     assert rule(params(32, 4, 8)).fits(4) and not rule(params(32, 4, 16)).fits(4)  # per-example tables
+    sequence = rule(params(32, 8, 32)).heads_else
+    assert sequence.heads_args == (1, 1, 1) and sequence.heads_fits(4) and not sequence.heads_fits(3)
+
+
+def _rope_cases():
+    """(name, x's spec, positions' spec or None for one table of positions 0..s-1): x [b, s, h, d]
+    sharded along its sequence (sequence or context parallelism), alone or with its batch or
+    heads."""
+    return [("sequence", P(None, "model"), None), ("batch and sequence", P("data", "model"), None),
+            ("sequence and heads", P(None, "data", "model"), None),
+            ("per-example positions, sequence", P(None, "model"), P(None, "model"))]
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("case", range(4), ids=[c[0] for c in _rope_cases()])
+def test_rope_splits_along_a_sharded_sequence(case, axis_type):
+    """Each device rotates its positions with its share of the tables, where every device gathered
+    x and computed the whole (Auto axes) or the match was left to XLA (Explicit): values and
+    gradients as jax.jit's and as on one device, outputs sharded as jax.jit's, no all-gather."""
+    name, spec, positions = _rope_cases()[case]
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(getattr(jax.sharding.AxisType, axis_type),) * 2)
+    rng = np.random.default_rng(50 + case)
+    x = _normal(rng, (4, 8, 4, 16))
+    pos = jnp.asarray(rng.integers(0, 100, (4, 8)), jnp.int32)
+    f = _rope if positions is None else (lambda x: _rope_of_positions(x, pos))
+    on_one_device = jax.block_until_ready(jax.jit(_value_and_grads(xkern.optimize(f)))(x))
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, NamedSharding(mesh, spec))
+        if positions is not None:
+            pos = jax.device_put(pos, NamedSharding(mesh, positions))
+        ours, theirs = jax.jit(_value_and_grads(xkern.optimize(f))), jax.jit(_value_and_grads(f))
+        got, want = jax.block_until_ready((ours(x), theirs(x)))
+        assert {"rope_fwd", "rope_bwd"} <= set(xkern.explain(ours)(x).kernels), name
+        hlo = ours.lower(x).compile().as_text()
+    assert "all-gather" not in hlo, name
+    for g, w, o in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(on_one_device)):
+        np.testing.assert_allclose(g, o, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        assert g.sharding.is_equivalent_to(w.sharding, g.ndim), name
 
 
 @pytest.mark.parametrize("case", range(CASES), ids=[c[0] for c in _cases(np.random.default_rng(0))])
@@ -1114,19 +1155,23 @@ def test_row_ops_over_sharded_features_keep_jax_jits_values(name, axis_type):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5)
 
 
-def test_under_an_explicit_mesh_rope_over_a_sharded_sequence_is_left_to_xla():
-    """x [b, h, s, d] (the tables' positions along dim 2) typed sharded along its sequence: not the
-    heads the kernels split (those are the dim before the last only in the [b, s, h, d] layout), so
-    the match is left to XLA, saying so; values, gradients and shardings as jax.jit's."""
+@pytest.mark.parametrize("spec", [P("data", None, "model"), P(None, "model")], ids=["sequence", "heads"])
+def test_under_an_explicit_mesh_rope_over_a_sharded_sequence_is_left_to_xla(spec):
+    """x [b, h, s, d] (the tables' positions along dim 2) typed sharded along its sequence or its
+    heads: the kernels' view [b * h, s, 1, d] merges the heads into the batch (the dim before the
+    last is heads only in the [b, s, h, d] layout), so the match is left to XLA, saying so; values,
+    gradients and shardings as jax.jit's."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     angles = jnp.arange(8, dtype=jnp.float32)[:, None] * 0.1 ** jnp.arange(8)
     angles = jnp.concatenate([angles, angles], -1)  # [s, d]: x's positions along its dim 2
     f = jax.grad(lambda x: jnp.sum(jnp.sin(rope_rules.rotate_half_form(x, jnp.cos(angles), jnp.sin(angles)))))
     with jax.set_mesh(mesh):
-        x = jax.device_put(_normal(np.random.default_rng(41), (4, 4, 8, 16)), NamedSharding(mesh, P("data", None, "model")))
+        x = jax.device_put(_normal(np.random.default_rng(41), (4, 4, 8, 16)), NamedSharding(mesh, spec))
         report = xkern.explain(f)(x)
         got, want = jax.block_until_ready((xkern.jit(f)(x), jax.jit(f)(x)))
-    assert any("typed sharded along its dim 2, which is not its heads" in d.reason for d in report.declined), report
+    dim = [d for d, entry in enumerate(spec) if entry == "model"][0]
+    assert any(f"typed sharded along its dim {dim}, which is not its heads" in d.reason for d in report.declined), \
+        report
     # (what is left of the program after the declined rope, XLA's, may be generated kernels: they
     # split along any of the rows' dims, gathering nothing)
     assert all(k.startswith("fused_") for k in report.kernels), report

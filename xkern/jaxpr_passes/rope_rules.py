@@ -179,18 +179,25 @@ def _check(full_width):
             return "empty: nothing to rotate"
         axis, _ = _table_layout(x.shape, jnp.broadcast_shapes(cos.shape, sin.shape))
         spec = tuple(getattr(getattr(x, "sharding", None), "spec", None) or ())
-        if x.ndim >= 3 and axis != x.ndim - 3 and len(spec) > x.ndim - 2 and spec[x.ndim - 2] is not None:
-            return (f"x is typed sharded along its dim {x.ndim - 2}, which is not its heads (the tables' "
-                    "positions run along it, or heads are not the one dim before the last): the kernels "
-                    "split the heads only there")
+        sharded = [d for d, entry in enumerate(spec) if entry is not None and d > 0]
+        if x.ndim >= 3 and axis != x.ndim - 3 and sharded:
+            # (the kernels' view [batch, seq, heads, d] merges the dims before the positions: a
+            # sharded one there cannot be typed, and dims after them are not one dim of heads)
+            return (f"x is typed sharded along its dim {sharded[0]}, which is not its heads or the "
+                    f"positions before them (the tables' positions run along dim {axis}, heads are the "
+                    "dim before the last only after them): the kernels split the batch only there")
         return None
     return check
 
 
 def _split_dims(i: int, ndim: int, params: dict) -> set:
-    """The dims the rope kernels split (kernels/rope._split): the rows' first, and x's heads, the dim
-    before the last where the positions come before it (check declines x sharded there otherwise)."""
-    return {0, ndim - 2} if i == 0 and ndim >= 3 else {0}
+    """The dims the rope kernels split (kernels/rope._split), any of them at once: the batch's first,
+    and x's sequence and heads, the two dims before the last where the positions come before the
+    heads (check declines x sharded along the dim before the last otherwise); of a table, its first
+    and the dims where its positions may run ([seq, w], [b, seq, w], [b, seq, 1, w])."""
+    if i == 0:
+        return {0, ndim - 3, ndim - 2} if ndim >= 3 else {0}
+    return {d for d in (0, ndim - 3, ndim - 2) if d >= 0}
 
 
 def _pattern(form: str, kind: str) -> Pattern:

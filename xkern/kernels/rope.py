@@ -23,6 +23,7 @@ all heads. The custom_vjp saves cos and sin only; x is also kept when cos or sin
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -86,7 +87,7 @@ def _rotate(xa, xb, ca, cb, sa, sb, BACKWARD: tl.constexpr):
 
 
 @triton.jit
-def _rope(x_ptr, cos_ptr, sin_ptr,  # inputs: x [n_rows, HEADS, HEAD_DIM]; cos, sin [tables * seq, width]
+def _rope(x_ptr, cos_ptr, sin_ptr,  # inputs: x [n_rows, HEADS, HEAD_DIM]; cos, sin [tables, seq, width]
           n_rows, seq, rows_per_table,  # x row r uses table row (r // rows_per_table) * seq + r % seq
           y_ptr,  # output: like x
           HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, FULL_COS: tl.constexpr,
@@ -152,23 +153,27 @@ def default_config(n_rows: int, heads: int, head_dim: int, backend: str) -> L.Co
     return L.Config.of(num_warps=4 if block_s * block_h * block_p <= 2048 else 8, **meta)
 
 
-def _launch(x3, cos, sin, seq, rows_per_table, *, backward, interleaved, out_dtype, backend, config):
-    """One launch over x3 [n_rows, heads, head_dim]; cos and sin hold n_rows / rows_per_table
-    tables of seq rows each, one after another."""
-    n_rows, heads, head_dim = x3.shape
-    consts = {"HEADS": heads, "HEAD_DIM": head_dim, "FULL_COS": cos.shape[1] == head_dim,
+def _launch(x, cos, sin, rows_per_table, *, backward, interleaved, out_dtype, backend, config):
+    """One launch over x [batch, seq, heads, head_dim] (its rows: batch x seq); cos and sin
+    [tables, seq, width] hold n_rows / rows_per_table tables, one after another."""
+    n_rows, (heads, head_dim) = _rows(x), x.shape[-2:]
+    consts = {"HEADS": heads, "HEAD_DIM": head_dim, "FULL_COS": cos.shape[-1] == head_dim,
               "INTERLEAVED": interleaved, "BACKWARD": backward}
-    return L.launch(_rope, x3, cos, sin, n_rows, seq, rows_per_table,
+    return L.launch(_rope, x, cos, sin, n_rows, cos.shape[-2], rows_per_table,
                     kernel="rope_bwd" if backward else "rope_fwd",
-                    out_shapes=[jax.ShapeDtypeStruct(x3.shape, out_dtype)],
+                    out_shapes=[jax.ShapeDtypeStruct(x.shape, out_dtype)],
                     grid=(L.cdiv(n_rows, config["BLOCK_S"]),), config=config, backend=backend,
                     constexprs=consts)[0]
 
 
+def _rows(x) -> int:
+    return x.shape[0] * x.shape[1]
+
+
 def _batch(args, dims, *, constexprs, scalars, out_shapes, backend, config, **_):
-    """Fold the vmapped axis into the rows. A shared table stays one table; a vmapped one (or a table
-    already folded by an inner vmap) becomes one table per example, each example's rows after the
-    previous one's, so row r still finds its angles at (r // rows_per_table) * seq + r % seq."""
+    """Fold the vmapped axis into the batch. A shared table stays one table; a vmapped one (or a
+    table already folded by an inner vmap) becomes one table per example, each example's rows after
+    the previous one's, so row r still finds its angles at (r // rows_per_table) * seq + r % seq."""
     x, cos, sin = args
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     move = lambda a, d: jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
@@ -178,36 +183,39 @@ def _batch(args, dims, *, constexprs, scalars, out_shapes, backend, config, **_)
     if dims[1] is None and dims[2] is None and one_table:
         rows_per_table = size * n_rows
     else:  # per-example tables: materialize them (they are small next to x)
-        cos, sin = move(cos, dims[1]), move(sin, dims[2])
-        cos, sin = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        cos, sin = (move(t, d).reshape(-1, *t.shape[-2:]) for t, d in ((cos, dims[1]), (sin, dims[2])))
     flags = dict(constexprs)
-    y = _launch(x.reshape(size * n_rows, *x.shape[2:]), cos, sin, seq, rows_per_table,
+    y = _launch(x.reshape(size * x.shape[1], *x.shape[2:]), cos, sin, rows_per_table,
                 backward=flags["BACKWARD"], interleaved=flags["INTERLEAVED"],
                 out_dtype=out_shapes[0].dtype, backend=backend, config=config)
     return [y.reshape(x.shape)], [0]
 
 
 def _split(params) -> L.Split:
-    """Rows split across devices in whole sequences: one shared table when every row uses it (each
-    device's rows then start at position 0), else whole tables along with their rows; and heads."""
+    """x [batch, seq, heads, head_dim] splits across devices along its batch (one shared table
+    whole on every device, else whole tables with their examples), its heads (tensor parallelism
+    shards q's and k's; the tables are the same for every head) and its sequence (sequence or
+    context parallelism; the tables split with it), any of them at once."""
     n_rows, seq, rows_per_table = (v for _, v in sorted(params["scalars"]))
     one_table = rows_per_table == n_rows
     flags = dict(params["constexprs"])
 
     def relaunch(x, cos, sin, **_):
-        return [_launch(x, cos, sin, seq, x.shape[0] if one_table else rows_per_table,
-                        backward=flags["BACKWARD"], interleaved=flags["INTERLEAVED"],
+        per_table = _rows(x) if one_table else rows_per_table * cos.shape[-2] // seq
+        return [_launch(x, cos, sin, per_table, backward=flags["BACKWARD"], interleaved=flags["INTERLEAVED"],
                         out_dtype=params["out_shapes"][0].dtype, backend=params["backend"],
                         config=params["config"])]
 
-    # x [rows, heads, head_dim] also splits along its heads, as tensor parallelism shards q and k;
-    # the tables are the same for every head
-    heads = {"heads_args": (1, None, None), "heads_outs": (1,), "heads_fits": lambda parts: True}
+    heads = {"heads_args": (2, None, None), "heads_outs": (2,), "heads_fits": lambda parts: True,
+             "heads_rows": True}
     if one_table:
-        return L.Split((L.ROWS, L.SHARED, L.SHARED), (L.ROWS,), relaunch,
-                       fits=lambda parts: (n_rows // parts) % seq == 0, **heads)
-    return L.Split((L.ROWS, L.ROWS, L.ROWS), (L.ROWS,), relaunch,
-                   fits=lambda parts: (n_rows // rows_per_table) % parts == 0, **heads)
+        split = L.Split((L.ROWS, L.SHARED, L.SHARED), (L.ROWS,), relaunch, **heads)
+    else:
+        split = L.Split((L.ROWS, L.ROWS, L.ROWS), (L.ROWS,), relaunch,
+                        fits=lambda parts: (n_rows // rows_per_table) % parts == 0, **heads)
+    sequence = dataclasses.replace(split, heads_args=(1, 1, 1), heads_outs=(1,),
+                                   heads_fits=lambda parts: seq % parts == 0)
+    return dataclasses.replace(split, heads_else=sequence)
 
 
 for _name in ("rope_fwd", "rope_bwd"):
@@ -221,11 +229,11 @@ for _name in ("rope_fwd", "rope_bwd"):
 
 @L.varying_alike
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _rope_rows(x3, cos, sin, interleaved, dtypes, backend, config):
-    return _rope_rows_fwd(x3, cos, sin, interleaved, dtypes, backend, config)[0]
+def _rope_rows(x4, cos, sin, interleaved, dtypes, backend, config):
+    return _rope_rows_fwd(x4, cos, sin, interleaved, dtypes, backend, config)[0]
 
 
-def _rope_rows_fwd(x3, cos, sin, interleaved, dtypes, backend, config):
+def _rope_rows_fwd(x4, cos, sin, interleaved, dtypes, backend, config):
     """dtypes: (x's, y's). Under differentiation (symbolic_zeros=True), each differentiable argument
     arrives as CustomVJPPrimal(value, perturbed): x is kept only when a table is differentiated
     (tables are usually constants), and dx is computed only when x is."""
@@ -234,26 +242,25 @@ def _rope_rows_fwd(x3, cos, sin, interleaved, dtypes, backend, config):
     keep_x = perturbed(cos) or perturbed(sin)
     # Whether dx is wanted travels as the residuals' pytree structure (() or None): residual leaves
     # must be arrays.
-    want_dx = () if perturbed(x3) else None
-    x3, cos, sin = primal(x3), primal(cos), primal(sin)
-    y = _launch(x3, cos, sin, cos.shape[0], x3.shape[0], backward=False, interleaved=interleaved,
-                out_dtype=dtypes[1], backend=backend, config=config)
-    return y, (cos, sin, x3 if keep_x else None, want_dx)
+    want_dx = () if perturbed(x4) else None
+    x4, cos, sin = primal(x4), primal(cos), primal(sin)
+    y = _launch(x4, cos, sin, _rows(x4), backward=False, interleaved=interleaved, out_dtype=dtypes[1],
+                backend=backend, config=config)
+    return y, (cos, sin, x4 if keep_x else None, want_dx)
 
 
 def _rope_rows_bwd(interleaved, dtypes, backend, config, residuals, dy):
-    cos, sin, x3, want_dx = residuals
+    cos, sin, x4, want_dx = residuals
     if isinstance(dy, jax.custom_derivatives.SymbolicZero):
         return None, None, None
     dx = None if want_dx is None else _launch(
-        dy, cos, sin, cos.shape[0], dy.shape[0], backward=True, interleaved=interleaved,
-        out_dtype=dtypes[0], backend=backend, config=config)
-    if x3 is None:
+        dy, cos, sin, _rows(dy), backward=True, interleaved=interleaved, out_dtype=dtypes[0], backend=backend,
+        config=config)
+    if x4 is None:
         return dx, None, None
     # XLA differentiates the definition with respect to the tables, x held fixed.
-    as_seq = lambda a: a.reshape(-1, cos.shape[0], *a.shape[1:])  # [batch, seq, heads, d]
-    _, tables_vjp = jax.vjp(lambda c, s: reference(as_seq(x3), c, s, interleaved, dtypes[1]), cos, sin)
-    dcos, dsin = tables_vjp(as_seq(dy))
+    _, tables_vjp = jax.vjp(lambda c, s: reference(x4, c[0], s[0], interleaved, dtypes[1]), cos, sin)
+    dcos, dsin = tables_vjp(dy)
     return dx, dcos, dsin
 
 
@@ -311,9 +318,11 @@ def rope(x, cos, sin, *, interleaved: bool = False, out_dtype=None, backend: str
     if backend == "xla" or x.size == 0:
         return reference(x, cos, sin, interleaved, out_dtype)
     heads, head_dim = x.shape[-2:]
-    x3 = x.reshape(-1, heads, head_dim)
-    config = default_config(x3.shape[0], heads, head_dim, backend)
-    y = _rope_rows(x3, cos, sin, interleaved, (x.dtype, out_dtype), backend, config)
+    # x as [batch, seq, heads, head_dim], the tables as one of [seq, width]: the launch's view keeps the
+    # dims a mesh may shard (_split)
+    x4 = x.reshape(-1, *x.shape[-3:])
+    config = default_config(_rows(x4), heads, head_dim, backend)
+    y = _rope_rows(x4, cos[None], sin[None], interleaved, (x.dtype, out_dtype), backend, config)
     return y.reshape(x.shape)
 
 
