@@ -1,6 +1,7 @@
 """Data parallelism: the decoder blocks' training step with the batch sharded over every device;
 tensor parallelism: causal GQA attention with its heads sharded over every device, and the LM
-head's loss with its vocabulary sharded over every device (h @ w, w sharded by column).
+head's loss with its vocabulary sharded over every device (h @ w, w sharded by column); context
+parallelism: attention with its sequence sharded over every device.
 
 Each xkern launch in such a program runs on its device's share of the batch (kernels/partition.py),
 and attention's on its share of the heads, as XLA's own fusions do; without that, every launch would
@@ -38,6 +39,7 @@ def cases(on_gpu: bool) -> list[Case]:
         out.append(Case(f"{name}, batch over {len(devices)} devices", (*shape, heads), "bfloat16", "fwd+bwd",
                         jax.grad(xkern.optimize(loss)), jax.grad(loss), args, 0, 3e-2))
     out.append(_heads_case(mesh, on_gpu))
+    out.append(_sequence_case(mesh, on_gpu))
     return out + _vocab_cases(mesh, on_gpu)
 
 
@@ -56,6 +58,25 @@ def _heads_case(mesh, on_gpu: bool) -> Case:
                      for k_, shape in ((kq, (b, s, h, d)), (kk, (b, s, kv, d)), (kv_, (b, s, kv, d))))
     flops = int(4 * b * h * s * s * d * 0.5 * 3.5)  # causal: half the scores; backward 2.5x forward
     return Case(f"attention causal GQA, heads over {len(mesh.devices.flat)} devices", (b, s, h, d), "bfloat16",
+                "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args, 0, 3e-2, flops=flops)
+
+
+def _sequence_case(mesh, on_gpu: bool) -> Case:
+    """jax.nn's attention (no mask: an encoder's, a diffusion transformer's), forward and backward,
+    q/k/v sharded along their sequence (context parallelism): each device's queries against the
+    gathered keys (kernels/attention._queries_split), as jax.jit computes it."""
+    b, s, h, kv, d = (1, 16384, 32, 8, 128) if on_gpu else (2, 64, 8, 4, 32)
+    sequence = NamedSharding(Mesh(mesh.devices, ("seq",)), PartitionSpec(None, "seq"))
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
+    loss = lambda q, k, v, f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+    grads = lambda f: jax.grad(lambda q, k, v: loss(q, k, v, f), (0, 1, 2))
+
+    def args(key):
+        kq, kk, kv_ = jax.random.split(key, 3)
+        return tuple(jax.device_put(jax.random.normal(k_, shape, jnp.bfloat16), sequence)
+                     for k_, shape in ((kq, (b, s, h, d)), (kk, (b, s, kv, d)), (kv_, (b, s, kv, d))))
+    flops = int(4 * b * h * s * s * d * 3.5)  # backward 2.5x forward
+    return Case(f"attention GQA, sequence over {len(mesh.devices.flat)} devices", (b, s, h, d), "bfloat16",
                 "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args, 0, 3e-2, flops=flops)
 
 
