@@ -46,38 +46,36 @@ def cases(on_gpu: bool) -> list[Case]:
 def _heads_case(mesh, on_gpu: bool) -> Case:
     """jax.nn's causal GQA attention, forward and backward, q/k/v sharded on their heads (the
     issue's b4 s4096 d128 at 32 query and 8 key heads on a GPU)."""
-    b, s, h, kv, d = (4, 4096, 32, 8, 128) if on_gpu else (2, 64, 8, 4, 32)
+    dims = (4, 4096, 32, 8, 128) if on_gpu else (2, 64, 8, 4, 32)
     heads = NamedSharding(Mesh(mesh.devices, ("model",)), PartitionSpec(None, None, "model"))
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    loss = lambda q, k, v, f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
-    grads = lambda f: jax.grad(lambda q, k, v: loss(q, k, v, f), (0, 1, 2))
-
-    def args(key):
-        kq, kk, kv_ = jax.random.split(key, 3)
-        return tuple(jax.device_put(jax.random.normal(k_, shape, jnp.bfloat16), heads)
-                     for k_, shape in ((kq, (b, s, h, d)), (kk, (b, s, kv, d)), (kv_, (b, s, kv, d))))
-    flops = int(4 * b * h * s * s * d * 0.5 * 3.5)  # causal: half the scores; backward 2.5x forward
-    return Case(f"attention causal GQA, heads over {len(mesh.devices.flat)} devices", (b, s, h, d), "bfloat16",
-                "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args, 0, 3e-2, flops=flops)
+    return _attention_case(f"attention causal GQA, heads over {len(mesh.devices.flat)} devices", dims, heads, True)
 
 
 def _sequence_case(mesh, on_gpu: bool) -> Case:
     """jax.nn's attention (no mask: an encoder's, a diffusion transformer's), forward and backward,
     q/k/v sharded along their sequence (context parallelism): each device's queries against the
     gathered keys (kernels/attention._queries_split), as jax.jit computes it."""
-    b, s, h, kv, d = (1, 16384, 32, 8, 128) if on_gpu else (2, 64, 8, 4, 32)
+    dims = (1, 16384, 32, 8, 128) if on_gpu else (2, 64, 8, 4, 32)
     sequence = NamedSharding(Mesh(mesh.devices, ("seq",)), PartitionSpec(None, "seq"))
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v)
+    return _attention_case(f"attention GQA, sequence over {len(mesh.devices.flat)} devices", dims, sequence, False)
+
+
+def _attention_case(name: str, dims: tuple, sharding, causal: bool) -> Case:
+    """jax.nn's attention of q [b, s, h, d] and k, v [b, s, kv, d] (dims: b, s, h, kv, d), all three
+    with `sharding`, forward and backward."""
+    b, s, h, kv, d = dims
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal)
     loss = lambda q, k, v, f: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
     grads = lambda f: jax.grad(lambda q, k, v: loss(q, k, v, f), (0, 1, 2))
 
     def args(key):
         kq, kk, kv_ = jax.random.split(key, 3)
-        return tuple(jax.device_put(jax.random.normal(k_, shape, jnp.bfloat16), sequence)
+        return tuple(jax.device_put(jax.random.normal(k_, shape, jnp.bfloat16), sharding)
                      for k_, shape in ((kq, (b, s, h, d)), (kk, (b, s, kv, d)), (kv_, (b, s, kv, d))))
-    flops = int(4 * b * h * s * s * d * 3.5)  # backward 2.5x forward
-    return Case(f"attention GQA, sequence over {len(mesh.devices.flat)} devices", (b, s, h, d), "bfloat16",
-                "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args, 0, 3e-2, flops=flops)
+    # (causal: half the scores; backward 2.5x forward)
+    flops = int(4 * b * h * s * s * d * (0.5 if causal else 1.0) * 3.5)
+    return Case(name, (b, s, h, d), "bfloat16", "fwd+bwd", grads(xkern.optimize(attend)), grads(attend), args,
+                0, 3e-2, flops=flops)
 
 
 def _vocab_cases(mesh, on_gpu: bool) -> list[Case]:
