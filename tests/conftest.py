@@ -10,11 +10,15 @@ os.environ.setdefault("XKERN_BACKEND", "interpret")
 # Four CPU devices for the sharded programs of test_sharding.py (programs on one device are as before).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-# XLA's CPU programs (the references, and the callbacks around interpreted kernels) compiled without
-# LLVM's slowest passes: compiling them took a quarter to two fifths of the tests' time, and each
-# runs once. (The same arithmetic: fast-math stays off; a GPU's tests compile as users do.)
+# XLA's CPU programs (the references, and the callbacks around interpreted kernels) compiled for
+# compile time, not run time: compiling them took two fifths of the tests' time, and each runs once
+# on small arrays. Without LLVM's slowest passes, at optimization level 1 (O2's compiles took 2.5x
+# as long), and by the loop emitters (the fusion emitters' fixed cost per program is 1.5x theirs).
+# The same arithmetic: fast-math stays off (level 0 changed XLA's float32 results); a GPU's tests
+# compile as users do.
 if os.environ["XKERN_BACKEND"] == "interpret" and "xla_llvm_disable_expensive_passes" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_llvm_disable_expensive_passes=true"
+    os.environ["XLA_FLAGS"] += (" --xla_llvm_disable_expensive_passes=true --xla_backend_optimization_level=1"
+                                " --xla_cpu_use_fusion_emitters=false")
 # On a GPU (XKERN_BACKEND=triton) tests check values, not speed: the heuristic tiles, no autotuning
 # of every small test problem (tests/test_autotune.py turns it back on for itself).
 if os.environ["XKERN_BACKEND"] == "triton":
