@@ -13,6 +13,7 @@ wider ones; reduce_sum/max/min over the last axis turn full values into rows.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 
 from jax.extend.core import Literal
 
@@ -237,11 +238,16 @@ def matmul_epilogues(graph, live: set[int], claimed: set[int]) -> list[tuple[int
         out = dot.outvars[0]
         group = Group(tuple(out.aval.shape), inputs=[(out, "full")])
         group.kinds[out] = "full"
-        for i in range(d + 1, len(graph.eqns)):
+        # the equations that read the group, in program order: its values' consumers, not a scan of
+        # every later equation for each matmul (quadratic in the program's length)
+        reading, seen = list(graph.consumers.get(out, ())), set()
+        while reading:
+            i = heapq.heappop(reading)
+            if i in seen:  # (an equation reading two of the group's values)
+                continue
+            seen.add(i)
             eqn = graph.eqns[i]
-            if (i not in live or i in taken  # cheap tests first: most equations do not read the group
-                    or not any(v in group.kinds for v in eqn.invars if not isinstance(v, Literal))
-                    or len(eqn.outvars) != 1 or eqn.primitive.name in lowering.REDUCTIONS
+            if (i not in live or i in taken or len(eqn.outvars) != 1 or eqn.primitive.name in lowering.REDUCTIONS
                     or lowering.supported(eqn)):
                 continue
             fits = eqn_kinds(eqn, group)
@@ -249,6 +255,8 @@ def matmul_epilogues(graph, live: set[int], claimed: set[int]) -> list[tuple[int
                 continue
             group.eqns.append(i)
             group.kinds[eqn.outvars[0]] = "full"
+            for c in graph.consumers.get(eqn.outvars[0], ()):  # (all after i: equations are in order)
+                heapq.heappush(reading, c)
             for v, kind in zip(eqn.invars, fits[0]):
                 if not isinstance(v, Literal) and v not in group.kinds and (v, kind) not in group.inputs:
                     group.inputs.append((v, kind))

@@ -19,7 +19,12 @@ TL_DTYPE = {"float32": "tl.float32", "bfloat16": "tl.bfloat16", "float16": "tl.f
 
 def dtype_name(aval) -> str:
     """numpy's name for an array dtype; a typed PRNG key's own (`key<fry>`, not a numpy dtype)."""
-    return str(aval.dtype) if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended) else np.dtype(aval.dtype).name
+    return _dtype_name(aval.dtype)
+
+
+@functools.cache  # (numpy's dtype.name takes microseconds, and the passes ask it of every equation)
+def _dtype_name(dtype) -> str:
+    return str(dtype) if jax.dtypes.issubdtype(dtype, jax.dtypes.extended) else np.dtype(dtype).name
 
 
 def xla_selects_bool_product(chain: tuple) -> bool:
